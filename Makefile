@@ -1,0 +1,32 @@
+# Two entry points that create and fill their own environment: `make demo`, `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test bench clean
+
+venv: $(STAMP)
+
+# A torch already on the system (a GPU machine's CUDA build) is kept and seen through
+# --system-site-packages; otherwise the CPU build 2.13.0 is installed before anything
+# else, so that no dependency pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@if python3 -c "import torch" 2>/dev/null; then \
+		python3 -m venv --system-site-packages $(VENV); \
+	else \
+		python3 -m venv $(VENV) && $(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/tetron train configs/demo.yaml --out runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/data_parallel.py
+
+clean:
+	rm -rf $(VENV) runs

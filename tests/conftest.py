@@ -1,0 +1,46 @@
+"""Shared fixtures: a small text corpus on disk and a tiny config that trains in well under a second a step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/harness.py
+
+from tetron.config import from_dict  # noqa: E402
+from tetron.data import iter_texts  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """~200 KB of Python source from the standard library, as one .txt file."""
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(iter_texts("stdlib", max_bytes=200_000)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def tiny_config(corpus: Path, cache_dir: Path, out: Path, **sections) -> dict:
+    """A raw config dict of a 2-layer, hidden-32 Llama on the bytes of `corpus`; `sections` override keys."""
+    raw = {
+        "model": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
+        "data": {"path": str(corpus), "tokenizer": "bytes", "seq_len": 32, "cache_dir": str(cache_dir)},
+        "train": {"steps": 10, "micro_batch": 2, "grad_acc": 1, "lr": 1e-2, "warmup_steps": 2, "seed": 1},
+        "parallel": {"dp": 1},
+        "logging": {"progress": False, "sample_tokens": 0},
+        "out": str(out),
+    }
+    for section, values in sections.items():
+        if isinstance(values, dict):
+            raw[section] = {**raw.get(section, {}), **values}
+        else:
+            raw[section] = values
+    from_dict(raw)  # fail here, in the parent, on a bad test config
+    return raw

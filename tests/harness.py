@@ -1,0 +1,73 @@
+"""Run a function on N ranks of a gloo process group, forked from this process.
+
+Forking after torch is imported starts ranks in a fraction of a second (spawn or
+torchrun cost 10-20 s), which keeps the parity matrix fast. Each rank returns a value
+through a pipe; an exception or a hang in any rank fails the caller with its message.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _rank_main(fn: Callable, rank: int, world: int, init_file: str, conn, args: tuple, kwargs: dict) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=90))
+        result = fn(*args, **kwargs)
+        # Plain pickle to bytes: multiprocessing's pickler would pass tensors as shared-memory
+        # handles, which vanish when this process exits right after sending. In-memory only.
+        conn.send_bytes(pickle.dumps(("ok", result)))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+        os._exit(0)
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300, **kwargs: Any) -> list[Any]:
+    """fn(*args, **kwargs) on each of `world` ranks; returns the per-rank results in rank order."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs, conns = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, args=(fn, rank, world, init_file, child, args, kwargs))
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+        results, errors = [None] * world, []
+        for rank, conn in enumerate(conns):
+            if not conn.poll(timeout):
+                errors.append(f"rank {rank}: no result within {timeout} s")
+                continue
+            try:
+                status, value = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                errors.append(f"rank {rank}: died without a result")
+                continue
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results

@@ -1,0 +1,74 @@
+"""The trained model as a Hugging Face model folder: config.json + safetensors (+ tokenizer).
+
+transformers' `AutoModelForCausalLM.from_pretrained(folder)` loads it as it is. The folder is
+written under a temporary name and renamed when complete, so a crash never leaves half a model
+under the final name. No pickle: nothing here can run code when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tetron.data import Tokenizer
+from tetron.model import Llama, LlamaConfig
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_model(model: Llama, folder: Path, *, tokenizer: Tokenizer | None = None) -> None:
+    """Write `model` (a whole, plain Llama) as a HF model folder at `folder`, replacing any old one."""
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding; HF ties it back on load
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(tmp)
+    for f in tmp.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    old = folder.with_name(folder.name + ".old")
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+    tmp.rename(folder)
+    _fsync_dir(folder.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
+    """A plain Llama from a HF model folder (config.json + model.safetensors)."""
+    folder = Path(folder)
+    config = LlamaConfig.from_hf(folder)
+    with torch.device("meta"):
+        model = Llama(config)
+    state = load_file(folder / "model.safetensors", device=str(device))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        name = sorted(missing or unexpected)[0]
+        what = "missing" if missing else "unexpected"
+        raise ValueError(f"{folder / 'model.safetensors'}: {what} tensor {name} for this config.json")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model

@@ -1,0 +1,115 @@
+"""The `tetron` command: train and generate.
+
+`tetron train CONFIG [--section.key=value ...]` validates the config and prepares the data in
+this process, then starts dp*tp*pp*cp ranks through torch's elastic launcher, unless it already
+runs inside a launched job (RANK is set, as under torchrun), where it is one of the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+
+from tetron.config import Config, ConfigError, load_config, validate
+from tetron.data import DataError
+
+USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [--model M] [--data D] [--tokenizer T]
+                    [--out DIR] [--dp N] [--tp N] [--pp N] [--cp N] [--steps N] [--seed N]
+                    [--seq-len N] [--micro-batch N] [--grad-acc N] [--lr X] [--dp-impl naive|bucket]
+       tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]"""
+
+
+def _fail(message: str) -> int:
+    print(f"tetron: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _check_data(cfg: Config) -> None:
+    """Tokenize (or find the cache) before any rank starts, and check the vocabulary fits the model."""
+    from tetron.train import prepare_data
+
+    tokenizer, _ = prepare_data(cfg)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, more than "
+                          f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
+
+
+def train_command(args: list[str]) -> int:
+    config_path = None
+    if args and not args[0].startswith("--"):
+        config_path, args = args[0], args[1:]
+    inside_launch = "RANK" in os.environ
+    try:
+        cfg = load_config(config_path, args)
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
+        if not inside_launch or os.environ.get("RANK") == "0":
+            _check_data(cfg)
+    except (ConfigError, DataError) as err:
+        return _fail(str(err))
+
+    from tetron.train import run_rank
+
+    raw = cfg.to_dict()
+    if inside_launch or cfg.world_size == 1:
+        run_rank(raw)
+        return 0
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=0.1, start_method="spawn")
+    print(f"tetron: starting {cfg.world_size} ranks (dp={cfg.parallel.dp} tp={cfg.parallel.tp} "
+          f"pp={cfg.parallel.pp} cp={cfg.parallel.cp}), run folder {cfg.out}", flush=True)
+    try:
+        elastic_launch(launch, run_rank)(raw)
+    except ChildFailedError as err:
+        first = next(iter(err.failures.values()))
+        print(f"tetron: training failed on rank {first.global_rank} (exit code {first.exitcode}); "
+              f"see its error above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def generate_command(args: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tetron generate", description="Sample text from a trained run.")
+    parser.add_argument("run", help="a run folder (OUT) or a model folder")
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    ns = parser.parse_args(args)
+    from tetron.generate import sample_from_run
+
+    try:
+        text = sample_from_run(ns.run, prompt=ns.prompt, max_new_tokens=ns.max_new_tokens,
+                               temperature=ns.temperature, top_k=ns.top_k, device=ns.device, seed=ns.seed)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        if rest and rest[0] in ("-h", "--help"):
+            print(USAGE)
+            return 0
+        return train_command(rest)
+    if command == "generate":
+        return generate_command(rest)
+    return _fail(f"unknown command {command!r}; use train or generate")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""Run configuration: typed dataclasses, loaded from YAML, overridden from the command line.
+
+A config is built in three steps: the YAML file becomes a plain dict, command-line
+overrides edit that dict in the order given, and `from_dict` turns it into dataclasses
+(unknown keys are an error). `validate` then checks everything that can be checked
+before a process group starts; each problem is one `ConfigError` line naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tetron.model import LlamaConfig
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A bad value in the run configuration; its message is one line for the user."""
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1  # data-parallel replicas
+    tp: int = 1  # tensor-parallel ranks (within a node)
+    pp: int = 1  # pipeline stages
+    cp: int = 1  # context-parallel ranks (ring attention)
+    dp_impl: str = "bucket"  # "naive": per-parameter all-reduce hooks; "bucket": fp32 buckets overlapped with backward
+    bucket_mb: float = 25.0  # gradient bucket size for dp_impl=bucket, in MB of fp32
+    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
+    timeout_s: float = 600.0  # a collective that takes longer fails the run with an error
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"  # file, folder, glob of .txt/.jsonl/.parquet, "stdlib", or hf:NAME[:SPLIT]
+    tokenizer: str = "bytes"  # "bytes", "bpe:N", or a Hugging Face tokenizer folder or hub name
+    text_field: str = "text"  # the text column of .jsonl/.parquet/hf datasets
+    max_bytes: int | None = None  # use only about this many bytes of text (a fixed prefix)
+    seq_len: int = 256  # training sequence length in tokens
+    cache_dir: str | None = None  # token and tokenizer cache; default ~/.cache/tetron
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    micro_batch: int = 8  # sequences per micro-batch per data-parallel rank
+    grad_acc: int = 1  # micro-batches accumulated per optimizer step
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    warmup_steps: int = 10  # linear warm-up from 0 to lr
+    weight_decay: float = 0.1  # AdamW decay, applied to matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
+    seed: int = 0  # seeds the weights, the data order and the sampler
+    dtype: str = "float32"  # compute dtype: "float32" or "bfloat16" (autocast; weights stay fp32)
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1  # progress-bar refresh and stdout line interval, in steps
+    progress: bool = True  # print a progress bar on rank 0
+    peak_tflops: float | None = None  # the device's peak TFLOP/s per rank, for MFU where not known
+    sample_tokens: int = 120  # tokens generated from the trained model at the end; 0 disables
+    sample_prompt: str = "def "  # the prompt of that sample
+
+
+@dataclass
+class Config:
+    model: LlamaConfig = field(default_factory=LlamaConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    out: str = "runs/default"  # the run folder: metrics.jsonl, tokenizer, final model
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.dp * p.tp * p.pp * p.cp
+
+    @property
+    def global_batch(self) -> int:
+        return self.train.micro_batch * self.train.grad_acc * self.parallel.dp
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Short flags of `tetron train`, each an alias of one dotted key.
+SHORT_FLAGS = {
+    "model": "model",
+    "data": "data.path",
+    "tokenizer": "data.tokenizer",
+    "out": "out",
+    "dp": "parallel.dp",
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "cp": "parallel.cp",
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "seq-len": "data.seq_len",
+    "micro-batch": "train.micro_batch",
+    "grad-acc": "train.grad_acc",
+    "lr": "train.lr",
+    "dp-impl": "parallel.dp_impl",
+}
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: int, float (3e-4 included, which YAML would keep a string), bool, null or string."""
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    value = yaml.safe_load(text) if text else ""
+    return value if isinstance(value, (bool, type(None), list, dict)) else text
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set `a.b.c` in a nested dict; a string model section becomes {"name": ...} when a field is set under it."""
+    parts = key.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if isinstance(child, str) and part == "model":
+            child = {"name": child}
+        if child is None:
+            child = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{key}: {part} is not a section")
+        node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
+    """Apply `--a.b=v`, `--a.b v` and the short flags, in order, to the raw config dict."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --train.lr=3e-4")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key} needs a value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        if key in SHORT_FLAGS:
+            key = SHORT_FLAGS[key]
+        elif "." not in key and key != "out":
+            flags = ", ".join("--" + f for f in SHORT_FLAGS)
+            raise ConfigError(f"unknown flag --{key}: use a dotted key (--train.lr=...) or one of {flags}")
+        set_dotted(raw, key, value if key == "model" else parse_value(value))
+    return raw
+
+
+def resolve_model(spec: Any) -> LlamaConfig:
+    """The model section: a name from configs/, a HF config.json or model folder, or a dict of fields
+    (optionally with `name` giving the base they override)."""
+    overrides: dict[str, Any] = {}
+    if isinstance(spec, dict):
+        overrides = dict(spec)
+        spec = overrides.pop("name", None)
+    base: dict[str, Any] = {}
+    if spec is not None:
+        if not isinstance(spec, str):
+            raise ConfigError(f"model={spec!r}: give a name from configs/, a config.json path or a dict of fields")
+        path = Path(spec).expanduser()
+        named = CONFIGS_DIR / f"{spec}.yaml"
+        if path.is_dir() or path.suffix == ".json":
+            if not (path / "config.json" if path.is_dir() else path).is_file():
+                raise ConfigError(f"model={spec}: no config.json there (give a Hugging Face model folder)")
+            base = dataclasses.asdict(LlamaConfig.from_hf(path))
+        elif named.is_file():
+            section = (yaml.safe_load(named.read_text()) or {}).get("model")
+            if section is None:
+                raise ConfigError(f"model={spec}: {named} has no model section")
+            base = dataclasses.asdict(resolve_model(section))
+        else:
+            names = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+            raise ConfigError(f"model={spec}: unknown model; use one of {names} or a Hugging Face config.json/folder")
+    base.update(overrides)
+    return _build(LlamaConfig, base, "model")
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check and convert one value against a dataclass field annotation."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing) | {"Any": Any})  # annotations are strings (future import)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        last: ConfigError | None = None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as err:
+                last = err
+        raise last or ConfigError(f"{where}={value!r} is not valid")
+    if annotation is Any or origin is dict or annotation is dict:
+        if origin is dict or annotation is dict:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}={value!r}: expected a mapping")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r}: expected true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{where}={value!r}: expected an integer")
+        return int(value)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}={value!r}: expected a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}={value!r}: expected a string")
+        return str(value)
+    return value
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a section of key: value pairs, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; known keys are {', '.join(fields)}")
+    kwargs = {name: _coerce(value, fields[name].type, f"{where}.{name}") for name, value in raw.items()}
+    return cls(**kwargs)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Dataclasses from a raw dict; unknown keys and wrongly typed values raise ConfigError."""
+    raw = dict(raw or {})
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown section; known sections are {', '.join(sorted(known))}")
+    sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig}
+    kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name) for name, cls in sections.items()}
+    kwargs["model"] = resolve_model(raw.get("model")) if "model" in raw else LlamaConfig()
+    if "out" in raw:
+        kwargs["out"] = _coerce(raw["out"], str, "out")
+    return Config(**kwargs)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or start from defaults when path is None) and apply command-line overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file() and (CONFIGS_DIR / f"{path}.yaml").is_file():
+            p = CONFIGS_DIR / f"{path}.yaml"
+        if not p.is_file():
+            raise ConfigError(f"config {path}: no such file (give a YAML file or a name from configs/)")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config {p}: not valid YAML ({str(err).splitlines()[0]})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {p}: expected a mapping of sections at the top level")
+    return from_dict(apply_overrides(raw, list(overrides)))
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config, *, world_size: int | None = None) -> None:
+    """Every check that needs no process group; raises ConfigError with one line naming the field."""
+    m, p, d, t, lg = cfg.model, cfg.parallel, cfg.data, cfg.train, cfg.logging
+    for name in ("dp", "tp", "pp", "cp"):
+        _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be at least 1")
+    if world_size is not None:
+        _check(world_size == cfg.world_size,
+               f"world size {world_size} is not dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {cfg.world_size}; "
+               f"launch {cfg.world_size} ranks or change the sizes")
+    _check(p.dp_impl in ("naive", "bucket"), f"parallel.dp_impl={p.dp_impl!r}: use naive or bucket")
+    _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
+    _check(p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r}: use auto, cpu or cuda")
+    _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
+
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be at least 1")
+    _check(m.num_attention_heads % m.num_key_value_heads == 0,
+           f"model.num_key_value_heads={m.num_key_value_heads} must divide "
+           f"num_attention_heads={m.num_attention_heads}")
+    _check(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
+    _check(m.num_attention_heads % p.tp == 0,
+           f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads}")
+    _check(m.num_key_value_heads % p.tp == 0,
+           f"parallel.tp={p.tp} must divide model.num_key_value_heads={m.num_key_value_heads}")
+    _check(p.pp <= m.num_hidden_layers,
+           f"parallel.pp={p.pp} is more than model.num_hidden_layers={m.num_hidden_layers}")
+    for name in ("tp", "pp", "cp"):
+        _check(getattr(p, name) == 1,
+               f"parallel.{name}={getattr(p, name)}: this version of tetron implements data parallelism only; "
+               f"set {name}=1 and use parallel.dp")
+
+    _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be at least 1")
+    _check(d.seq_len <= m.max_position_embeddings,
+           f"data.seq_len={d.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    _check(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes={d.max_bytes} must be positive")
+    if not d.path.startswith("hf:") and d.path != "stdlib":
+        from tetron.data import DataError, resolve_files
+
+        try:
+            resolve_files(d.path)
+        except DataError as err:
+            raise ConfigError(f"data.path={d.path}: {err}") from None
+    tok = d.tokenizer
+    if tok.startswith("bpe:"):
+        n = tok[4:]
+        _check(n.isdigit() and int(n) >= 257, f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
+        _check(int(n) <= m.vocab_size,
+               f"data.tokenizer={tok} has a larger vocabulary than model.vocab_size={m.vocab_size}; "
+               f"use bpe:{m.vocab_size} or a larger vocab_size")
+    elif tok == "bytes":
+        _check(m.vocab_size >= 256, f"data.tokenizer=bytes needs model.vocab_size >= 256, not {m.vocab_size}")
+
+    for name in ("steps", "micro_batch", "grad_acc"):
+        _check(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)} must be at least 1")
+    _check(t.lr > 0, f"train.lr={t.lr} must be positive")
+    _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _check(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1/beta2 must be in [0, 1)")
+    _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    _check(t.dtype in ("float32", "bfloat16"), f"train.dtype={t.dtype!r}: use float32 or bfloat16")
+    _check(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be at least 1")
+    _check(lg.sample_tokens >= 0, f"logging.sample_tokens={lg.sample_tokens} must be >= 0")
+
+    out = Path(cfg.out).expanduser().resolve()
+    existing = next((q for q in [out, *out.parents] if q.exists()), None)
+    _check(existing is not None and existing.is_dir() and os.access(existing, os.W_OK),
+           f"out={cfg.out}: cannot create or write this folder (choose a writable path)")

@@ -1,0 +1,54 @@
+"""Layout-independent initialisation: each full tensor comes from a seed derived from the run seed
+and the parameter's name, and every rank copies in only its own slice of it.
+
+So a parameter starts bit-identical whether it is whole on one rank or split over eight, which is
+what lets every parallel layout be compared with a single-process run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed from the run seed and a parameter name (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def full_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name`: ones for norm weights, N(0, std) otherwise."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(name_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=generator)
+
+
+def local_slice(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full`. A sharded parameter says how it was cut with
+    `param.shard = (dim, index, count)`: equal parts along `dim`, this rank holding part `index`."""
+    shard = getattr(param, "shard", None)
+    if shard is None:
+        return full
+    dim, index, count = shard
+    return full.chunk(count, dim=dim)[index]
+
+
+def full_shape(param: nn.Parameter) -> tuple[int, ...]:
+    shape = list(param.shape)
+    shard = getattr(param, "shard", None)
+    if shard is not None:
+        dim, _, count = shard
+        shape[dim] *= count
+    return tuple(shape)
+
+
+@torch.no_grad()
+def init_weights_(model: nn.Module, *, seed: int, std: float) -> None:
+    """Fill every parameter of `model` (named as in the plain, unwrapped model) from its full tensor."""
+    for name, param in model.named_parameters():
+        full = full_tensor(name, full_shape(param), seed=seed, std=std)
+        param.copy_(local_slice(param, full))

@@ -1,0 +1,103 @@
+"""The process layout: one object over DeviceMesh with this rank's coordinates, groups and neighbours.
+
+Axes are ordered (pp, dp, cp, tp): tp innermost so tensor-parallel ranks are neighbours
+(same node, fastest links), pp outermost. The dp*cp group, over which gradients are
+averaged, is built explicitly from the rank grid rather than through DeviceMesh's private
+flattening API.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+AXES = ("pp", "dp", "cp", "tp")
+
+
+class Mesh:
+    """This rank's place in the pp x dp x cp x tp grid. Requires an initialised process group."""
+
+    def __init__(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, device_type: str = "cpu") -> None:
+        self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        self.world_size = pp * dp * cp * tp
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"world size {dist.get_world_size()} != pp*dp*cp*tp = {self.world_size}")
+        self.rank = dist.get_rank()
+        self.device_type = device_type
+        self.device_mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=AXES)
+        # [pp, dp, cp, tp] grid of global ranks
+        self.grid = torch.arange(self.world_size).reshape(pp, dp, cp, tp)
+        coords = (self.grid == self.rank).nonzero()[0].tolist()
+        self.coords = dict(zip(AXES, coords))
+        self.groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
+        self.groups["dp_cp"] = self._new_group_over(("dp", "cp"))
+
+    def _new_group_over(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
+        """A group of the ranks that differ only along `axes`; every rank creates every such group, in order."""
+        keep = [AXES.index(a) for a in axes]
+        other = [i for i in range(len(AXES)) if i not in keep]
+        # [*other sizes, *kept sizes] -> one row per group
+        rows = self.grid.permute(*other, *keep).reshape(-1, math.prod(self.sizes[a] for a in axes))
+        mine = None
+        for row in rows.tolist():
+            group = dist.new_group(row)
+            if self.rank in row:
+                mine = group
+        assert mine is not None
+        return mine
+
+    def size(self, axis: str) -> int:
+        """Number of ranks along `axis` ("pp", "dp", "cp", "tp" or "dp_cp")."""
+        if axis == "dp_cp":
+            return self.sizes["dp"] * self.sizes["cp"]
+        return self.sizes[axis]
+
+    def local_rank(self, axis: str) -> int:
+        """This rank's index along `axis`."""
+        if axis == "dp_cp":
+            return self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
+        return self.coords[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self.groups[axis]
+
+    def _neighbour(self, axis: str, step: int) -> int:
+        index = list(self.coords[a] for a in AXES)
+        i = AXES.index(axis)
+        index[i] = (index[i] + step) % self.sizes[axis]
+        return int(self.grid[tuple(index)])
+
+    @property
+    def pp_prev(self) -> int | None:
+        """Global rank of the previous pipeline stage, None on the first stage."""
+        return None if self.is_first_stage else self._neighbour("pp", -1)
+
+    @property
+    def pp_next(self) -> int | None:
+        """Global rank of the next pipeline stage, None on the last stage."""
+        return None if self.is_last_stage else self._neighbour("pp", 1)
+
+    @property
+    def cp_prev(self) -> int:
+        """Global rank that sends to this one around the context-parallel ring."""
+        return self._neighbour("cp", -1)
+
+    @property
+    def cp_next(self) -> int:
+        """Global rank this one sends to around the context-parallel ring."""
+        return self._neighbour("cp", 1)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.sizes["pp"] - 1
+
+    def __repr__(self) -> str:
+        coords = " ".join(f"{a}={self.coords[a]}/{self.sizes[a]}" for a in AXES)
+        return f"Mesh(rank={self.rank} {coords})"

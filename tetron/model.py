@@ -1,0 +1,306 @@
+"""A plain single-device Llama whose names and numerics match transformers' LlamaForCausalLM.
+
+Parallel strategies live elsewhere and transform this model: they swap its linears and
+embedding, drop layers, or replace each attention module's `attn_fn`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+@dataclass
+class LlamaConfig:
+    """Architecture of a Llama-style decoder; field names follow transformers' LlamaConfig."""
+
+    vocab_size: int = 32000  # number of token ids (rows of the embedding)
+    hidden_size: int = 4096  # width of the residual stream
+    intermediate_size: int = 11008  # width of the SwiGLU MLP's hidden layer
+    num_hidden_layers: int = 32  # number of decoder layers
+    num_attention_heads: int = 32  # query heads per layer
+    num_key_value_heads: int | None = None  # key/value heads (GQA); None: same as query heads
+    head_dim: int | None = None  # width of one head; None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048  # longest sequence the model is meant for
+    rms_norm_eps: float = 1e-6  # epsilon added to the mean square in RMSNorm
+    rope_theta: float = 10000.0  # RoPE base wavelength
+    rope_scaling: dict | None = None  # None, or HF's {"rope_type": "llama3", ...} (Llama 3.1/3.2)
+    tie_word_embeddings: bool = False  # lm_head shares the embedding's weight
+    initializer_range: float = 0.02  # std of the normal init of linear and embedding weights
+    bos_token_id: int | None = None  # beginning-of-sequence token id, for tokenizers and generation
+    eos_token_id: int | list[int] | None = None  # end-of-sequence token id(s)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.rope_scaling is not None:
+            self.rope_scaling = self._normalized_rope_scaling(self.rope_scaling)
+
+    def _normalized_rope_scaling(self, scaling: dict) -> dict | None:
+        """Accept HF's spellings ("type" or "rope_type", optional original length); keep one form."""
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            return None
+        if rope_type != "llama3":
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use None or 'llama3'")
+        missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+        if missing:
+            raise ValueError(f"rope_scaling of type 'llama3' lacks {missing}; it needs {list(_LLAMA3_KEYS)}")
+        original = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+        return {
+            "rope_type": "llama3",
+            **{k: float(scaling[k]) for k in _LLAMA3_KEYS},
+            "original_max_position_embeddings": int(original),
+        }
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> LlamaConfig:
+        """Read a transformers config.json (its path, its folder, or the dict); other HF keys are ignored."""
+        if isinstance(path_or_dict, dict):
+            hf = path_or_dict
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise ValueError(f"no Hugging Face config file at {path}")
+            with open(path, encoding="utf-8") as f:
+                hf = json.load(f)
+        if hf.get("model_type", "llama") != "llama":
+            raise ValueError(f"model_type={hf['model_type']!r} is not supported; tetron reads 'llama' configs")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; tetron's MLP uses 'silu'")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            raise ValueError("attention_bias/mlp_bias=True is not supported; tetron's linears have no bias")
+        names = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "rope_scaling"}
+        kwargs = {k: v for k, v in hf.items() if k in names}
+        # transformers 5 writes RoPE as one "rope_parameters" dict; 4.x as rope_theta + rope_scaling.
+        rope = hf.get("rope_parameters")
+        if rope:
+            if any(isinstance(v, dict) for v in rope.values()):
+                raise ValueError("per-layer-type rope_parameters are not supported for Llama")
+            kwargs["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
+            kwargs["rope_scaling"] = rope
+        else:
+            kwargs["rope_theta"] = hf.get("rope_theta", cls.rope_theta)
+            kwargs["rope_scaling"] = hf.get("rope_scaling")
+        return cls(**kwargs)
+
+    def to_hf(self) -> dict:
+        """A config dict that transformers (4.x and 5.x) loads as a LlamaForCausalLM."""
+        rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        return {
+            **dataclasses.asdict(self),  # asdict deep-copies, so transformers can't mutate our dicts
+            "rope_parameters": rope_parameters,  # transformers 5 reads this; 4.x reads rope_theta/scaling
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "dtype": "float32",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+    def num_params(self, *, include_embedding: bool = True) -> int:
+        """Exact parameter count; without embedding it leaves out embed_tokens and lm_head."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        n = self.num_hidden_layers * per_layer + h
+        if include_embedding:
+            n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6*N + 12*L*H*s (PaLM, appendix B), for MFU.
+
+        N = num_params(include_embedding=False) + vocab_size*hidden_size: every matmul weight,
+        the output projection included even when tied (the embedding lookup is no matmul);
+        6 = 2 forward + 4 backward FLOPs per weight. 12*L*H*s counts the attention scores and
+        weighted values, with L layers, H = num_attention_heads*head_dim, s = seq_len
+        (causal masking is not discounted, as is customary).
+        """
+        n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
+        return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+
+
+def rope_inv_freq(config: LlamaConfig, *, device: torch.device | None = None) -> Tensor:
+    """RoPE inverse frequencies [head_dim/2] in fp32, as transformers computes them (incl. llama3)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    if config.rope_scaling is None:
+        return inv_freq
+    # Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+    s = config.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rope_cos_sin(config: LlamaConfig, position_ids: Tensor, *, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin [B or 1, T, head_dim] for the given positions, computed in fp32 then cast."""
+    inv_freq = rope_inv_freq(config, device=position_ids.device)
+    freqs = position_ids[..., None].float() * inv_freq  # [B, T, head_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, head_dim]: halves layout, as HF's rotate_half
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dim (HF's layout, not interleaved pairs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [B, heads, T, head_dim] by the position angles in cos/sin [B or 1, T, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, head_dim], broadcast over heads
+    return x * cos + rotate_half(x) * sin
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention: q [B, n_heads, T, head_dim], k/v [B, n_kv_heads, T, head_dim] -> like q."""
+    if k.shape[1] != q.shape[1]:
+        # Repeat each kv head for its group of query heads; works with every SDPA backend.
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)  # [B, n_heads, T, head_dim]
+        v = v.repeat_interleave(rep, dim=1)  # [B, n_heads, T, head_dim]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back before the weight, as HF does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE; head counts come from the projections' sizes."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=False)
+        self.attn_fn = sdpa_attention  # context parallelism swaps in ring attention here
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, heads*head_dim]
+        # Heads are counted from q/k/v themselves, so tensor parallelism can shard the projections.
+        B, T = q.shape[:2]
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_heads, T, head_dim]
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attn_fn(q, k, v)  # [B, n_heads, T, head_dim]
+        out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, n_heads*head_dim]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm: HF's `model.` prefix."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        # A dict keyed "0", "1", ... gives HF's names, and keeps them when a pipeline stage drops layers.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        # A pipeline stage sets the parts it does not own to None; then x is hidden states.
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, T, hidden]
+        # RoPE is recomputed each call rather than cached in a buffer: no state to lose on the
+        # meta device, and position ids may be arbitrary (offsets, context-parallel chunks).
+        cos, sin = rope_cos_sin(self.config, position_ids, dtype=h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.norm(h) if self.norm is not None else h
+
+
+class Llama(nn.Module):
+    """Llama causal LM: `Llama(cfg).state_dict()` has exactly LlamaForCausalLM's keys."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tie_word_embeddings, make lm_head.weight the embedding's Parameter (one object, two names).
+
+        Call again after `to_empty()`: moving off the meta device replaces each name's Parameter.
+        """
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """Logits [B, T, vocab] for input_ids [B, T]; position_ids [B, T] or [T], default 0..T-1."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)  # [1, T], broadcast over the batch
+        h = self.model(input_ids, position_ids)  # [B, T, hidden]
+        return self.lm_head(h) if self.lm_head is not None else h  # [B, T, vocab]

@@ -1,0 +1,227 @@
+"""The training step and loop, read top to bottom: data, model, parallelism, optimizer, steps, report."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tetron import device as dev
+from tetron.checkpoint import save_model
+from tetron.config import Config, TrainConfig, from_dict
+from tetron.data import DataLoader, Tokenizer, default_cache_dir, load_tokenizer, load_tokens, prepare_tokens
+from tetron.init import init_weights_
+from tetron.mesh import Mesh
+from tetron.metrics import MetricsLog, ProgressBar, mfu
+from tetron.model import Llama
+from tetron.parallel.data_parallel import apply_data_parallel
+
+
+def lr_at(step: int, t: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine decay to lr*min_lr_ratio."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    low = t.lr * t.min_lr_ratio
+    return low + 0.5 * (t.lr - low) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def prepare_data(cfg: Config) -> tuple[Tokenizer, Path]:
+    """Tokenizer and flat token file for this config; both cached, so only the first call does work."""
+    d = cfg.data
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+    tokenizer = load_tokenizer(d.tokenizer, data_spec=d.path, cache_dir=cache, text_field=d.text_field,
+                               max_bytes=d.max_bytes)
+    tokens = prepare_tokens(d.path, tokenizer, cache_dir=cache, text_field=d.text_field, max_bytes=d.max_bytes)
+    return tokenizer, tokens
+
+
+def build_model(cfg: Config, device: torch.device) -> Llama:
+    """The plain model, allocated directly on `device` (no throwaway init) and filled from the run seed."""
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    model.to_empty(device=device)
+    if cfg.model.tie_word_embeddings:
+        model.tie_weights()  # to_empty allocates the two separately
+    init_weights_(model, seed=cfg.train.seed, std=cfg.model.initializer_range)
+    return model
+
+
+def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (norm weights are scales, decaying them hurts)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> float:
+    """Clip by the global gradient norm; returns the norm before clipping.
+
+    Each element counts once: squares of tensor-parallel shards (`param.shard` set) are summed over
+    tp, replicated tensors are taken as they are, and stages are summed over pp."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [p.grad for p in params if p.grad is not None and getattr(p, "shard", None) is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    shard_sq = torch.zeros((), device=device, dtype=torch.float32)
+    for g in grads:
+        total += g.float().pow(2).sum()
+    for g in sharded:
+        shard_sq += g.float().pow(2).sum()
+    if mesh.size("tp") > 1:
+        total -= shard_sq
+        dist.all_reduce(shard_sq, group=mesh.group("tp"))
+        total += shard_sq
+    if mesh.size("pp") > 1:
+        dist.all_reduce(total, group=mesh.group("pp"))
+    norm = total.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coef)
+    return float(norm)
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # global mean loss of every step
+    model: nn.Module | None = None  # the plain (unwrapped) model, on this rank
+    dp_collectives: int = 0  # gradient all-reduces issued by data parallelism over the run
+
+
+def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> TrainResult:
+    """Train `cfg` on the ranks of `mesh`; every rank calls this."""
+    t, d = cfg.train, cfg.data
+    device = device or torch.device("cpu")
+    rank0 = mesh.rank == 0
+    out = Path(cfg.out)
+
+    # Data: rank 0 tokenizes (or finds the cache) while the others wait, then everyone maps the file.
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        prepare_data(cfg)
+    dist.barrier()
+    tokenizer, token_path = prepare_data(cfg)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"data.tokenizer={d.tokenizer} has {tokenizer.vocab_size} tokens, more than "
+                         f"model.vocab_size={cfg.model.vocab_size}")
+    loader = DataLoader(load_tokens(token_path), d.seq_len, micro_batch=t.micro_batch, grad_acc=t.grad_acc,
+                        dp_size=mesh.size("dp"), dp_rank=mesh.local_rank("dp"), seed=t.seed)
+
+    # Model: built whole and identical everywhere, then wrapped for gradient averaging over dp*cp.
+    plain = build_model(cfg, device)
+    model = apply_data_parallel(plain, mesh.group("dp_cp"), impl=cfg.parallel.dp_impl,
+                                bucket_mb=cfg.parallel.bucket_mb)
+    optimizer = build_optimizer(plain, t)
+    params = [p for p in plain.parameters() if p.requires_grad]
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
+                else contextlib.nullcontext())
+
+    tokens_per_step = cfg.global_batch * d.seq_len
+    local_tokens = t.micro_batch * t.grad_acc * d.seq_len
+    flops_per_token = cfg.model.flops_per_token(d.seq_len)
+    peak = cfg.logging.peak_tflops or dev.peak_tflops(device, torch.bfloat16 if t.dtype == "bfloat16" else torch.float32)
+    log = MetricsLog(out / "metrics.jsonl") if rank0 else None
+    bar = ProgressBar(t.steps, every=cfg.logging.log_every) if rank0 and cfg.logging.progress else None
+    result = TrainResult(model=plain)
+
+    for step in range(loader.step, t.steps):
+        dev.reset_peak_memory(device)
+        start = time.perf_counter()
+        lr = lr_at(step, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        micro_batches = loader.next_batch()
+        for k, (inputs, targets) in enumerate(micro_batches):
+            inputs, targets = inputs.to(device), targets.to(device)
+            last = k == len(micro_batches) - 1
+            with (contextlib.nullcontext() if last else model.no_sync()):
+                with autocast:
+                    logits = model(inputs)  # [B, T, vocab]
+                # Sum over tokens, divided by this rank's tokens per step: after averaging over
+                # dp*cp the gradient is that of the mean over every target token of the global batch.
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+                loss = loss / local_tokens
+                loss.backward()
+            loss_sum += loss.detach()
+        if mesh.size("dp_cp") > 1:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh.group("dp_cp"))
+        loss_value = float(loss_sum)
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"step {step + 1}: loss is {loss_value}; stopping before the weights are updated")
+        grad_norm = clip_grad_norm_(params, t.grad_clip, mesh)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        dev.synchronize(device)
+        step_time = time.perf_counter() - start
+        result.losses.append(loss_value)
+
+        if rank0:
+            tokens_per_s = tokens_per_step / step_time
+            record: dict[str, Any] = {
+                "step": step + 1,
+                "loss": loss_value,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens": (step + 1) * tokens_per_step,
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": step_time,
+                "peak_mem_mb": dev.peak_memory_mb(device),
+                "mfu": mfu(tokens_per_s, flops_per_token, peak_tflops=peak, world_size=mesh.world_size),
+            }
+            log.write(record)
+            if bar:
+                bar.update(step + 1, {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}",
+                                      "tok/s": f"{tokens_per_s:,.0f}"})
+    if log:
+        log.close()
+    result.dp_collectives = model.num_collectives
+
+    if rank0:
+        save_model(plain, out / "model", tokenizer=tokenizer)
+    dist.barrier()
+    return result
+
+
+def run_rank(raw_config: dict[str, Any]) -> None:
+    """Entry point of one launched rank (elastic launcher or torchrun): group, mesh, train, sample."""
+    cfg = from_dict(raw_config)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = dev.pick_device(cfg.parallel.device, local_rank)
+    if device.type == "cpu":
+        # Ranks share the cores: more threads than cores per rank only adds contention.
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    device_id = device if device.type == "cuda" else None
+    if "RANK" in os.environ:
+        dist.init_process_group(dev.backend_for(device), timeout=timeout, device_id=device_id)
+    else:  # a single process started without a launcher: a group of one, no rendezvous needed
+        dist.init_process_group(dev.backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout, device_id=device_id)
+    try:
+        p = cfg.parallel
+        mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, device_type=device.type)
+        train(cfg, mesh, device=device)
+        if mesh.rank == 0 and cfg.logging.sample_tokens > 0:
+            from tetron.generate import sample_from_run
+
+            text = sample_from_run(Path(cfg.out), prompt=cfg.logging.sample_prompt,
+                                   max_new_tokens=cfg.logging.sample_tokens, device=device, seed=cfg.train.seed)
+            print(f"\n--- sample from {cfg.out}/model ---\n{text}\n---", flush=True)
+    finally:
+        dist.destroy_process_group()
