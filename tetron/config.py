@@ -117,17 +117,6 @@ SHORT_FLAGS = {
 }
 
 
-def parse_value(text: str) -> Any:
-    """A command-line value: int, float (3e-4 included, which YAML would keep a string), bool, null or string."""
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    value = yaml.safe_load(text) if text else ""
-    return value if isinstance(value, (bool, type(None), list, dict)) else text
-
-
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     """Set `a.b.c` in a nested dict; a string model section becomes {"name": ...} when a field is set under it."""
     parts = key.split(".")
@@ -164,7 +153,7 @@ def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
         elif "." not in key and key != "out":
             flags = ", ".join("--" + f for f in SHORT_FLAGS)
             raise ConfigError(f"unknown flag --{key}: use a dotted key (--train.lr=...) or one of {flags}")
-        set_dotted(raw, key, value if key == "model" else parse_value(value))
+        set_dotted(raw, key, value)  # kept as text: _coerce converts it by the field's type
     return raw
 
 
@@ -184,7 +173,10 @@ def resolve_model(spec: Any) -> LlamaConfig:
         if path.is_dir() or path.suffix == ".json":
             if not (path / "config.json" if path.is_dir() else path).is_file():
                 raise ConfigError(f"model={spec}: no config.json there (give a Hugging Face model folder)")
-            base = dataclasses.asdict(LlamaConfig.from_hf(path))
+            try:
+                base = dataclasses.asdict(LlamaConfig.from_hf(path))
+            except ValueError as err:
+                raise ConfigError(f"model={spec}: {err}") from None
         elif named.is_file():
             section = (yaml.safe_load(named.read_text()) or {}).get("model")
             if section is None:
@@ -198,13 +190,16 @@ def resolve_model(spec: Any) -> LlamaConfig:
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Check and convert one value against a dataclass field annotation."""
+    """Check and convert one value against a dataclass field annotation.
+
+    Text (every command-line value, and YAML scalars such as `3e-4` that YAML keeps as strings)
+    is converted by the field's type, so `--out 007` stays "007" and `--train.lr=3e-4` is a float."""
     if isinstance(annotation, str):
         annotation = eval(annotation, vars(typing) | {"Any": Any})  # annotations are strings (future import)
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
-        if value is None and type(None) in options:
+        if type(None) in options and (value is None or (isinstance(value, str) and value.lower() in ("null", "none"))):
             return None
         last: ConfigError | None = None
         for option in options:
@@ -215,23 +210,32 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             except ConfigError as err:
                 last = err
         raise last or ConfigError(f"{where}={value!r} is not valid")
-    if annotation is Any or origin is dict or annotation is dict:
-        if origin is dict or annotation is dict:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}={value!r}: expected a mapping")
+    text = isinstance(value, str)
+    if origin in (dict, list) or annotation in (dict, list):
+        kind = dict if dict in (origin, annotation) else list
+        if text:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                pass
+        if not isinstance(value, kind):
+            raise ConfigError(f"{where}={value!r}: expected a {'mapping' if kind is dict else 'list'}")
         return value
     if annotation is bool:
+        if text and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
         if not isinstance(value, bool):
             raise ConfigError(f"{where}={value!r}: expected true or false")
         return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise ConfigError(f"{where}={value!r}: expected an integer")
-        return int(value)
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}={value!r}: expected a number")
-        return float(value)
+    if annotation in (int, float):
+        if text:
+            try:
+                value = float(value) if annotation is float else int(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (annotation is int and int(value) != value):
+            raise ConfigError(f"{where}={value!r}: expected {'an integer' if annotation is int else 'a number'}")
+        return annotation(value)
     if annotation is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             raise ConfigError(f"{where}={value!r}: expected a string")
@@ -249,7 +253,10 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown key; known keys are {', '.join(fields)}")
     kwargs = {name: _coerce(value, fields[name].type, f"{where}.{name}") for name, value in raw.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # LlamaConfig checks its heads and rope_scaling as it is built
+        raise ConfigError(f"{where}.{err}") from None  # its messages start with the field name
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -278,7 +285,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"config {path}: no such file (give a YAML file or a name from configs/)")
         try:
             raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise ConfigError(f"config {p}: not valid YAML ({str(err).splitlines()[0]})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config {p}: expected a mapping of sections at the top level")
@@ -304,7 +311,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _check(p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r}: use auto, cpu or cuda")
     _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
 
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim"):
         _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be at least 1")
     _check(m.num_attention_heads % m.num_key_value_heads == 0,
            f"model.num_key_value_heads={m.num_key_value_heads} must divide "

@@ -40,6 +40,9 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None = None  # end-of-sequence token id(s)
 
     def __post_init__(self) -> None:
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:

@@ -1,0 +1,298 @@
+"""Config loading: YAML sections, command-line overrides, model sources, and one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import tiny_config
+from tetron.config import (
+    CONFIGS_DIR,
+    SHORT_FLAGS,
+    Config,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ParallelConfig,
+    TrainConfig,
+    from_dict,
+    load_config,
+    validate,
+)
+from tetron.model import LlamaConfig
+
+SHIPPED = sorted(CONFIGS_DIR.glob("*.yaml"))
+
+
+def write_yaml(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.fixture
+def tiny_yaml(tmp_path, corpus, cache_dir) -> Path:
+    """A valid tiny config (4 heads, 2 kv heads, vocab 256, max positions 64) as a YAML file."""
+    return write_yaml(tmp_path / "tiny.yaml", tiny_config(corpus, cache_dir, tmp_path / "out"))
+
+
+def flat(cfg: Config) -> dict:
+    """{"train.steps": 100, ..., "out": "runs/default"}."""
+    return {f"{s}.{k}" if isinstance(v, dict) else s: (v[k] if isinstance(v, dict) else v)
+            for s, v in cfg.to_dict().items() for k in (v if isinstance(v, dict) else [None])}
+
+
+def config_error(path, overrides=(), *, world_size=None) -> str:
+    """The message of the ConfigError that loading (and validating) raises; it must be one line."""
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(path, list(overrides)), world_size=world_size)
+    message = str(info.value)
+    assert "\n" not in message and message.strip() == message and message
+    return message
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def test_yaml_sections_become_typed_dataclasses(tmp_path):
+    path = write_yaml(tmp_path / "run.yaml", {
+        "model": {"vocab_size": 300, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3,
+                  "num_attention_heads": 6, "num_key_value_heads": 2, "tie_word_embeddings": True},
+        "parallel": {"dp": 2, "dp_impl": "naive", "bucket_mb": 4},
+        "data": {"path": "stdlib", "tokenizer": "bpe:300", "seq_len": 16, "max_bytes": 5000},
+        "train": {"steps": 7, "lr": 0.002, "grad_clip": 0, "dtype": "bfloat16"},
+        "logging": {"progress": False, "peak_tflops": None, "sample_prompt": "class "},
+        "out": str(tmp_path / "o"),
+    })
+    cfg = load_config(path)
+    expected = Config(
+        model=LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                          num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),
+        parallel=ParallelConfig(dp=2, dp_impl="naive", bucket_mb=4.0),
+        data=DataConfig(path="stdlib", tokenizer="bpe:300", seq_len=16, max_bytes=5000),
+        train=TrainConfig(steps=7, lr=0.002, grad_clip=0.0, dtype="bfloat16"),
+        logging=LoggingConfig(progress=False, peak_tflops=None, sample_prompt="class "),
+        out=str(tmp_path / "o"),
+    )
+    assert cfg == expected
+    assert cfg.model.head_dim == 8  # derived: 48 // 6
+    assert type(cfg.parallel.bucket_mb) is float and type(cfg.train.grad_clip) is float  # ints widened
+    assert cfg.world_size == 2 and cfg.global_batch == 2 * 8 * 1
+    validate(cfg)
+    assert from_dict(cfg.to_dict()) == cfg  # what the launcher hands each rank rebuilds the same config
+
+
+def test_no_file_gives_the_defaults():
+    assert load_config(None) == Config()
+
+
+def test_yaml_exponent_without_dot_is_a_float(tmp_path):
+    # YAML 1.1 reads `3e-4` as the string "3e-4"; a float field takes it as the number.
+    cfg = load_config(write_yaml(tmp_path / "run.yaml", {"train": {"lr": "3e-4"}}))
+    assert type(cfg.train.lr) is float and cfg.train.lr == 0.0003
+    (tmp_path / "raw.yaml").write_text("train:\n  lr: 3e-4\n  min_lr_ratio: 1e-1\n")
+    cfg = load_config(tmp_path / "raw.yaml")
+    assert (cfg.train.lr, cfg.train.min_lr_ratio) == (0.0003, 0.1)
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(None, ["--train.lr=3e-4", "--train.steps", "5", "--logging.progress=false",
+                             "--logging.peak_tflops", "12.5", "--data.max_bytes=1000", "--train.warmup_steps=0",
+                             "--model.tie_word_embeddings", "true", "--parallel.timeout_s=30"])
+    assert type(cfg.train.lr) is float and cfg.train.lr == 0.0003
+    assert type(cfg.train.steps) is int and cfg.train.steps == 5
+    assert cfg.logging.progress is False and cfg.model.tie_word_embeddings is True
+    assert cfg.logging.peak_tflops == 12.5 and cfg.data.max_bytes == 1000 and cfg.train.warmup_steps == 0
+    assert type(cfg.parallel.timeout_s) is float and cfg.parallel.timeout_s == 30.0
+    assert load_config(None, ["--logging.peak_tflops=null"]).logging.peak_tflops is None
+
+
+def test_string_fields_keep_the_text_as_typed():
+    cfg = load_config(None, ["--out", "007", "--data.path=1e3", "--logging.sample_prompt", "1.50",
+                             "--data.cache_dir", "0.10", "--data.tokenizer=bpe:512"])
+    assert (cfg.out, cfg.data.path, cfg.logging.sample_prompt) == ("007", "1e3", "1.50")
+    assert (cfg.data.cache_dir, cfg.data.tokenizer) == ("0.10", "bpe:512")
+    assert load_config(None, ["--data.cache_dir=null"]).data.cache_dir is None
+
+
+# Each short flag, a value, and where it must land (written out, not read from SHORT_FLAGS).
+SHORT_FLAG_CASES = {
+    "model": ("demo", lambda c: c.model.hidden_size, 256),
+    "data": ("/some/corpus.txt", lambda c: c.data.path, "/some/corpus.txt"),
+    "tokenizer": ("bpe:1000", lambda c: c.data.tokenizer, "bpe:1000"),
+    "out": ("runs/x1", lambda c: c.out, "runs/x1"),
+    "dp": ("3", lambda c: c.parallel.dp, 3),
+    "tp": ("5", lambda c: c.parallel.tp, 5),
+    "pp": ("6", lambda c: c.parallel.pp, 6),
+    "cp": ("7", lambda c: c.parallel.cp, 7),
+    "steps": ("11", lambda c: c.train.steps, 11),
+    "seed": ("12", lambda c: c.train.seed, 12),
+    "seq-len": ("13", lambda c: c.data.seq_len, 13),
+    "micro-batch": ("14", lambda c: c.train.micro_batch, 14),
+    "grad-acc": ("15", lambda c: c.train.grad_acc, 15),
+    "lr": ("2e-5", lambda c: c.train.lr, 2e-5),
+    "dp-impl": ("naive", lambda c: c.parallel.dp_impl, "naive"),
+}
+
+
+def test_every_short_flag_is_covered():
+    assert set(SHORT_FLAG_CASES) == set(SHORT_FLAGS)
+
+
+@pytest.mark.parametrize("flag", sorted(SHORT_FLAG_CASES))
+def test_short_flag_lands_in_its_field(flag):
+    value, get, expected = SHORT_FLAG_CASES[flag]
+    default = get(Config())
+    assert default != expected  # the flag must change something
+    for args in ([f"--{flag}", value], [f"--{flag}={value}"]):
+        cfg = load_config(None, args)
+        assert get(cfg) == expected and type(get(cfg)) is type(expected)
+        # nothing else moved (the model flag replaces the whole model section)
+        changed = [key for key, v in flat(cfg).items() if v != flat(Config())[key]]
+        if flag != "model":
+            assert changed == [SHORT_FLAGS[flag]]
+
+
+def test_overrides_apply_in_order_later_wins(tiny_yaml):
+    assert load_config(tiny_yaml).train.steps == 10  # from the file
+    assert load_config(tiny_yaml, ["--steps", "3"]).train.steps == 3
+    assert load_config(tiny_yaml, ["--steps", "3", "--train.steps=7"]).train.steps == 7
+    assert load_config(tiny_yaml, ["--train.steps=7", "--steps", "3"]).train.steps == 3
+    assert load_config(tiny_yaml, ["--lr=1", "--train.lr", "0.5", "--lr", "2e-3"]).train.lr == 0.002
+
+
+def test_model_name_then_field_override():
+    demo = load_config("demo").model
+    cfg = load_config(None, ["--model", "demo", "--model.num_hidden_layers=2"])
+    assert cfg.model == dataclasses.replace(demo, num_hidden_layers=2)
+    assert demo.num_hidden_layers == 4
+    # the name given after the field replaces the whole model section
+    assert load_config(None, ["--model.num_hidden_layers=2", "--model", "demo"]).model == demo
+
+
+def test_model_name_in_yaml_with_fields(tmp_path):
+    demo = load_config("demo").model
+    by_name = load_config(write_yaml(tmp_path / "a.yaml", {"model": "demo"}), ["--model.vocab_size=512"])
+    in_section = load_config(write_yaml(tmp_path / "b.yaml", {"model": {"name": "demo", "vocab_size": 512}}))
+    assert by_name.model == in_section.model == dataclasses.replace(demo, vocab_size=512)
+
+
+def test_model_from_transformers_config_folder_and_file(tmp_path):
+    import transformers
+
+    hf = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=96,
+                                  rms_norm_eps=1e-5, tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path / "hf")
+    for spec in (tmp_path / "hf", tmp_path / "hf" / "config.json"):
+        m = load_config(None, ["--model", str(spec), "--model.num_hidden_layers=1"]).model
+        assert (m.vocab_size, m.hidden_size, m.intermediate_size, m.num_hidden_layers) == (320, 64, 160, 1)
+        assert (m.num_attention_heads, m.num_key_value_heads, m.head_dim) == (8, 2, 8)
+        assert (m.max_position_embeddings, m.rms_norm_eps, m.tie_word_embeddings) == (96, 1e-5, True)
+        assert m.rope_theta == 10000.0 and m.rope_scaling is None
+
+
+def test_model_from_to_hf_json(tmp_path):
+    ours = LlamaConfig(vocab_size=500, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=128,
+                       rope_theta=50000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    (tmp_path / "tiny.json").write_text(json.dumps(ours.to_hf()))
+    assert load_config(None, ["--model", str(tmp_path / "tiny.json")]).model == ours
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text(json.dumps(ours.to_hf()))
+    assert load_config(write_yaml(tmp_path / "r.yaml", {"model": str(tmp_path / "folder")})).model == ours
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_config_loads_and_validates(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative `out` is checked for writability under the working folder
+    cfg = load_config(path)
+    validate(cfg)
+    assert load_config(path.stem) == cfg  # a name from configs/ is the same file
+    raw = yaml.safe_load(path.read_text())
+    if isinstance(raw.get("model"), dict):  # the model section is usable by name as well
+        assert load_config(None, ["--model", path.stem]).model == cfg.model
+
+
+def test_demo_is_shipped():
+    assert CONFIGS_DIR / "demo.yaml" in SHIPPED
+
+
+def test_tiny_config_is_valid(tiny_yaml):
+    # the base of the error cases below passes, so each error comes from the one change it makes
+    validate(load_config(tiny_yaml), world_size=1)
+    validate(load_config(tiny_yaml, ["--dp", "2"]), world_size=2)
+
+
+# --- errors: one line naming the field ------------------------------------------------------------
+
+
+BAD_VALUES = [
+    (["--trian.lr=1"], ["trian", "unknown section"]),
+    (["--train.lrr=1"], ["train.lrr", "unknown key"]),
+    (["--model.hiden_size=8"], ["model.hiden_size", "unknown key"]),
+    (["--train.steps=abc"], ["train.steps", "'abc'", "integer"]),
+    (["--train.steps=1.5"], ["train.steps", "1.5", "integer"]),
+    (["--train.lr=fast"], ["train.lr", "'fast'", "number"]),
+    (["--logging.progress=1"], ["logging.progress", "true or false"]),
+    (["--model", "no-such-model"], ["model=no-such-model", "unknown model", "demo"]),
+    (["--model.num_attention_heads=4", "--model.num_key_value_heads=3"],
+     ["num_key_value_heads=3", "num_attention_heads=4"]),
+    (["--model.num_attention_heads=0"], ["model.num_attention_heads=0"]),
+    (["--model.num_key_value_heads=-2"], ["model.num_key_value_heads=-2"]),
+    (["--tp", "3"], ["tp=3", "num_attention_heads=4"]),
+    (["--tp", "4"], ["tp=4", "num_key_value_heads=2"]),
+    (["--tp", "2"], ["tp=2", "data parallelism only"]),
+    (["--data", "/no/such/corpus.txt"], ["data.path=/no/such/corpus.txt", "does not exist"]),
+    (["--dp-impl", "ring"], ["parallel.dp_impl='ring'", "naive", "bucket"]),
+    (["--tokenizer", "bpe:1024"], ["data.tokenizer=bpe:1024", "model.vocab_size=256"]),
+    (["--tokenizer", "bpe:100"], ["data.tokenizer=bpe:100", "257"]),
+    (["--seq-len", "65"], ["data.seq_len=65", "max_position_embeddings=64"]),
+    (["--steps", "0"], ["train.steps=0"]),
+    (["--foo", "1"], ["--foo", "--dp"]),
+    (["--steps"], ["--steps needs a value"]),
+    (["stray"], ["'stray'"]),
+]
+
+
+@pytest.mark.parametrize("overrides, needles", BAD_VALUES, ids=[" ".join(o) for o, _ in BAD_VALUES])
+def test_bad_value_is_one_line_naming_the_field(tiny_yaml, overrides, needles):
+    message = config_error(tiny_yaml, overrides)
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_world_size_must_be_the_product(tiny_yaml):
+    message = config_error(tiny_yaml, ["--dp", "2"], world_size=3)
+    assert "world size 3" in message and "2*1*1*1 = 2" in message
+
+
+def test_unwritable_out(tiny_yaml, tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    message = config_error(tiny_yaml, ["--out", str(tmp_path / "a_file" / "run")])
+    assert f"out={tmp_path / 'a_file' / 'run'}" in message
+    validate(load_config(tiny_yaml, ["--out", str(tmp_path / "new" / "deeper")]))  # a missing folder is fine
+
+
+def test_bad_yaml(tmp_path):
+    (tmp_path / "bad.yaml").write_text("train:\n  steps: [1, 2\n")
+    message = config_error(tmp_path / "bad.yaml")
+    assert "bad.yaml" in message and "not valid YAML" in message
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    assert "mapping" in config_error(tmp_path / "list.yaml")
+
+
+def test_missing_config_file(tmp_path):
+    message = config_error(tmp_path / "nope.yaml")
+    assert "nope.yaml" in message and "no such file" in message
+
+
+def test_bad_hf_config(tmp_path):
+    (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64}))
+    message = config_error(None, ["--model", str(tmp_path / "gpt2.json")])
+    assert "gpt2.json" in message and "model_type='gpt2'" in message
+    (tmp_path / "empty").mkdir()
+    assert "no config.json" in config_error(None, ["--model", str(tmp_path / "empty")])
