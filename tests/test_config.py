@@ -135,7 +135,15 @@ SHORT_FLAG_CASES = {
     "grad-acc": ("15", lambda c: c.train.grad_acc, 15),
     "lr": ("2e-5", lambda c: c.train.lr, 2e-5),
     "dp-impl": ("naive", lambda c: c.parallel.dp_impl, "naive"),
+    "sp": ("true", lambda c: c.parallel.sp, True),
 }
+
+
+def test_sp_flag_stands_alone():
+    assert load_config(None, ["--sp", "--tp", "2"]).parallel.sp is True
+    assert load_config(None, ["--tp", "2", "--sp"]).parallel.sp is True
+    assert load_config(None, ["--sp", "false"]).parallel.sp is False
+    assert load_config(None, []).parallel.sp is False
 
 
 def test_every_short_flag_is_covered():
@@ -245,7 +253,10 @@ BAD_VALUES = [
     (["--model.num_key_value_heads=-2"], ["model.num_key_value_heads=-2"]),
     (["--tp", "3"], ["tp=3", "num_attention_heads=4"]),
     (["--tp", "4"], ["tp=4", "num_key_value_heads=2"]),
-    (["--tp", "2"], ["tp=2", "data parallelism only"]),
+    (["--pp", "2"], ["pp=2", "data and tensor parallelism only"]),
+    (["--tp", "2", "--sp", "--seq-len", "31"], ["parallel.sp", "seq_len=31", "tp=2"]),
+    (["--model.intermediate_size=66", "--tp", "4", "--model.num_key_value_heads=4"],
+     ["tp=4", "intermediate_size=66"]),
     (["--data", "/no/such/corpus.txt"], ["data.path=/no/such/corpus.txt", "does not exist"]),
     (["--dp-impl", "ring"], ["parallel.dp_impl='ring'", "naive", "bucket"]),
     (["--tokenizer", "bpe:1024"], ["data.tokenizer=bpe:1024", "model.vocab_size=256"]),

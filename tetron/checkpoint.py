@@ -13,11 +13,13 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Tensor, nn
 
 from tetron.data import Tokenizer
 from tetron.model import Llama, LlamaConfig
+from tetron.parallel.comm import all_gather_dim
 
 
 def _fsync_dir(path: Path) -> None:
@@ -29,16 +31,22 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_model(model: Llama, folder: Path, *, tokenizer: Tokenizer | None = None) -> None:
-    """Write `model` (a whole, plain Llama) as a HF model folder at `folder`, replacing any old one."""
+    """Write a whole, plain Llama as a HF model folder at `folder`, replacing any old one."""
+    save_state(model.state_dict(), model.config, folder, tokenizer=tokenizer)
+
+
+def save_state(state: dict[str, Tensor], config: LlamaConfig, folder: Path, *,
+               tokenizer: Tokenizer | None = None) -> None:
+    """Write full tensors named as in LlamaForCausalLM as a HF model folder, atomically."""
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
+    if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as the embedding; HF ties it back on load
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(tmp)
     for f in tmp.iterdir():
@@ -72,3 +80,19 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+@torch.no_grad()
+def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str, Tensor]:
+    """The whole tensors of a tensor-parallel model, one at a time (memory bounded by the largest):
+    shards are all-gathered over tp and vocabulary padding is cut off. Every tp rank gets them."""
+    state = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        full = param.detach()
+        shard = getattr(param, "shard", None)
+        if shard is not None:
+            dim = shard[0]
+            full = all_gather_dim(full, dim, tp_group)
+            full = full.narrow(dim, 0, getattr(param, "logical_size", full.shape[dim]))
+        state[name] = full.cpu()
+    return state

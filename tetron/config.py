@@ -33,6 +33,8 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks (within a node)
     pp: int = 1  # pipeline stages
     cp: int = 1  # context-parallel ranks (ring attention)
+    sp: bool = False  # sequence parallelism: split activations outside attention/MLP along the sequence over tp
+    vocab_pad_multiple: int = 1  # pad the vocabulary to a multiple of tp * this (64 or 128 speeds up GPU matmuls)
     dp_impl: str = "bucket"  # "naive": per-parameter all-reduce hooks; "bucket": fp32 buckets overlapped with backward
     bucket_mb: float = 25.0  # gradient bucket size for dp_impl=bucket, in MB of fp32
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
@@ -114,7 +116,10 @@ SHORT_FLAGS = {
     "grad-acc": "train.grad_acc",
     "lr": "train.lr",
     "dp-impl": "parallel.dp_impl",
+    "sp": "parallel.sp",
 }
+# Flags that may stand alone, meaning true: `--sp`.
+BOOL_FLAGS = {"sp"}
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -142,6 +147,8 @@ def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --train.lr=3e-4")
         key, eq, value = arg[2:].partition("=")
+        if not eq and key in BOOL_FLAGS and (i + 1 >= len(args) or args[i + 1].startswith("--")):
+            eq, value = "=", "true"
         if not eq:
             if i + 1 >= len(args):
                 raise ConfigError(f"--{key} needs a value")
@@ -324,10 +331,15 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
            f"parallel.tp={p.tp} must divide model.num_key_value_heads={m.num_key_value_heads}")
     _check(p.pp <= m.num_hidden_layers,
            f"parallel.pp={p.pp} is more than model.num_hidden_layers={m.num_hidden_layers}")
-    for name in ("tp", "pp", "cp"):
+    _check(m.intermediate_size % p.tp == 0,
+           f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
+    _check(p.vocab_pad_multiple >= 1, f"parallel.vocab_pad_multiple={p.vocab_pad_multiple} must be at least 1")
+    _check(not p.sp or d.seq_len % p.tp == 0,
+           f"parallel.sp needs data.seq_len={d.seq_len} divisible by tp={p.tp}; use a multiple of {p.tp}")
+    for name in ("pp", "cp"):
         _check(getattr(p, name) == 1,
-               f"parallel.{name}={getattr(p, name)}: this version of tetron implements data parallelism only; "
-               f"set {name}=1 and use parallel.dp")
+               f"parallel.{name}={getattr(p, name)}: this version of tetron implements data and tensor "
+               f"parallelism only; set {name}=1")
 
     _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be at least 1")
     _check(d.seq_len <= m.max_position_embeddings,

@@ -29,21 +29,45 @@ def full_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> 
 
 def local_slice(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of `full`. A sharded parameter says how it was cut with
-    `param.shard = (dim, index, count)`: equal parts along `dim`, this rank holding part `index`."""
+    `param.shard = (dim, index, count)`: equal parts along `dim`, this rank holding part `index`.
+    `param.logical_size`, where set, is the true size along `dim` before padding to a multiple
+    of `count` (a vocabulary that tp does not divide): padded rows are zeros."""
     shard = getattr(param, "shard", None)
     if shard is None:
         return full
     dim, index, count = shard
+    padded = param.shape[dim] * count
+    if full.shape[dim] < padded:
+        pad = [0, 0] * (full.dim() - 1 - dim) + [0, padded - full.shape[dim]]
+        full = torch.nn.functional.pad(full, pad)
     return full.chunk(count, dim=dim)[index]
 
 
 def full_shape(param: nn.Parameter) -> tuple[int, ...]:
+    """The shape of the whole (unpadded) tensor of which `param` holds a part."""
     shape = list(param.shape)
     shard = getattr(param, "shard", None)
     if shard is not None:
         dim, _, count = shard
-        shape[dim] *= count
+        shape[dim] = getattr(param, "logical_size", shape[dim] * count)
     return tuple(shape)
+
+
+def materialize_(model: nn.Module, device: torch.device) -> None:
+    """Give a model built on the meta device real, uninitialised storage on `device`.
+
+    Unlike `Module.to_empty`, this keeps each Parameter's attributes (`shard`, ...) and keeps
+    tied parameters tied: one new Parameter per old one, wherever it is registered."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in new:
+                fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                fresh.__dict__.update(param.__dict__)
+                new[id(param)] = fresh
+            module._parameters[name] = new[id(param)]
 
 
 @torch.no_grad()

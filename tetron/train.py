@@ -9,22 +9,28 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from tetron import device as dev
-from tetron.checkpoint import save_model
+from tetron.checkpoint import gather_full_state, save_state
 from tetron.config import Config, TrainConfig, from_dict
 from tetron.data import DataLoader, Tokenizer, default_cache_dir, load_tokenizer, load_tokens, prepare_tokens
-from tetron.init import init_weights_
+from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
 from tetron.metrics import MetricsLog, ProgressBar, mfu
 from tetron.model import Llama
 from tetron.parallel.data_parallel import apply_data_parallel
+from tetron.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    padded_vocab_size,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
@@ -46,15 +52,29 @@ def prepare_data(cfg: Config) -> tuple[Tokenizer, Path]:
     return tokenizer, tokens
 
 
-def build_model(cfg: Config, device: torch.device) -> Llama:
-    """The plain model, allocated directly on `device` (no throwaway init) and filled from the run seed."""
+def build_model(cfg: Config, device: torch.device, *, tp_group: dist.ProcessGroup | None = None) -> Llama:
+    """The model as this rank holds it: built on the meta device, split for tensor parallelism,
+    then given storage on `device` and filled from the run seed (each rank its own slices)."""
     with torch.device("meta"):
         model = Llama(cfg.model)
-    model.to_empty(device=device)
-    if cfg.model.tie_word_embeddings:
-        model.tie_weights()  # to_empty allocates the two separately
+    if tp_group is not None:
+        apply_tensor_parallel(model, tp_group, sequence_parallel=cfg.parallel.sp,
+                              vocab_pad_multiple=cfg.parallel.vocab_pad_multiple)
+    materialize_(model, device)
     init_weights_(model, seed=cfg.train.seed, std=cfg.model.initializer_range)
     return model
+
+
+def make_loss_fn(cfg: Config, mesh: Mesh) -> Callable[[Tensor, Tensor], Tensor]:
+    """Summed cross entropy over the target tokens: plain, or from vocab-sharded logits under tp."""
+    tp = mesh.size("tp")
+    if tp == 1:
+        return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                       reduction="sum")
+    padded = padded_vocab_size(cfg.model.vocab_size, tp, cfg.parallel.vocab_pad_multiple)
+    start = mesh.local_rank("tp") * padded // tp
+    return lambda logits, targets: vocab_parallel_cross_entropy(
+        logits.float(), targets, mesh.group("tp"), vocab_start=start, vocab_size=cfg.model.vocab_size)
 
 
 def build_optimizer(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
@@ -122,7 +142,8 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
                         dp_size=mesh.size("dp"), dp_rank=mesh.local_rank("dp"), seed=t.seed)
 
     # Model: built whole and identical everywhere, then wrapped for gradient averaging over dp*cp.
-    plain = build_model(cfg, device)
+    plain = build_model(cfg, device, tp_group=mesh.group("tp"))
+    loss_fn = make_loss_fn(cfg, mesh)
     model = apply_data_parallel(plain, mesh.group("dp_cp"), impl=cfg.parallel.dp_impl,
                                 bucket_mb=cfg.parallel.bucket_mb)
     optimizer = build_optimizer(plain, t)
@@ -154,10 +175,10 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
                     logits = model(inputs)  # [B, T, vocab]
                 # Sum over tokens, divided by this rank's tokens per step: after averaging over
                 # dp*cp the gradient is that of the mean over every target token of the global batch.
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
-                loss = loss / local_tokens
+                loss = loss_fn(logits, targets) / local_tokens
                 loss.backward()
             loss_sum += loss.detach()
+        sync_sequence_parallel_grads(params, mesh.group("tp"))
         if mesh.size("dp_cp") > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh.group("dp_cp"))
         loss_value = float(loss_sum)
@@ -191,8 +212,9 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
         log.close()
     result.dp_collectives = model.num_collectives
 
+    state = gather_full_state(plain, mesh.group("tp"))
     if rank0:
-        save_model(plain, out / "model", tokenizer=tokenizer)
+        save_state(state, cfg.model, out / "model", tokenizer=tokenizer)
     dist.barrier()
     return result
 

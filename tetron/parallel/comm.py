@@ -1,0 +1,147 @@
+"""Autograd-aware collectives: each is a pair of a forward and a backward communication.
+
+Every function takes its process group as an argument and is the identity when the group has
+one rank, so the same model code runs with and without tensor parallelism.
+
+In Megatron's vocabulary, for tensor parallelism over a group of t ranks:
+- f = `copy_to_group`: forward identity, backward all-reduce. It sits where a replicated
+  activation enters column-parallel layers: each rank's input gradient is only its share.
+- g = `reduce_from_group`: forward all-reduce, backward identity. It sits where row-parallel
+  partial outputs leave: their sum is the true output.
+With sequence parallelism the activations between those regions are split along the sequence,
+and f and g become `gather_from_sequence` (all-gather forward, reduce-scatter backward) and
+`reduce_scatter_to_sequence` (reduce-scatter forward, all-gather backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_gather_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Concatenate every rank's `x` along `dim` (no autograd)."""
+    world = _size(group)
+    if world == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()  # the collective works on dim 0
+    out = torch.empty((world * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Sum `x` over ranks and keep this rank's equal part along `dim` (no autograd)."""
+    world = _size(group)
+    if world == 1:
+        return x
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // world, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def split_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """This rank's equal part of `x` along `dim` (no autograd)."""
+    world = _size(group)
+    if world == 1:
+        return x
+    return x.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """forward: identity; backward: all-reduce (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """forward: all-reduce; backward: identity (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """forward: all-gather along `dim`; backward: reduce-scatter along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """forward: reduce-scatter along `dim`; backward: all-gather along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return reduce_scatter_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """forward: keep this rank's part along `dim`; backward: all-gather along `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return split_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_group(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """f: forward identity, backward all-reduce."""
+    return x if _size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """g: forward all-reduce, backward identity."""
+    return x if _size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def gather_from_sequence(x: Tensor, group: dist.ProcessGroup, *, dim: int = 1) -> Tensor:
+    """Sequence-parallel f: forward all-gather along dim, backward reduce-scatter."""
+    return x if _size(group) == 1 else _GatherFromSequence.apply(x, dim, group)
+
+
+def reduce_scatter_to_sequence(x: Tensor, group: dist.ProcessGroup, *, dim: int = 1) -> Tensor:
+    """Sequence-parallel g: forward reduce-scatter along dim, backward all-gather."""
+    return x if _size(group) == 1 else _ReduceScatterToSequence.apply(x, dim, group)
+
+
+def scatter_to_sequence(x: Tensor, group: dist.ProcessGroup, *, dim: int = 1) -> Tensor:
+    """Forward: this rank's part along dim; backward: all-gather."""
+    return x if _size(group) == 1 else _ScatterToSequence.apply(x, dim, group)

@@ -1,0 +1,229 @@
+"""Tensor parallelism (Megatron-style) with vocab-parallel loss and optional sequence parallelism.
+
+Each attention block and MLP is split over the tp group without communication inside:
+- column-parallel: q/k/v and gate/up keep rows `[r*n/t, (r+1)*n/t)` of their weight, so each rank
+  computes its own attention heads (and GQA key/value heads) and its share of the MLP width;
+- row-parallel: o and down keep the matching columns, and their partial outputs are summed (g).
+The replicated activation entering a block goes through f once, at the block's input (a forward
+pre-hook), so the gradients of q, k and v (or gate and up) are summed locally first and reduced
+in one all-reduce. See comm.py for f and g.
+
+The embedding is split by vocabulary rows, the head by vocabulary columns, and the loss is computed
+from vocab-sharded logits: no rank ever holds `[tokens, vocab]`. The vocabulary is padded to a
+multiple of tp (times `vocab_pad_multiple`); padded rows start at zero, are masked out of the
+softmax, so receive no gradient, and are dropped on export.
+
+With sequence parallelism the residual stream between blocks is split along the sequence: f and g
+become all-gather and reduce-scatter, and RMSNorm weights, which then see only this rank's tokens,
+have their gradients summed over tp after the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tetron.model import Llama
+from tetron.parallel.comm import (
+    copy_to_group,
+    gather_from_sequence,
+    reduce_from_group,
+    reduce_scatter_to_sequence,
+)
+
+
+def _shard_param(shape: tuple[int, ...], *, dim: int, rank: int, world: int, logical: int | None = None,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """An uninitialised parameter holding part `rank` of `world` along `dim`; init fills it later."""
+    param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+    param.shard = (dim, rank, world)  # read by init (which slice) and grad-norm clipping (sum over tp)
+    if logical is not None:
+        param.logical_size = logical  # the full size along `dim` before padding
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., rows of this rank] = x @ W[rows].T; `input_mode` says how x arrives:
+    "copy" applies f (replicated x), "gather" all-gathers a sequence-split x, "none" takes x as is
+    (f already applied by the caller, once for several sibling layers)."""
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, *, input_mode: str = "copy") -> None:
+        super().__init__()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        out_features, in_features = linear.weight.shape
+        if out_features % world:
+            raise ValueError(f"{out_features} output features are not divisible by tp={world}")
+        self.group, self.input_mode = group, input_mode
+        self.weight = _shard_param((out_features // world, in_features), dim=0, rank=rank, world=world,
+                                   device=linear.weight.device, dtype=linear.weight.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.input_mode == "copy":
+            x = copy_to_group(x, self.group)
+        elif self.input_mode == "gather":
+            x = gather_from_sequence(x, self.group)  # [B, T/t, in] -> [B, T, in]
+        return F.linear(x, self.weight)  # [B, T, out/t]
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x[..., cols of this rank] @ W[:, cols].T (g: all-reduce, or
+    reduce-scatter along the sequence with sequence parallelism)."""
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        out_features, in_features = linear.weight.shape
+        if in_features % world:
+            raise ValueError(f"{in_features} input features are not divisible by tp={world}")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _shard_param((out_features, in_features // world), dim=1, rank=rank, world=world,
+                                   device=linear.weight.device, dtype=linear.weight.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        partial = F.linear(x, self.weight)  # [B, T, out], this rank's share of the sum
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(partial, self.group)  # [B, T/t, out]
+        return reduce_from_group(partial, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the (padded) embedding table; tokens outside look up zeros, and the sum
+    over ranks (g) gives every token its row."""
+
+    def __init__(self, embedding: nn.Embedding, group: dist.ProcessGroup, *, padded_vocab: int,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        vocab, hidden = embedding.weight.shape
+        per_rank = padded_vocab // world
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.start, self.end = rank * per_rank, (rank + 1) * per_rank
+        self.weight = _shard_param((per_rank, hidden), dim=0, rank=rank, world=world, logical=vocab,
+                                   device=embedding.weight.device, dtype=embedding.weight.dtype)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # [B, T, hidden]
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(partial, self.group)  # [B, T/t, hidden]
+        return reduce_from_group(partial, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross entropy from logits split by vocabulary columns over `group`.
+
+    forward: max, sum of exponentials and the target's logit are each all-reduced over the group;
+    backward: softmax minus one-hot, on this rank's columns only."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, vocab_size, group):
+        # logits [N, V/t] fp32 of columns [start, start + V/t); targets [N] global ids
+        logits = logits.float()
+        cols = torch.arange(start, start + logits.shape[1], device=logits.device)
+        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # padding gets no probability
+        row_max = logits.max(dim=1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=1)
+        dist.all_reduce(sum_exp, group=group)
+        local_target = targets - start
+        mine = (local_target >= 0) & (local_target < logits.shape[1])
+        index = local_target.clamp(0, logits.shape[1] - 1).unsqueeze(1)
+        target_logit = shifted.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
+        dist.all_reduce(target_logit, group=group)
+        loss = (sum_exp.log() - target_logit).sum()
+        softmax = exp.div_(sum_exp.unsqueeze(1))  # reuse the buffer: [N, V/t]
+        ctx.save_for_backward(softmax, index, mine)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, index, mine = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(1, index, -mine.to(grad.dtype).unsqueeze(1))
+        return grad * grad_loss, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: dist.ProcessGroup, *,
+                                 vocab_start: int, vocab_size: int) -> Tensor:
+    """Sum over tokens of -log p(target) from logits [..., V/t] holding columns from `vocab_start`."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), vocab_start, vocab_size,
+                                            group)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    """The vocabulary rounded up to a multiple of tp * multiple."""
+    step = tp * multiple
+    return -(-vocab_size // step) * step
+
+
+def apply_tensor_parallel(model: Llama, group: dist.ProcessGroup, *, sequence_parallel: bool = False,
+                          vocab_pad_multiple: int = 1) -> Llama:
+    """Swap the plain model's layers for tensor-parallel ones over `group`, in place.
+
+    Parameters keep their names (so init and checkpoints see Hugging Face names) and are left
+    uninitialised; call init (or load) afterwards. Works on a model still on the meta device."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return model
+    sp = sequence_parallel
+    cfg = model.config
+    inner = model.model
+    padded = padded_vocab_size(cfg.vocab_size, world, vocab_pad_multiple)
+    for layer in inner.layers.values():
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, input_mode="none"))
+        attn.o_proj = RowParallelLinear(attn.o_proj, group, sequence_parallel=sp)
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), group, input_mode="none"))
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel=sp)
+        # f once at each block's input, shared by q/k/v (or gate/up): one all-reduce, not three.
+        enter = _gather_input if sp else _copy_input
+        attn.register_forward_pre_hook(enter(group))
+        mlp.register_forward_pre_hook(enter(group))
+        if sp:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.sequence_parallel = True
+    if inner.embed_tokens is not None:
+        inner.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, group, padded_vocab=padded,
+                                                    sequence_parallel=sp)
+    if inner.norm is not None and sp:
+        inner.norm.weight.sequence_parallel = True
+    if model.lm_head is not None:
+        head = nn.Linear(cfg.hidden_size, padded, bias=False, device=model.lm_head.weight.device)
+        model.lm_head = ColumnParallelLinear(head, group, input_mode="gather" if sp else "copy")
+        model.lm_head.weight.logical_size = cfg.vocab_size
+    model.tie_weights()
+    return model
+
+
+def _copy_input(group: dist.ProcessGroup):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (copy_to_group(args[0], group), *args[1:])
+    return hook
+
+
+def _gather_input(group: dist.ProcessGroup):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (gather_from_sequence(args[0], group), *args[1:])  # [B, T/t, h] -> [B, T, h]
+    return hook
+
+
+@torch.no_grad()
+def sync_sequence_parallel_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Sum over tp the gradients of replicated weights that saw only this rank's tokens (RMSNorm
+    under sequence parallelism), in one flat all-reduce."""
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
