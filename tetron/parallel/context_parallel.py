@@ -1,0 +1,220 @@
+"""Context parallelism: each cp rank holds a share of every sequence; attention is ring attention.
+
+Sharding. With a causal mask, contiguous chunks give rank cp-1 cp times the attention work of
+rank 0. The zigzag layout cuts the sequence into 2*cp chunks and gives rank i chunks i and
+2*cp-1-i, so every rank does the same work. Token ids, targets and RoPE position ids are all
+sharded with the same indices (`shard_indices`), so the model sees true positions.
+
+Ring attention. Queries stay; key/value blocks travel around the cp ring by P2P, the next block's
+transfer overlapping the current block's compute. Blocks are merged with the online-softmax rule
+(running log-sum-exp). The backward pass recomputes each block's gradients from the final output
+and log-sum-exp, and sends the key/value gradients around the ring with the blocks, so after a full
+turn every rank holds the gradients of its own keys and values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tetron.mesh import Mesh
+
+# ----------------------------------------------------------------------------- which tokens a rank holds
+
+
+def shard_indices(seq_len: int, cp: int, rank: int, *, layout: str = "zigzag") -> Tensor:
+    """Positions of the sequence that cp rank `rank` holds, in increasing order."""
+    if layout == "contiguous":
+        n = seq_len // cp
+        return torch.arange(rank * n, (rank + 1) * n)
+    n = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n),
+                      torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n)])
+
+
+# ----------------------------------------------------------------------------- one block of attention
+
+
+def _math_block(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """Attention of q [B, H, Tq, D] on k/v [B, H, Tk, D] -> (out like q, lse [B, H, Tq] fp32)."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, Tq, Tk]
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    out = (scores - lse.unsqueeze(-1)).exp() @ v.float()
+    return out.to(q.dtype), lse
+
+
+def _math_block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the FINAL out and lse of the whole attention (flash-style)."""
+    scale = q.shape[-1] ** -0.5
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), dout.float()
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    probs = (scores - lse.unsqueeze(-1)).exp()  # this block's share of the final softmax
+    dv = probs.transpose(-1, -2) @ dof
+    dprobs = dof @ vf.transpose(-1, -2)
+    delta = (dof * out.float()).sum(-1, keepdim=True)  # [B, H, Tq, 1]
+    dscores = probs * (dprobs - delta) * scale
+    return (dscores @ kf).to(q.dtype), (dscores.transpose(-1, -2) @ qf).to(k.dtype), dv.to(v.dtype)
+
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """(out, lse) of one block; the fused CPU kernel where available, the plain math elsewhere."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal)
+    return _math_block(q, k, v, causal)
+
+
+def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                             causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+            lse.contiguous(), 0.0, causal)
+    return _math_block_backward(dout, q, k, v, out, lse, causal)
+
+
+# ----------------------------------------------------------------------------- the ring
+
+
+class _Ring:
+    """Send to the next cp rank and receive from the previous one, asynchronously."""
+
+    def __init__(self, group: dist.ProcessGroup, next_rank: int, prev_rank: int) -> None:
+        self.group, self.next, self.prev = group, next_rank, prev_rank
+
+    def start(self, tensors: list[Tensor]) -> tuple[list[Tensor], list[dist.Work]]:
+        """Post the sends of `tensors` and the receives of the previous rank's; returns the receive
+        buffers and the pending work, to wait on once the overlapped compute is done."""
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
+        return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _parts(step: int, rank: int, cp: int, layout: str, tq: int) -> tuple[slice, slice, bool] | None:
+    """Which queries attend to which keys of the block that started on rank (rank - step) % cp:
+    (query slice, key slice, causal), or None when the block is entirely masked."""
+    full, src = slice(0, tq), (rank - step) % cp
+    if src == rank:
+        return full, full, True  # local positions are increasing, so index order = position order
+    if layout == "contiguous":
+        return (full, full, False) if src < rank else None
+    half = tq // 2
+    if src < rank:
+        return full, slice(0, half), False  # only the block's first chunk lies before all our queries
+    return slice(half, tq), full, False  # only our second chunk lies after the whole block
+
+
+def attention_work(seq_len: int, cp: int, rank: int, *, layout: str = "zigzag") -> int:
+    """Query-key pairs this rank scores in one ring-attention pass (causal blocks count half):
+    the measure of its attention FLOPs, for comparing layouts."""
+    tl = seq_len // cp
+    work = 0
+    for step in range(cp):
+        part = _parts(step, rank, cp, layout, tl)
+        if part is not None:
+            qs, ks, causal = part
+            pairs = len(range(tl)[qs]) * len(range(tl)[ks])
+            work += pairs // 2 if causal else pairs
+    return work
+
+
+def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Online softmax: combine two partial attentions by their log-sum-exps."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = out * (lse - new_lse).exp().unsqueeze(-1) + block_out.float() * (block_lse - new_lse).exp().unsqueeze(-1)
+    return out, new_lse
+
+
+class _RingAttention(torch.autograd.Function):
+    """forward: ring attention of local queries over every rank's keys/values; backward: the
+    same ring, with key/value gradients travelling alongside their blocks back to their owners."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring, layout):
+        # q [B, H, Tl, D]; k, v [B, KVH, Tl, D]: GQA heads are repeated per block, not sent repeated
+        cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
+        rep, tl = q.shape[1] // k.shape[1], q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        own_k, own_v = k, v
+        for step in range(cp):
+            if step < cp - 1:
+                (k_next, v_next), works = ring.start([k, v])  # overlaps this block's compute
+            part = _parts(step, rank, cp, layout, tl)
+            if part is not None:
+                qs, ks, causal = part
+                kb = k[:, :, ks].repeat_interleave(rep, dim=1)  # [B, H, Tk, D]
+                vb = v[:, :, ks].repeat_interleave(rep, dim=1)
+                block_out, block_lse = block_attention(q[:, :, qs], kb, vb, causal)
+                out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+            if step < cp - 1:
+                _wait(works)
+                k, v = k_next, v_next
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, own_k, own_v, out, lse)
+        ctx.ring, ctx.layout = ring, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors  # k, v: this rank's own block; the ring restarts from it
+        ring, layout = ctx.ring, ctx.layout
+        cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
+        rep, tl, kv_heads = q.shape[1] // k.shape[1], q.shape[2], k.shape[1]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # gradients of the block held now; they travel with it and are home after a full turn
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for step in range(cp):
+            if step < cp - 1:
+                (k_next, v_next), kv_works = ring.start([k, v])
+            part = _parts(step, rank, cp, layout, tl)
+            if part is not None:
+                qs, ks, causal = part
+                kb = k[:, :, ks].repeat_interleave(rep, dim=1)
+                vb = v[:, :, ks].repeat_interleave(rep, dim=1)
+                dqb, dkb, dvb = block_attention_backward(dout[:, :, qs], q[:, :, qs], kb, vb, out[:, :, qs],
+                                                         lse[:, :, qs], causal)
+                dq[:, :, qs] += dqb.float()
+                dk[:, :, ks] += dkb.float().unflatten(1, (kv_heads, rep)).sum(2)  # [B, KVH, Tk, D]
+                dv[:, :, ks] += dvb.float().unflatten(1, (kv_heads, rep)).sum(2)
+            if cp > 1:
+                (dk, dv), dkv_works = ring.start([dk, dv])
+                _wait(dkv_works)
+            if step < cp - 1:
+                _wait(kv_works)
+                k, v = k_next, v_next
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: Mesh, layout: str = "zigzag") -> Tensor:
+    """Causal attention over the whole sequence, from this cp rank's share of q, k, v
+    ([B, heads, T/cp, head_dim], positions as `shard_indices` gives them)."""
+    if mesh.size("cp") == 1:
+        return block_attention(q, k, v, True)[0]
+    ring = _Ring(mesh.group("cp"), mesh.cp_next, mesh.cp_prev)
+    return _RingAttention.apply(q, k, v, ring, layout)
+
+
+def apply_context_parallel(model: nn.Module, mesh: Mesh, *, layout: str = "zigzag") -> nn.Module:
+    """Swap every attention module's attention function for ring attention over the cp group."""
+    if mesh.size("cp") == 1:
+        return model
+    for module in model.modules():
+        if hasattr(module, "attn_fn"):
+            module.attn_fn = functools.partial(ring_attention, mesh=mesh, layout=layout)
+    return model
