@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/data_parallel.py
+	$(PY) bench/pipeline_parallel.py
 
 clean:
 	rm -rf $(VENV) runs

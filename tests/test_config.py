@@ -136,6 +136,8 @@ SHORT_FLAG_CASES = {
     "lr": ("2e-5", lambda c: c.train.lr, 2e-5),
     "dp-impl": ("naive", lambda c: c.parallel.dp_impl, "naive"),
     "sp": ("true", lambda c: c.parallel.sp, True),
+    "pp-schedule": ("interleaved", lambda c: c.parallel.pp_schedule, "interleaved"),
+    "pp-virtual": ("3", lambda c: c.parallel.pp_virtual, 3),
 }
 
 
@@ -144,6 +146,13 @@ def test_sp_flag_stands_alone():
     assert load_config(None, ["--tp", "2", "--sp"]).parallel.sp is True
     assert load_config(None, ["--sp", "false"]).parallel.sp is False
     assert load_config(None, []).parallel.sp is False
+
+
+def test_pipeline_fields():
+    cfg = load_config(None, ["--pp", "2", "--pp-schedule", "afab", "--parallel.pp_split=[3, 1]"])
+    assert (cfg.parallel.pp_schedule, cfg.parallel.pp_split, cfg.parallel.pp_virtual) == ("afab", [3, 1], 1)
+    assert load_config(None, ["--parallel.pp_split=null"]).parallel.pp_split is None
+    assert ParallelConfig().pp_schedule == "1f1b" and ParallelConfig().pp_split is None
 
 
 def test_every_short_flag_is_covered():
@@ -233,6 +242,8 @@ def test_tiny_config_is_valid(tiny_yaml):
     # the base of the error cases below passes, so each error comes from the one change it makes
     validate(load_config(tiny_yaml), world_size=1)
     validate(load_config(tiny_yaml, ["--dp", "2"]), world_size=2)
+    validate(load_config(tiny_yaml, ["--pp", "2", "--pp-schedule", "interleaved", "--grad-acc", "4"]), world_size=2)
+    validate(load_config(tiny_yaml, ["--pp", "2", "--grad-acc", "1", "--parallel.pp_split=[1, 1]"]), world_size=2)
 
 
 # --- errors: one line naming the field ------------------------------------------------------------
@@ -253,7 +264,21 @@ BAD_VALUES = [
     (["--model.num_key_value_heads=-2"], ["model.num_key_value_heads=-2"]),
     (["--tp", "3"], ["tp=3", "num_attention_heads=4"]),
     (["--tp", "4"], ["tp=4", "num_key_value_heads=2"]),
-    (["--pp", "2"], ["pp=2", "data and tensor parallelism only"]),
+    (["--cp", "2"], ["cp=2", "set cp=1"]),
+    (["--pp", "3"], ["parallel.pp=3", "model.num_hidden_layers=2", "pp <= 2"]),
+    (["--pp-schedule", "gpipe"], ["parallel.pp_schedule='gpipe'", "afab, 1f1b or interleaved"]),
+    (["--pp-virtual", "2"], ["parallel.pp_virtual=2", "pp_schedule=interleaved"]),
+    (["--pp-virtual", "0", "--pp-schedule", "interleaved"], ["parallel.pp_virtual=0"]),
+    (["--pp-schedule", "interleaved"], ["pp_schedule=interleaved", "pp >= 2", "pp=1"]),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--grad-acc", "3"],
+     ["train.grad_acc=3", "multiple of pp=2", "grad_acc=4"]),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--grad-acc", "2", "--pp-virtual", "2"],
+     ["pp_virtual=2", "4 virtual stages", "num_hidden_layers=2", "pp_virtual <= 1"]),
+    (["--pp", "2", "--parallel.pp_split=[2]"], ["parallel.pp_split=[2]", "1 entries", "pp*pp_virtual = 2"]),
+    (["--pp", "2", "--parallel.pp_split=[2, 1]"], ["parallel.pp_split=[2, 1]", "sums to 3", "num_hidden_layers=2"]),
+    (["--pp", "2", "--parallel.pp_split=[0, 2]"], ["parallel.pp_split=[0, 2]", "at least 1 layer"]),
+    (["--parallel.pp_split=[1, x]"], ["parallel.pp_split[1]", "'x'", "integer"]),
+    (["--parallel.pp_split=3"], ["parallel.pp_split=3", "list"]),
     (["--tp", "2", "--sp", "--seq-len", "31"], ["parallel.sp", "seq_len=31", "tp=2"]),
     (["--model.intermediate_size=66", "--tp", "4", "--model.num_key_value_heads=4"],
      ["tp=4", "intermediate_size=66"]),

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from tetron.data import Tokenizer
+from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.comm import all_gather_dim
 
@@ -82,17 +83,56 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
     return model
 
 
+def _full_tensor(param: nn.Parameter, tp_group: dist.ProcessGroup) -> Tensor:
+    """The whole tensor of which `param` holds a part (all-gathered over tp, padding cut), on its device."""
+    full = param.detach()
+    shard = getattr(param, "shard", None)
+    if shard is not None:
+        dim = shard[0]
+        full = all_gather_dim(full, dim, tp_group)
+        full = full.narrow(dim, 0, getattr(param, "logical_size", full.shape[dim]))
+    return full
+
+
 @torch.no_grad()
 def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str, Tensor]:
     """The whole tensors of a tensor-parallel model, one at a time (memory bounded by the largest):
     shards are all-gathered over tp and vocabulary padding is cut off. Every tp rank gets them."""
-    state = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        full = param.detach()
-        shard = getattr(param, "shard", None)
-        if shard is not None:
-            dim = shard[0]
-            full = all_gather_dim(full, dim, tp_group)
-            full = full.narrow(dim, 0, getattr(param, "logical_size", full.shape[dim]))
-        state[name] = full.cpu()
+    return {name: _full_tensor(param, tp_group).cpu()
+            for name, param in model.named_parameters(remove_duplicate=False)}
+
+
+def _stage_of(name: str, layer_ranks: list[int], pp: int) -> int:
+    """The pipeline rank that holds tensor `name`: layers by `layer_ranks`, the embedding on the first,
+    the final norm and head on the last."""
+    if name.startswith("model.layers."):
+        return layer_ranks[int(name.split(".")[2])]
+    return 0 if name.startswith("model.embed_tokens.") else pp - 1
+
+
+@torch.no_grad()
+def gather_pipeline_state(chunks: list[nn.Module], mesh: Mesh, *, config: LlamaConfig,
+                          layer_ranks: list[int]) -> dict[str, Tensor]:
+    """The whole model on global rank 0, from every pipeline stage: the stages of rank 0's (dp, cp, tp)
+    column send it their tensors (gathered over tp) one at a time, in the plain model's order.
+    Other ranks take part in the tp gathers and return {}."""
+    pp = mesh.local_rank("pp")
+    in_column = all(mesh.local_rank(axis) == 0 for axis in ("dp", "cp", "tp"))
+    mine = {name: param for chunk in chunks for name, param in chunk.named_parameters(remove_duplicate=False)}
+    with torch.device("meta"):
+        whole = Llama(config)  # names and full shapes, no storage
+    state: dict[str, Tensor] = {}
+    for name, meta in whole.named_parameters(remove_duplicate=False):
+        owner = _stage_of(name, layer_ranks, mesh.size("pp"))
+        if owner == pp:
+            full = _full_tensor(mine[name], mesh.group("tp")).contiguous()  # every tp rank joins the gather
+            if mesh.rank == 0:
+                state[name] = full.cpu()
+            elif in_column:
+                dist.send(full, dst=0)
+        elif mesh.rank == 0:
+            device = next(iter(mine.values())).device
+            full = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            dist.recv(full, src=mesh.stage_rank(owner))
+            state[name] = full.cpu()
     return state

@@ -33,6 +33,9 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks (within a node)
     pp: int = 1  # pipeline stages
     cp: int = 1  # context-parallel ranks (ring attention)
+    pp_schedule: str = "1f1b"  # pipeline schedule: "afab" (all forward, all backward), "1f1b" or "interleaved"
+    pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank; above 1 only with pp_schedule=interleaved
+    pp_split: list[int] | None = None  # layers per pipeline stage (virtual-stage order); None: as even as possible
     sp: bool = False  # sequence parallelism: split activations outside attention/MLP along the sequence over tp
     vocab_pad_multiple: int = 1  # pad the vocabulary to a multiple of tp * this (64 or 128 speeds up GPU matmuls)
     dp_impl: str = "bucket"  # "naive": per-parameter all-reduce hooks; "bucket": fp32 buckets overlapped with backward
@@ -117,6 +120,8 @@ SHORT_FLAGS = {
     "lr": "train.lr",
     "dp-impl": "parallel.dp_impl",
     "sp": "parallel.sp",
+    "pp-schedule": "parallel.pp_schedule",
+    "pp-virtual": "parallel.pp_virtual",
 }
 # Flags that may stand alone, meaning true: `--sp`.
 BOOL_FLAGS = {"sp"}
@@ -227,6 +232,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 pass
         if not isinstance(value, kind):
             raise ConfigError(f"{where}={value!r}: expected a {'mapping' if kind is dict else 'list'}")
+        item = typing.get_args(annotation)
+        if kind is list and item:  # list[int]: each element checked and converted like a field
+            return [_coerce(v, item[0], f"{where}[{i}]") for i, v in enumerate(value)]
         return value
     if annotation is bool:
         if text and value.lower() in ("true", "false"):
@@ -304,6 +312,38 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_pipeline(cfg: Config) -> None:
+    """The pipeline checks: stages vs layers, the schedule's needs in micro-batches, the split."""
+    p, layers, m = cfg.parallel, cfg.model.num_hidden_layers, cfg.train.grad_acc
+    _check(p.pp_schedule in ("afab", "1f1b", "interleaved"),
+           f"parallel.pp_schedule={p.pp_schedule!r}: use afab, 1f1b or interleaved")
+    _check(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be at least 1")
+    _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved",
+           f"parallel.pp_virtual={p.pp_virtual} needs pp_schedule=interleaved; use pp_virtual=1 with "
+           f"pp_schedule={p.pp_schedule}")
+    _check(p.pp <= layers, f"parallel.pp={p.pp} is more than model.num_hidden_layers={layers}; use pp <= {layers}")
+    stages = p.pp * p.pp_virtual
+    if p.pp_schedule == "interleaved":
+        _check(p.pp >= 2, f"parallel.pp_schedule=interleaved needs pp >= 2, not pp={p.pp}; use pp >= 2 or 1f1b")
+        _check(stages <= layers,
+               f"parallel.pp_virtual={p.pp_virtual} x pp={p.pp} = {stages} virtual stages is more than "
+               f"model.num_hidden_layers={layers}; use pp_virtual <= {layers // p.pp}")
+        # Micro-batches go round the ring in groups of pp, one group per chunk in turn (Megatron's order).
+        _check(m % p.pp == 0,
+               f"train.grad_acc={m} micro-batches: pp_schedule=interleaved needs a multiple of pp={p.pp}; "
+               f"use grad_acc={max(1, -(-m // p.pp)) * p.pp} (or pp_schedule=1f1b, which takes any number)")
+    # afab and 1f1b take any number of micro-batches (grad_acc >= 1 is checked below); with fewer
+    # than pp, stages idle most of the step: the bubble is (pp-1)/(grad_acc+pp-1) of it.
+    if p.pp_split is not None:
+        split = p.pp_split
+        _check(len(split) == stages,
+               f"parallel.pp_split={split} has {len(split)} entries; give one per pipeline stage "
+               f"(pp*pp_virtual = {stages})")
+        _check(min(split) >= 1, f"parallel.pp_split={split}: every stage needs at least 1 layer")
+        _check(sum(split) == layers,
+               f"parallel.pp_split={split} sums to {sum(split)}; it must sum to model.num_hidden_layers={layers}")
+
+
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Every check that needs no process group; raises ConfigError with one line naming the field."""
     m, p, d, t, lg = cfg.model, cfg.parallel, cfg.data, cfg.train, cfg.logging
@@ -329,17 +369,14 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
            f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads}")
     _check(m.num_key_value_heads % p.tp == 0,
            f"parallel.tp={p.tp} must divide model.num_key_value_heads={m.num_key_value_heads}")
-    _check(p.pp <= m.num_hidden_layers,
-           f"parallel.pp={p.pp} is more than model.num_hidden_layers={m.num_hidden_layers}")
     _check(m.intermediate_size % p.tp == 0,
            f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
     _check(p.vocab_pad_multiple >= 1, f"parallel.vocab_pad_multiple={p.vocab_pad_multiple} must be at least 1")
     _check(not p.sp or d.seq_len % p.tp == 0,
            f"parallel.sp needs data.seq_len={d.seq_len} divisible by tp={p.tp}; use a multiple of {p.tp}")
-    for name in ("pp", "cp"):
-        _check(getattr(p, name) == 1,
-               f"parallel.{name}={getattr(p, name)}: this version of tetron implements data and tensor "
-               f"parallelism only; set {name}=1")
+    _check(p.cp == 1, f"parallel.cp={p.cp}: this version of tetron implements data, tensor and pipeline "
+                      f"parallelism only; set cp=1")
+    _validate_pipeline(cfg)
 
     _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be at least 1")
     _check(d.seq_len <= m.max_position_embeddings,

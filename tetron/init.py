@@ -72,7 +72,10 @@ def materialize_(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def init_weights_(model: nn.Module, *, seed: int, std: float) -> None:
-    """Fill every parameter of `model` (named as in the plain, unwrapped model) from its full tensor."""
+    """Fill every parameter of `model` (named as in the plain, unwrapped model) from its full tensor.
+
+    `param.init_name`, where set, is the name whose tensor it starts from: a pipeline's last stage
+    holds its own copy of a tied embedding as `lm_head.weight`, initialised as `model.embed_tokens.weight`."""
     for name, param in model.named_parameters():
-        full = full_tensor(name, full_shape(param), seed=seed, std=std)
+        full = full_tensor(getattr(param, "init_name", name), full_shape(param), seed=seed, std=std)
         param.copy_(local_slice(param, full))

@@ -34,6 +34,8 @@ class Mesh:
         self.coords = dict(zip(AXES, coords))
         self.groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
         self.groups["dp_cp"] = self._new_group_over(("dp", "cp"))
+        if pp > 1:
+            self.groups["embed"] = self._embedding_group()
 
     def _new_group_over(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
         """A group of the ranks that differ only along `axes`; every rank creates every such group, in order."""
@@ -49,6 +51,17 @@ class Mesh:
         assert mine is not None
         return mine
 
+    def _embedding_group(self) -> dist.ProcessGroup | None:
+        """The first and the last pipeline stage of this rank's (dp, cp, tp) column: with tied embeddings
+        both hold the tensor. Every rank creates every such group, in order; None off the two ends."""
+        ends = self.grid[[0, -1]].permute(1, 2, 3, 0).reshape(-1, 2)  # [dp*cp*tp, 2]: (first, last)
+        mine = None
+        for pair in ends.tolist():
+            group = dist.new_group(pair)
+            if self.rank in pair:
+                mine = group
+        return mine
+
     def size(self, axis: str) -> int:
         """Number of ranks along `axis` ("pp", "dp", "cp", "tp" or "dp_cp")."""
         if axis == "dp_cp":
@@ -61,8 +74,13 @@ class Mesh:
             return self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
         return self.coords[axis]
 
-    def group(self, axis: str) -> dist.ProcessGroup:
-        return self.groups[axis]
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The group of `axis` (or "dp_cp"); "embed": first + last pipeline stage, None elsewhere or without pp."""
+        return self.groups.get(axis) if axis == "embed" else self.groups[axis]
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage `stage` in this rank's (dp, cp, tp) column."""
+        return int(self.grid[stage, self.coords["dp"], self.coords["cp"], self.coords["tp"]])
 
     def _neighbour(self, axis: str, step: int) -> int:
         index = list(self.coords[a] for a in AXES)

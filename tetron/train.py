@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tetron import device as dev
-from tetron.checkpoint import gather_full_state, save_state
+from tetron.checkpoint import gather_full_state, gather_pipeline_state, save_state
 from tetron.config import Config, TrainConfig, from_dict
 from tetron.data import DataLoader, Tokenizer, default_cache_dir, load_tokenizer, load_tokens, prepare_tokens
 from tetron.init import init_weights_, materialize_
@@ -25,6 +25,14 @@ from tetron.mesh import Mesh
 from tetron.metrics import MetricsLog, ProgressBar, mfu
 from tetron.model import Llama
 from tetron.parallel.data_parallel import apply_data_parallel
+from tetron.parallel.pipeline_parallel import (
+    Pipeline,
+    PipelineTrace,
+    activation_shape,
+    build_pipeline_chunks,
+    layer_ranks,
+    sync_tied_embedding_grads,
+)
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
     padded_vocab_size,
@@ -65,6 +73,19 @@ def build_model(cfg: Config, device: torch.device, *, tp_group: dist.ProcessGrou
     return model
 
 
+def build_chunks(cfg: Config, device: torch.device, *, mesh: Mesh) -> list[Llama]:
+    """This rank's model chunks: the whole model without pipeline parallelism, else its stage's chunk(s)
+    (one per virtual stage), each built on meta, split for tp, then materialised and initialised."""
+    if mesh.size("pp") == 1:
+        return [build_model(cfg, device, tp_group=mesh.group("tp"))]
+    chunks = build_pipeline_chunks(cfg, mesh)
+    for chunk in chunks:
+        materialize_(chunk, device)
+        # Names stay Hugging Face names, so every layout starts from the same weights.
+        init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
+    return chunks
+
+
 def make_loss_fn(cfg: Config, mesh: Mesh) -> Callable[[Tensor, Tensor], Tensor]:
     """Summed cross entropy over the target tokens: plain, or from vocab-sharded logits under tp."""
     tp = mesh.size("tp")
@@ -92,14 +113,16 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> 
     """Clip by the global gradient norm; returns the norm before clipping.
 
     Each element counts once: squares of tensor-parallel shards (`param.shard` set) are summed over
-    tp, replicated tensors are taken as they are, and stages are summed over pp."""
+    tp, replicated tensors are taken as they are, stages are summed over pp, and the last stage's
+    copy of a tied embedding (`param.tied_copy`) is left out of the sum (the first stage counts it)."""
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [p.grad for p in params if p.grad is not None and getattr(p, "shard", None) is not None]
+    counted = [p for p in params if p.grad is not None and not getattr(p, "tied_copy", False)]
+    sharded = [p.grad for p in counted if getattr(p, "shard", None) is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), device=device, dtype=torch.float32)
     shard_sq = torch.zeros((), device=device, dtype=torch.float32)
-    for g in grads:
-        total += g.float().pow(2).sum()
+    for p in counted:
+        total += p.grad.float().pow(2).sum()
     for g in sharded:
         shard_sq += g.float().pow(2).sum()
     if mesh.size("tp") > 1:
@@ -118,7 +141,9 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> 
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)  # global mean loss of every step
-    model: nn.Module | None = None  # the plain (unwrapped) model, on this rank
+    model: nn.Module | None = None  # the plain (unwrapped) model on this rank; under pp its first chunk
+    chunks: list[nn.Module] = field(default_factory=list)  # this rank's chunks, virtual-stage order; [model] without pp
+    pipeline_trace: PipelineTrace | None = None  # under pp: this rank's actions and held activations, last step
     dp_collectives: int = 0  # gradient all-reduces issued by data parallelism over the run
 
 
@@ -141,23 +166,31 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
     loader = DataLoader(load_tokens(token_path), d.seq_len, micro_batch=t.micro_batch, grad_acc=t.grad_acc,
                         dp_size=mesh.size("dp"), dp_rank=mesh.local_rank("dp"), seed=t.seed)
 
-    # Model: built whole and identical everywhere, then wrapped for gradient averaging over dp*cp.
-    plain = build_model(cfg, device, tp_group=mesh.group("tp"))
+    # Model: this rank's part (all of it without pp), identical to the same part of a single-process
+    # run, each chunk wrapped for gradient averaging over dp*cp.
+    chunks = build_chunks(cfg, device, mesh=mesh)
+    wrapped = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=cfg.parallel.dp_impl,
+                                   bucket_mb=cfg.parallel.bucket_mb) for chunk in chunks]
+    plain, model = chunks[0], wrapped[0]
     loss_fn = make_loss_fn(cfg, mesh)
-    model = apply_data_parallel(plain, mesh.group("dp_cp"), impl=cfg.parallel.dp_impl,
-                                bucket_mb=cfg.parallel.bucket_mb)
-    optimizer = build_optimizer(plain, t)
-    params = [p for p in plain.parameters() if p.requires_grad]
+    optimizer = build_optimizer(plain if len(chunks) == 1 else nn.ModuleList(chunks), t)
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
                 else contextlib.nullcontext())
 
     tokens_per_step = cfg.global_batch * d.seq_len
     local_tokens = t.micro_batch * t.grad_acc * d.seq_len
+    pipeline = None
+    if mesh.size("pp") > 1:
+        # The same scaling as below: each micro-batch's summed loss over this rank's tokens per step.
+        pipeline = Pipeline(wrapped, mesh, schedule_name=cfg.parallel.pp_schedule, micro_batches=t.grad_acc,
+                            shape=activation_shape(cfg), device=device, autocast=autocast,
+                            loss_fn=lambda logits, targets: loss_fn(logits, targets) / local_tokens)
     flops_per_token = cfg.model.flops_per_token(d.seq_len)
     peak = cfg.logging.peak_tflops or dev.peak_tflops(device, torch.bfloat16 if t.dtype == "bfloat16" else torch.float32)
     log = MetricsLog(out / "metrics.jsonl") if rank0 else None
     bar = ProgressBar(t.steps, every=cfg.logging.log_every) if rank0 and cfg.logging.progress else None
-    result = TrainResult(model=plain)
+    result = TrainResult(model=plain, chunks=chunks)
 
     for step in range(loader.step, t.steps):
         dev.reset_peak_memory(device)
@@ -167,26 +200,37 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
         micro_batches = loader.next_batch()
-        for k, (inputs, targets) in enumerate(micro_batches):
-            inputs, targets = inputs.to(device), targets.to(device)
-            last = k == len(micro_batches) - 1
-            with (contextlib.nullcontext() if last else model.no_sync()):
-                with autocast:
-                    logits = model(inputs)  # [B, T, vocab]
-                # Sum over tokens, divided by this rank's tokens per step: after averaging over
-                # dp*cp the gradient is that of the mean over every target token of the global batch.
-                loss = loss_fn(logits, targets) / local_tokens
-                loss.backward()
-            loss_sum += loss.detach()
+        if pipeline is None:
+            for k, (inputs, targets) in enumerate(micro_batches):
+                inputs, targets = inputs.to(device), targets.to(device)
+                last = k == len(micro_batches) - 1
+                with (contextlib.nullcontext() if last else model.no_sync()):
+                    with autocast:
+                        logits = model(inputs)  # [B, T, vocab]
+                    # Sum over tokens, divided by this rank's tokens per step: after averaging over
+                    # dp*cp the gradient is that of the mean over every target token of the global batch.
+                    loss = loss_fn(logits, targets) / local_tokens
+                    loss.backward()
+                loss_sum += loss.detach()
+        else:
+            # The schedule runs every micro-batch through the stages; each chunk's gradients are
+            # averaged over dp*cp during its last backward. The loss lives on the last stage.
+            loss_sum = pipeline.step(micro_batches)
+            sync_tied_embedding_grads(chunks, mesh)
         sync_sequence_parallel_grads(params, mesh.group("tp"))
         if mesh.size("dp_cp") > 1:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh.group("dp_cp"))
+        if mesh.size("pp") > 1:
+            # Zero on every stage but the last: the sum hands every rank (rank 0, which logs, too)
+            # the last stage's mean.
+            dist.all_reduce(loss_sum, group=mesh.group("pp"))
         loss_value = float(loss_sum)
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"step {step + 1}: loss is {loss_value}; stopping before the weights are updated")
         grad_norm = clip_grad_norm_(params, t.grad_clip, mesh)
         optimizer.step()
-        model.zero_grad(set_to_none=True)
+        for chunk in wrapped:
+            chunk.zero_grad(set_to_none=True)
         dev.synchronize(device)
         step_time = time.perf_counter() - start
         result.losses.append(loss_value)
@@ -210,9 +254,13 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
                                       "tok/s": f"{tokens_per_s:,.0f}"})
     if log:
         log.close()
-    result.dp_collectives = model.num_collectives
+    result.dp_collectives = sum(chunk.num_collectives for chunk in wrapped)
+    result.pipeline_trace = pipeline.trace if pipeline is not None else None
 
-    state = gather_full_state(plain, mesh.group("tp"))
+    if pipeline is None:
+        state = gather_full_state(plain, mesh.group("tp"))
+    else:  # rank 0 receives every stage's tensors
+        state = gather_pipeline_state(chunks, mesh, config=cfg.model, layer_ranks=layer_ranks(cfg))
     if rank0:
         save_state(state, cfg.model, out / "model", tokenizer=tokenizer)
     dist.barrier()

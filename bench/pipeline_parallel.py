@@ -1,0 +1,181 @@
+"""Pipeline parallelism, side by side: tetron's 1F1B and PyTorch's `torch.distributed.pipelining`
+Schedule1F1B training the same model, cut the same way, on the same micro-batches, in one invocation;
+then the bubble of each tetron schedule, measured from per-rank timestamps, against the theory.
+
+    python bench/pipeline_parallel.py [--steps 10] [--hidden 256] [--layers 8] [--micro-batches 8]
+
+Each rank runs both implementations in turn, in interleaved rounds (so machine noise hits both
+alike), and rank 0 prints the median step time of each and their ratio. A step is the schedule
+(every forward and backward), the optimizer step and zeroing the gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from tetron.init import init_weights_, materialize_
+from tetron.mesh import Mesh
+from tetron.model import Llama, LlamaConfig
+from tetron.parallel.pipeline_parallel import Pipeline, keep_stage_, measure_bubble, split_layers
+from tetron.parallel.pipeline_schedules import simulate, theoretical_bubble
+
+
+def make_chunks(config: LlamaConfig, *, pp: int, virtual: int, rank: int) -> list[Llama]:
+    """This rank's chunks (virtual stages rank, rank+pp, ...), initialised as the whole model would be."""
+    ranges = split_layers(config.num_hidden_layers, pp * virtual)
+    chunks = []
+    for c in range(virtual):
+        s = c * pp + rank
+        with torch.device("meta"):
+            model = Llama(config)
+        keep_stage_(model, ranges[s], first=s == 0, last=s == pp * virtual - 1)
+        materialize_(model, torch.device("cpu"))
+        init_weights_(model, seed=0, std=0.02)
+        chunks.append(model)
+    return chunks
+
+
+def per_rank_median(steps: list[list[float]]) -> list[float]:
+    """[step][rank] -> [rank]: the median over steps."""
+    return [statistics.median(step[r] for step in steps) for r in range(len(steps[0]))]
+
+
+def fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.3f}" for v in values)
+
+
+def rank_main(rank: int, args, init_file: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks,
+                            timeout=timedelta(seconds=600))
+    p, m, mb, seq = args.ranks, args.micro_batches, args.micro_batch, args.seq
+    mesh = Mesh(pp=p)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=seq)
+    g = torch.Generator().manual_seed(0)  # the same batch on every rank
+    inputs = torch.randint(0, args.vocab, (m * mb, seq), generator=g)  # [m*mb, T]
+    targets = torch.randint(0, args.vocab, (m * mb, seq), generator=g)
+    micro_batches = list(zip(inputs.chunk(m), targets.chunk(m)))
+
+    def tetron_pipeline(name: str, virtual: int) -> tuple[Pipeline, torch.optim.Optimizer]:
+        chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank)
+        # sum over tokens / (tokens per micro-batch * m): the mean over the batch, as torch's below
+        pipeline = Pipeline(chunks, mesh, schedule_name=name, micro_batches=m, shape=(mb, seq, args.hidden),
+                            loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(),
+                                                                      reduction="sum") / (mb * seq * m))
+        params = [q for c in chunks for q in c.parameters()]
+        return pipeline, torch.optim.AdamW(params, lr=1e-4)
+
+    # tetron's 1F1B and torch's Schedule1F1B on identical stages (each its own copy of the weights)
+    ours, our_opt = tetron_pipeline("1f1b", 1)
+    [stage_model] = make_chunks(config, pp=p, virtual=1, rank=rank)
+    stage = PipelineStage(stage_model, rank, p, torch.device("cpu"))
+    # scale_grads (the default) divides the summed micro-batch gradients by m: each micro-batch's
+    # mean loss / m, the same gradient as tetron's
+    theirs = Schedule1F1B(stage, m, loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    their_opt = torch.optim.AdamW(stage_model.parameters(), lr=1e-4)
+
+    def step_tetron() -> float:
+        loss = ours.step(micro_batches)
+        our_opt.step()
+        our_opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    def step_torch() -> float:
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            theirs.step(inputs)
+        else:
+            theirs.step(target=targets, losses=losses)
+        their_opt.step()
+        their_opt.zero_grad(set_to_none=True)
+        return float(sum(loss.detach() for loss in losses) / m) if losses else 0.0
+
+    runs = {"tetron": step_tetron, "torch": step_torch}
+    first = {impl: fn() for impl, fn in runs.items()}  # warm-up (torch infers shapes on its first step)
+    runs["tetron"]()
+    runs["torch"]()
+    times: dict[str, list[float]] = {impl: [] for impl in runs}
+    for _ in range(max(1, args.steps // args.per_round)):
+        for impl, fn in runs.items():
+            for _ in range(args.per_round):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times[impl].append(time.perf_counter() - start)
+
+    # the bubble of each schedule, from every rank's action timestamps
+    bubbles = {}
+    for name, virtual in (("afab", 1), ("1f1b", 1), ("interleaved", 2)):
+        pipeline, opt = tetron_pipeline(name, virtual)
+        measured, replayed, peaks = [], [], []
+        for k in range(args.bubble_steps + 1):
+            dist.barrier()
+            pipeline.step(micro_batches)
+            opt.zero_grad(set_to_none=True)
+            traces: list = [None] * p
+            dist.all_gather_object(traces, pipeline.trace)  # in-memory objects between ranks
+            if k:  # the first is warm-up
+                measured.append(measure_bubble(traces))
+                # the same actions with their measured compute times, communication free: what is
+                # left is the schedule's own bubble (with these stages' imbalance), not the network's
+                durations = [[end - start for _, _, _, start, end in t.events] for t in traces]
+                replayed.append(simulate(name, pp=p, virtual=virtual, micro_batches=m,
+                                         duration=lambda r, i, action: durations[r][i]))
+                peaks = [t.peak_in_flight for t in traces]
+        bubbles[name] = (virtual, per_rank_median(measured), per_rank_median(replayed), peaks)
+
+    if rank == p - 1:
+        n_params = sum(q.numel() for q in ours.chunks[0].parameters())
+        print(f"last stage: {n_params / 1e6:.2f}M params; first-step loss tetron {first['tetron']:.6f}, "
+              f"torch {first['torch']:.6f}", flush=True)
+    dist.barrier()
+    if rank == 0:
+        med = {impl: statistics.median(t) for impl, t in times.items()}
+        print(f"pipeline parallel, {p} ranks (gloo), {args.layers} layers hidden {args.hidden} vocab {args.vocab}, "
+              f"{m} micro-batches of {mb}x{seq}, {len(times['tetron'])} steps each")
+        print(f"  tetron 1F1B          median step {med['tetron'] * 1e3:8.1f} ms")
+        print(f"  torch Schedule1F1B   median step {med['torch'] * 1e3:8.1f} ms")
+        print(f"  tetron / torch = {med['tetron'] / med['torch']:.3f}   (1.00 or below: tetron is not slower)")
+        print(f"  bubble: idle fraction of the step per rank, median of {args.bubble_steps} steps; measured from "
+              f"action timestamps, replayed (measured compute, free communication), theory (p-1)/(v*m+p-1)")
+        for name, (virtual, measured, replayed, peaks) in bubbles.items():
+            theory = theoretical_bubble(name, pp=p, virtual=virtual, micro_batches=m)
+            print(f"    {name:11s} v={virtual}  measured [{fmt(measured)}]  replayed [{fmt(replayed)}]  "
+                  f"theory {theory:.3f}   peak (chunk, micro-batch) pairs held per rank {peaks}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
+    parser.add_argument("--per-round", type=int, default=2, help="consecutive steps per implementation per round")
+    parser.add_argument("--bubble-steps", type=int, default=3, help="measured steps per schedule for the bubble")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=256, help="small: the last stage's head costs little extra")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        # fork: the children share this process's imported torch, so they start in milliseconds
+        mp.start_processes(rank_main, args=(args, os.path.join(tmp, "init")), nprocs=args.ranks,
+                           start_method="fork")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Pipeline parallelism: the model cut into stages, activations and gradients sent by P2P, a schedule run.
+
+Stages. The decoder layers are cut into p*v contiguous blocks (virtual stages), as evenly as possible
+or as `parallel.pp_split` says; virtual stage s lives on pipeline rank s % p as its chunk s // p.
+The first stage also embeds the tokens, the last also applies the final norm, the head and the loss.
+Each chunk is a plain `Llama` whose other parts are deleted (or None), so its parameters keep their
+Hugging Face names and init, checkpoints and tests see the same tensors as in the whole model.
+
+Communication. What crosses a stage boundary is the residual stream, [micro_batch, seq_len, hidden]
+(seq_len divided by cp, and by tp under sequence parallelism): known from the config, so receivers
+allocate it without a handshake. After each action a rank posts one batch of P2P operations: the
+output it just produced, and the receive of the next action that needs one, posted that early so
+the data arrives while the rank computes (Megatron's send_forward_recv_backward and friends). On
+every link the messages are received in the order they were sent, which NCCL requires (and gloo,
+without tags); the schedules' orders guarantee it (tests/test_pipeline_parallel.py checks).
+
+Memory. Once a stage output is sent, its data is released and only its autograd graph is kept
+(Megatron's deallocate_output_tensor): the next stage holds the only copy of that tensor. The
+backward is then started through the autograd engine directly, which does not compare the gradient's
+shape with the (now empty) output's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd.variable import Variable
+
+from tetron.config import Config
+from tetron.mesh import Mesh
+from tetron.model import Llama
+from tetron.parallel.pipeline_schedules import Action, receives, schedule
+from tetron.parallel.tensor_parallel import apply_tensor_parallel
+
+# --------------------------------------------------------------------------------------- stages
+
+
+def split_layers(num_layers: int, stages: int, split: list[int] | None = None) -> list[range]:
+    """The layers of each (virtual) stage: `split[s]` consecutive layers each, or as even as possible
+    (the first num_layers % stages stages take one more)."""
+    if split is None:
+        base, extra = divmod(num_layers, stages)
+        split = [base + (s < extra) for s in range(stages)]
+    if len(split) != stages or sum(split) != num_layers or min(split) < 1:
+        raise ValueError(f"pp_split={split} must give {stages} stages of at least 1 layer, {num_layers} in all")
+    bounds = [sum(split[:s]) for s in range(stages + 1)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+def layer_ranks(cfg: Config) -> list[int]:
+    """The pipeline rank that holds each decoder layer."""
+    p = cfg.parallel
+    ranges = split_layers(cfg.model.num_hidden_layers, p.pp * p.pp_virtual, p.pp_split)
+    return [s % p.pp for s, layers in enumerate(ranges) for _ in layers]
+
+
+def keep_stage_(model: Llama, layers: range, *, first: bool, last: bool) -> Llama:
+    """Delete, in place, every part of `model` outside one stage: the other layers, the embedding
+    unless `first`, the final norm and head unless `last`."""
+    inner = model.model
+    for name in list(inner.layers):
+        if int(name) not in layers:
+            del inner.layers[name]
+    if not first:
+        inner.embed_tokens = None
+    if not last:
+        inner.norm, model.lm_head = None, None
+    elif not first and model.config.tie_word_embeddings:
+        # The head's weight is the embedding's Parameter (tied). This stage keeps it as its own copy:
+        # started from the embedding's tensor (init by that name), kept equal to the first stage's by
+        # summing the two gradients before each step, and counted once in the gradient norm.
+        model.lm_head.weight.init_name = "model.embed_tokens.weight"
+        model.lm_head.weight.tied_copy = True
+    return model
+
+
+def build_pipeline_chunks(cfg: Config, mesh: Mesh) -> list[Llama]:
+    """This rank's chunks, on the meta device, in virtual-stage order: for each, the whole model is
+    built on meta, tensor parallelism applied, then everything but the chunk's layers deleted.
+    (A fresh meta model per chunk rather than a deepcopy: deepcopy drops Parameter attributes
+    such as `shard`; on meta both cost next to nothing.)"""
+    p = cfg.parallel
+    stages = p.pp * p.pp_virtual
+    ranges = split_layers(cfg.model.num_hidden_layers, stages, p.pp_split)
+    chunks = []
+    for c in range(p.pp_virtual):
+        s = c * p.pp + mesh.local_rank("pp")
+        with torch.device("meta"):
+            model = Llama(cfg.model)
+        apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=p.sp,
+                              vocab_pad_multiple=p.vocab_pad_multiple)
+        chunks.append(keep_stage_(model, ranges[s], first=s == 0, last=s == stages - 1))
+    return chunks
+
+
+def activation_shape(cfg: Config) -> tuple[int, int, int]:
+    """What crosses a stage boundary: [micro_batch, seq_len / cp (/ tp under sp), hidden]."""
+    p = cfg.parallel
+    seq = cfg.data.seq_len // p.cp // (p.tp if p.sp else 1)
+    return (cfg.train.micro_batch, seq, cfg.model.hidden_size)
+
+
+@torch.no_grad()
+def sync_tied_embedding_grads(chunks: list[Llama], mesh: Mesh) -> None:
+    """With tied embeddings under pp, sum the gradients of the two copies (the first stage's embedding,
+    the last stage's head) so both take the same step; a no-op elsewhere."""
+    group = mesh.group("embed")
+    if group is None or not chunks[0].config.tie_word_embeddings:
+        return
+    weight = chunks[0].model.embed_tokens.weight if mesh.is_first_stage else chunks[-1].lm_head.weight
+    dist.all_reduce(weight.grad, group=group)
+
+
+# ---------------------------------------------------------------------------------- the schedule
+
+
+@dataclass
+class PipelineTrace:
+    """What one rank did in one step: the compute interval of each action and the activations held."""
+
+    rank: int
+    events: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # (F|B, chunk, micro, start, end)
+    peak_in_flight: int = 0  # most (chunk, micro-batch) pairs whose activations were held at once
+    peak_output_elements: int = 0  # most elements of sent stage outputs still held (0: all released)
+
+
+def measure_bubble(traces: list[PipelineTrace]) -> list[float]:
+    """Per rank, the idle fraction of the step: 1 - compute time / (last end - first start over all ranks)."""
+    start = min(e[3] for t in traces for e in t.events)
+    span = max(e[4] for t in traces for e in t.events) - start
+    return [1 - sum(e[4] - e[3] for e in t.events) / span for t in traces]
+
+
+def _run_backward(output: Tensor, grad: Tensor | None) -> None:
+    """Backward from `output` (whose data may have been released) with incoming gradient `grad`.
+    `torch.autograd.backward` would reject a gradient shaped unlike the emptied output; the
+    engine itself checks against the shape recorded in the graph (Megatron's custom_backward)."""
+    if grad is None:
+        grad = torch.ones_like(output)  # the loss: a scalar
+    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), allow_unreachable=True,
+                                            accumulate_grad=True)
+
+
+class Pipeline:
+    """Runs one schedule over this rank's chunks: forwards, backwards and the P2P between them.
+
+    `chunks` are this rank's chunks in virtual-stage order, each possibly wrapped for data
+    parallelism (then its gradients are synchronised on its last backward of the step only)."""
+
+    def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, schedule_name: str, micro_batches: int,
+                 shape: tuple[int, ...], loss_fn: Callable[[Tensor, Tensor], Tensor],
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 autocast: Any = None) -> None:
+        self.chunks, self.mesh = chunks, mesh
+        self.p, self.rank, self.v = mesh.size("pp"), mesh.local_rank("pp"), len(chunks)
+        self.stages = self.p * self.v
+        self.m = micro_batches
+        self.actions = schedule(schedule_name, pp=self.p, virtual=self.v, micro_batches=micro_batches,
+                                rank=self.rank)
+        self.shape, self.dtype = tuple(shape), dtype
+        self.device = device or torch.device("cpu")
+        self.loss_fn = loss_fn
+        self.autocast = autocast if autocast is not None else contextlib.nullcontext()
+        self.group = mesh.group("pp")
+        # With NCCL the first operation on a group must involve all its ranks, which P2P does not.
+        dist.barrier(group=self.group)
+        self.stored: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}  # (chunk, micro) -> (input, output)
+        self.sends: list[dist.Work] = []  # posted sends not yet known to be complete
+        self.receives: dict[int, tuple[Tensor, dist.Work]] = {}  # action index -> posted receive
+        self.to_receive: list[int] = []  # indices of the actions whose receive is not posted yet
+        self.trace = PipelineTrace(rank=self.rank)
+
+    # --- P2P: one batch after each action ---
+
+    def _source(self, action: Action) -> int | None:
+        """The pipeline rank that sends `action` its input (activation or gradient), None if none."""
+        need = receives(action, pp=self.p, virtual=self.v, rank=self.rank)
+        return None if need is None else need[1]
+
+    def _post(self, outbound: tuple[Tensor, int] | None) -> None:
+        """Send `outbound` (a tensor, to a pipeline rank) and, unless one is still pending, post the
+        receive of the next action that needs one, as one batch. The receive goes out as early as
+        that, so the peer's data arrives while this rank computes; one at a time and in the order
+        of the actions, which is the order the peer sends in."""
+        ops = []
+        if outbound is not None:
+            tensor, dst = outbound
+            if tensor.shape != self.shape or tensor.dtype != self.dtype:
+                raise RuntimeError(f"pipeline stage output is {tuple(tensor.shape)} {tensor.dtype}, but the next "
+                                   f"stage expects {self.shape} {self.dtype}")
+            # contiguous: P2P sends flat memory (sequence parallelism leaves a strided residual stream)
+            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), self.mesh.stage_rank(dst), self.group))
+            if tensor.requires_grad and tensor._base is None:
+                # Release the data: the P2P op holds its own reference until sent; autograd needs only the graph.
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        index = None
+        if not self.receives and self.to_receive:
+            index = self.to_receive.pop(0)
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, self.mesh.stage_rank(self._source(self.actions[index])),
+                                  self.group))
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        self.sends = [w for w in self.sends if not w.is_completed()]  # drop finished sends (and their tensors)
+        if outbound is not None:
+            self.sends.append(works[0])
+        if index is not None:
+            self.receives[index] = (buffer, works[-1])
+
+    # --- compute ---
+
+    def _forward(self, action: Action, received: Tensor | None,
+                 batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int] | None:
+        s = action.chunk * self.p + self.rank
+        # Every stage has the token ids (its loader reads the batch): their length gives the positions.
+        positions = torch.arange(batch[0].shape[1], device=self.device)  # [T]
+        if s == 0:
+            x = batch[0].to(self.device)  # [B, T] token ids
+        else:
+            x = received.requires_grad_()  # [B, T', hidden], a leaf: its .grad is what goes back
+        with self.autocast:
+            out = self.chunks[action.chunk](x, positions)  # [B, T', hidden], or [B, T', vocab] logits
+        if s == self.stages - 1:
+            loss = self.loss_fn(out, batch[1].to(self.device))
+            self.loss += loss.detach()
+            self.stored[(action.chunk, action.micro)] = (x, loss)
+            return None
+        self.stored[(action.chunk, action.micro)] = (None if s == 0 else x, out)
+        return out, (s + 1) % self.p
+
+    def _backward(self, action: Action, received: Tensor | None) -> tuple[Tensor, int] | None:
+        s = action.chunk * self.p + self.rank
+        x, out = self.stored.pop((action.chunk, action.micro))
+        chunk = self.chunks[action.chunk]
+        # Data parallelism reduces this chunk's gradients during its last backward of the step only.
+        last = action.micro == self.m - 1
+        with contextlib.nullcontext() if last else getattr(chunk, "no_sync", contextlib.nullcontext)():
+            _run_backward(out, received)
+        return None if s == 0 else (x.grad, (s - 1) % self.p)
+
+    def step(self, batches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Forward and backward of every micro-batch (input_ids, targets); gradients accumulate in the
+        chunks. Returns the sum of the micro-batch losses on the last stage, zero elsewhere."""
+        if len(batches) != self.m:
+            raise ValueError(f"the schedule was built for {self.m} micro-batches, got {len(batches)}")
+        self.loss = torch.zeros((), device=self.device)
+        self.trace = PipelineTrace(rank=self.rank)
+        self.to_receive = [k for k, a in enumerate(self.actions) if self._source(a) is not None]
+        self._post(None)
+        for k, action in enumerate(self.actions):
+            received = None
+            if k in self.receives:
+                received, work = self.receives.pop(k)
+                work.wait()
+            start = time.perf_counter()
+            if action.backward:
+                outbound = self._backward(action, received)
+            else:
+                outbound = self._forward(action, received, batches[action.micro])
+            end = time.perf_counter()
+            self._post(outbound)
+            self._record(action, start, end)
+        for work in self.sends:
+            work.wait()
+        self.sends.clear()
+        return self.loss
+
+    def _record(self, action: Action, start: float, end: float) -> None:
+        trace = self.trace
+        trace.events.append(("B" if action.backward else "F", action.chunk, action.micro, start, end))
+        trace.peak_in_flight = max(trace.peak_in_flight, len(self.stored))
+        held = sum(out.numel() for _, out in self.stored.values() if out.dim() > 0)
+        trace.peak_output_elements = max(trace.peak_output_elements, held)
