@@ -73,6 +73,7 @@ def rank_main(rank: int, args, init_file: str) -> None:
         chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank)
         # sum over tokens / (tokens per micro-batch * m): the mean over the batch, as torch's below
         pipeline = Pipeline(chunks, mesh, schedule_name=name, micro_batches=m, shape=(mb, seq, args.hidden),
+                            positions=torch.arange(seq),
                             loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(),
                                                                       reduction="sum") / (mb * seq * m))
         params = [q for c in chunks for q in c.parameters()]

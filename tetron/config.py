@@ -36,6 +36,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # pipeline schedule: "afab" (all forward, all backward), "1f1b" or "interleaved"
     pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank; above 1 only with pp_schedule=interleaved
     pp_split: list[int] | None = None  # layers per pipeline stage (virtual-stage order); None: as even as possible
+    cp_layout: str = "zigzag"  # how the sequence is split over cp: "zigzag" (balanced for causal attention) or "contiguous"
     sp: bool = False  # sequence parallelism: split activations outside attention/MLP along the sequence over tp
     vocab_pad_multiple: int = 1  # pad the vocabulary to a multiple of tp * this (64 or 128 speeds up GPU matmuls)
     dp_impl: str = "bucket"  # "naive": per-parameter all-reduce hooks; "bucket": fp32 buckets overlapped with backward
@@ -122,6 +123,7 @@ SHORT_FLAGS = {
     "sp": "parallel.sp",
     "pp-schedule": "parallel.pp_schedule",
     "pp-virtual": "parallel.pp_virtual",
+    "cp-layout": "parallel.cp_layout",
 }
 # Flags that may stand alone, meaning true: `--sp`.
 BOOL_FLAGS = {"sp"}
@@ -372,10 +374,14 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _check(m.intermediate_size % p.tp == 0,
            f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
     _check(p.vocab_pad_multiple >= 1, f"parallel.vocab_pad_multiple={p.vocab_pad_multiple} must be at least 1")
-    _check(not p.sp or d.seq_len % p.tp == 0,
-           f"parallel.sp needs data.seq_len={d.seq_len} divisible by tp={p.tp}; use a multiple of {p.tp}")
-    _check(p.cp == 1, f"parallel.cp={p.cp}: this version of tetron implements data, tensor and pipeline "
-                      f"parallelism only; set cp=1")
+    _check(p.cp_layout in ("zigzag", "contiguous"), f"parallel.cp_layout={p.cp_layout!r}: use zigzag or contiguous")
+    chunks = 2 * p.cp if p.cp_layout == "zigzag" and p.cp > 1 else p.cp
+    _check(d.seq_len % chunks == 0,
+           f"data.seq_len={d.seq_len} must be divisible by {'2*cp' if chunks != p.cp else 'cp'}={chunks} "
+           f"(cp={p.cp}, cp_layout={p.cp_layout}); use a multiple of {chunks}")
+    _check(not p.sp or (d.seq_len // p.cp) % p.tp == 0,
+           f"parallel.sp needs data.seq_len={d.seq_len} / cp={p.cp} divisible by tp={p.tp}; "
+           f"use a seq_len that is a multiple of {p.cp * p.tp}")
     _validate_pipeline(cfg)
 
     _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be at least 1")

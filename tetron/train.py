@@ -24,6 +24,7 @@ from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
 from tetron.metrics import MetricsLog, ProgressBar, mfu
 from tetron.model import Llama
+from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import apply_data_parallel
 from tetron.parallel.pipeline_parallel import (
     Pipeline,
@@ -178,13 +179,22 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
                 else contextlib.nullcontext())
 
+    # Context parallelism: this rank keeps its share of every sequence's positions (token ids,
+    # targets and RoPE positions alike) and attends to the rest through the ring.
+    cp = mesh.size("cp")
+    mine = (shard_indices(d.seq_len, cp, mesh.local_rank("cp"), layout=cfg.parallel.cp_layout)
+            if cp > 1 else torch.arange(d.seq_len))  # [T/cp], indexes the loader's CPU batches
+    positions = mine.to(device)
+    for chunk in chunks:
+        apply_context_parallel(chunk, mesh, layout=cfg.parallel.cp_layout)
+
     tokens_per_step = cfg.global_batch * d.seq_len
-    local_tokens = t.micro_batch * t.grad_acc * d.seq_len
+    local_tokens = t.micro_batch * t.grad_acc * d.seq_len // cp
     pipeline = None
     if mesh.size("pp") > 1:
         # The same scaling as below: each micro-batch's summed loss over this rank's tokens per step.
         pipeline = Pipeline(wrapped, mesh, schedule_name=cfg.parallel.pp_schedule, micro_batches=t.grad_acc,
-                            shape=activation_shape(cfg), device=device, autocast=autocast,
+                            shape=activation_shape(cfg), positions=positions, device=device, autocast=autocast,
                             loss_fn=lambda logits, targets: loss_fn(logits, targets) / local_tokens)
     flops_per_token = cfg.model.flops_per_token(d.seq_len)
     peak = cfg.logging.peak_tflops or dev.peak_tflops(device, torch.bfloat16 if t.dtype == "bfloat16" else torch.float32)
@@ -199,14 +209,14 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
-        micro_batches = loader.next_batch()
+        micro_batches = [(inputs[:, mine], targets[:, mine]) for inputs, targets in loader.next_batch()]
         if pipeline is None:
             for k, (inputs, targets) in enumerate(micro_batches):
                 inputs, targets = inputs.to(device), targets.to(device)
                 last = k == len(micro_batches) - 1
                 with (contextlib.nullcontext() if last else model.no_sync()):
                     with autocast:
-                        logits = model(inputs)  # [B, T, vocab]
+                        logits = model(inputs, positions)  # [B, T/cp, vocab]
                     # Sum over tokens, divided by this rank's tokens per step: after averaging over
                     # dp*cp the gradient is that of the mean over every target token of the global batch.
                     loss = loss_fn(logits, targets) / local_tokens

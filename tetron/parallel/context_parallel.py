@@ -93,8 +93,9 @@ class _Ring:
     def start(self, tensors: list[Tensor]) -> tuple[list[Tensor], list[dist.Work]]:
         """Post the sends of `tensors` and the receives of the previous rank's; returns the receive
         buffers and the pending work, to wait on once the overlapped compute is done."""
+        tensors = [t.contiguous() for t in tensors]  # P2P sends and receives flat memory
         received = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in received]
         return received, dist.batch_isend_irecv(ops)
 
@@ -150,6 +151,7 @@ class _RingAttention(torch.autograd.Function):
         rep, tl = q.shape[1] // k.shape[1], q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        k, v = k.contiguous(), v.contiguous()  # once, not at every hop
         own_k, own_v = k, v
         for step in range(cp):
             if step < cp - 1:

@@ -155,7 +155,7 @@ class Pipeline:
 
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, schedule_name: str, micro_batches: int,
                  shape: tuple[int, ...], loss_fn: Callable[[Tensor, Tensor], Tensor],
-                 dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 positions: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                  autocast: Any = None) -> None:
         self.chunks, self.mesh = chunks, mesh
         self.p, self.rank, self.v = mesh.size("pp"), mesh.local_rank("pp"), len(chunks)
@@ -166,6 +166,7 @@ class Pipeline:
         self.shape, self.dtype = tuple(shape), dtype
         self.device = device or torch.device("cpu")
         self.loss_fn = loss_fn
+        self.positions = positions.to(self.device)  # [T/cp] this rank's RoPE positions (all of them without cp)
         self.autocast = autocast if autocast is not None else contextlib.nullcontext()
         self.group = mesh.group("pp")
         # With NCCL the first operation on a group must involve all its ranks, which P2P does not.
@@ -219,14 +220,12 @@ class Pipeline:
     def _forward(self, action: Action, received: Tensor | None,
                  batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int] | None:
         s = action.chunk * self.p + self.rank
-        # Every stage has the token ids (its loader reads the batch): their length gives the positions.
-        positions = torch.arange(batch[0].shape[1], device=self.device)  # [T]
         if s == 0:
             x = batch[0].to(self.device)  # [B, T] token ids
         else:
             x = received.requires_grad_()  # [B, T', hidden], a leaf: its .grad is what goes back
         with self.autocast:
-            out = self.chunks[action.chunk](x, positions)  # [B, T', hidden], or [B, T', vocab] logits
+            out = self.chunks[action.chunk](x, self.positions)  # [B, T', hidden], or [B, T', vocab] logits
         if s == self.stages - 1:
             loss = self.loss_fn(out, batch[1].to(self.device))
             self.loss += loss.detach()

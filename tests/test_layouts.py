@@ -1,0 +1,143 @@
+"""Context parallelism in training, and every dimension combined, against a single-process run.
+
+Each run writes what a user gets: metrics.jsonl (rank 0's log of the global loss) and OUT/model, the
+full weights gathered from whatever layout trained them. Both are compared with the reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_config
+from harness import run_ranks
+from tetron.config import from_dict, validate
+from tetron.mesh import Mesh
+from tetron.train import build_model, prepare_data, train
+
+LOSS_RTOL = 1e-5  # per-step loss, relative, on every rank and in metrics.jsonl
+WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
+# AdamW turns rounding differences in near-zero gradients into weight steps of up to ~lr/2; at 1e-3
+# every layout stays well inside WEIGHT_ATOL after 10 steps (see test_pipeline_parallel.py).
+LR = 1e-3
+GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _train_rank(raw: dict) -> list[float]:
+    cfg = from_dict(raw)
+    p = cfg.parallel
+    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
+
+
+def run(raw: dict) -> tuple[list[list[float]], list[float], dict]:
+    """Every rank's losses, rank 0's logged losses, and the saved model's tensors."""
+    cfg = from_dict(raw)
+    validate(cfg)
+    prepare_data(cfg)
+    per_rank = run_ranks(cfg.world_size, _train_rank, raw, timeout=600)
+    logged = [json.loads(line)["loss"] for line in open(f"{cfg.out}/metrics.jsonl")]
+    return per_rank, logged, load_file(f"{cfg.out}/model/model.safetensors")
+
+
+def check(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
+          grad_acc: int = 2) -> None:
+    model = {**GQA, "num_hidden_layers": 4, **(model or {})}
+    train_cfg = {"micro_batch": micro_batch, "grad_acc": grad_acc, "lr": LR}
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model, parallel=parallel, train=train_cfg)
+    cfg = from_dict(raw)
+    ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
+                          train={**train_cfg, "micro_batch": cfg.global_batch, "grad_acc": 1})
+    (ref_losses,), _, ref_state = run(ref_raw)
+    per_rank, logged, state = run(raw)
+    expected = torch.tensor(ref_losses)
+    assert len(expected) == 10
+    for losses in [*per_rank, logged]:
+        torch.testing.assert_close(torch.tensor(losses), expected, rtol=LOSS_RTOL, atol=0)
+    assert state.keys() == ref_state.keys()
+    for name, value in state.items():
+        torch.testing.assert_close(value, ref_state[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp, kv_heads", [(2, 2), (4, 1)])
+def test_cp_matches_single_process(corpus, cache_dir, tmp_path, cp, kv_heads, layout):
+    check(corpus, cache_dir, tmp_path, parallel={"cp": cp, "cp_layout": layout},
+          model={"num_key_value_heads": kv_heads}, micro_batch=2, grad_acc=1)
+
+
+def test_dp2_cp2(corpus, cache_dir, tmp_path):
+    check(corpus, cache_dir, tmp_path, parallel={"dp": 2, "cp": 2, "dp_impl": "naive"})
+
+
+# ----------------------------------------------------------------------------- three dimensions, 8 ranks
+
+
+THREE_D = {
+    "dp2-tp2-pp2": {"dp": 2, "tp": 2, "pp": 2, "sp": True, "pp_schedule": "1f1b"},
+    "dp2-tp2-cp2": {"dp": 2, "tp": 2, "cp": 2, "dp_impl": "naive"},
+    "dp2-pp2-cp2": {"dp": 2, "pp": 2, "cp": 2, "pp_schedule": "afab", "cp_layout": "contiguous"},
+    "tp2-pp2-cp2": {"tp": 2, "pp": 2, "cp": 2, "sp": True, "pp_schedule": "interleaved", "pp_virtual": 2},
+}
+
+
+@pytest.mark.parametrize("name", sorted(THREE_D))
+def test_three_dimensions_on_8_ranks(corpus, cache_dir, tmp_path, name):
+    check(corpus, cache_dir, tmp_path, parallel={**THREE_D[name], "bucket_mb": 0.01},
+          model={"tie_word_embeddings": name == "dp2-tp2-pp2"})
+
+
+@pytest.mark.slow
+def test_four_dimensions_on_16_ranks(corpus, cache_dir, tmp_path):
+    check(corpus, cache_dir, tmp_path,
+          parallel={"dp": 2, "tp": 2, "pp": 2, "cp": 2, "sp": True, "pp_schedule": "1f1b", "bucket_mb": 0.01},
+          model={"tie_word_embeddings": True, "vocab_size": 257})
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _activation_bytes(raw: dict) -> int:
+    """Bytes autograd keeps for the backward of one forward pass (activations, not weights)."""
+    cfg = from_dict(raw)
+    mesh = Mesh(cp=cfg.parallel.cp)
+    model = build_model(cfg, torch.device("cpu"))
+    from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
+
+    apply_context_parallel(model, mesh, layout="zigzag")
+    params = {p.data_ptr() for p in model.parameters()}
+    seq, cp = cfg.data.seq_len, cfg.parallel.cp
+    mine = shard_indices(seq, cp, mesh.local_rank("cp")) if cp > 1 else torch.arange(seq)
+    ids = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(ids[:, mine], mine)
+    logits.float().sum().backward()
+    return sum(saved.values())
+
+
+def test_activation_memory_falls_with_cp(corpus, cache_dir, tmp_path):
+    seq = 512
+    model = {**GQA, "max_position_embeddings": seq}
+    measured = {}
+    for cp in (1, 2, 4):
+        raw = tiny_config(corpus, cache_dir, tmp_path / f"m{cp}", model=model, parallel={"cp": cp},
+                          data={"seq_len": seq})
+        measured[cp] = run_ranks(cp, _activation_bytes, raw)
+    single = measured[1][0]
+    for cp in (2, 4):
+        for per_rank in measured[cp]:
+            # Every saved activation is per token, so each rank keeps 1/cp of them; ring attention
+            # keeps only its own q, k, v, output and log-sum-exp (no [T, T] scores). Allow 10% for
+            # the small per-rank constants (RoPE tables of the local positions, index tensors).
+            assert per_rank / single <= 1 / cp * 1.1, (cp, per_rank, single)
