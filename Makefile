@@ -27,7 +27,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/data_parallel.py
+	$(PY) bench/tensor_parallel.py
 	$(PY) bench/pipeline_parallel.py
+	$(PY) bench/context_parallel.py
 
 clean:
 	rm -rf $(VENV) runs

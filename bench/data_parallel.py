@@ -10,18 +10,13 @@ of them alike), and rank 0 prints the median step time of each and the ratios.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import tempfile
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from common import add_timing_args, launch, median_step_times
 from tetron.init import init_weights_
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.data_parallel import apply_data_parallel
@@ -47,10 +42,7 @@ def step(model, optimizer, inputs, targets) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def rank_main(rank: int, args, init_file: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks,
-                            timeout=timedelta(seconds=300))
+def rank_main(rank: int, args) -> None:
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
                          max_position_embeddings=args.seq)
@@ -58,36 +50,25 @@ def rank_main(rank: int, args, init_file: str) -> None:
     inputs = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     runs = {impl: make(impl, config, args.bucket_mb) for impl in IMPLS}
-    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     for impl in IMPLS:  # warm-up: allocator, autograd graph caches
         for _ in range(2):
             step(*runs[impl], inputs, targets)
-    rounds = max(1, args.steps // args.per_round)
-    for _ in range(rounds):
-        for impl in IMPLS:
-            for _ in range(args.per_round):
-                dist.barrier()
-                start = time.perf_counter()
-                step(*runs[impl], inputs, targets)
-                times[impl].append(time.perf_counter() - start)
+    med = median_step_times({impl: lambda impl=impl: step(*runs[impl], inputs, targets) for impl in IMPLS},
+                            steps=args.steps, per_round=args.per_round)
     if rank == 0:
         n_params = sum(p.numel() for p in runs["ddp"][0].module.parameters())
-        med = {impl: statistics.median(t) for impl, t in times.items()}
         print(f"data parallel, {args.ranks} ranks (gloo), {n_params / 1e6:.1f}M params, "
-              f"batch {args.batch}x{args.seq} per rank, {len(times['ddp'])} steps each, bucket {args.bucket_mb} MB")
+              f"batch {args.batch}x{args.seq} per rank, {args.steps} steps each, bucket {args.bucket_mb} MB")
         for impl in IMPLS:
             label = {"naive": "tetron naive", "bucket": "tetron bucket", "ddp": "torch DDP"}[impl]
             print(f"  {label:14s} median step {med[impl] * 1e3:8.1f} ms")
         print(f"  bucket / naive = {med['bucket'] / med['naive']:.3f}   (below 1: bucketed is faster)")
         print(f"  bucket / DDP   = {med['bucket'] / med['ddp']:.3f}   (1.05 or below: within 5% of DDP)")
-    dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
-    parser.add_argument("--per-round", type=int, default=2, help="consecutive steps per implementation per round")
+    add_timing_args(parser)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
@@ -95,11 +76,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        # fork: the children share this process's imported torch, so they start in milliseconds
-        mp.start_processes(rank_main, args=(args, os.path.join(tmp, "init")), nprocs=args.ranks,
-                           start_method="fork")
-
+    launch(rank_main, args)
 
 if __name__ == "__main__":
     main()

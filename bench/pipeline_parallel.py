@@ -12,18 +12,14 @@ alike), and rank 0 prints the median step time of each and their ratio. A step i
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+from common import add_timing_args, launch, median_step_times
 from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
@@ -55,10 +51,7 @@ def fmt(values: list[float]) -> str:
     return " ".join(f"{v:.3f}" for v in values)
 
 
-def rank_main(rank: int, args, init_file: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks,
-                            timeout=timedelta(seconds=600))
+def rank_main(rank: int, args) -> None:
     p, m, mb, seq = args.ranks, args.micro_batches, args.micro_batch, args.seq
     mesh = Mesh(pp=p)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
@@ -108,14 +101,7 @@ def rank_main(rank: int, args, init_file: str) -> None:
     first = {impl: fn() for impl, fn in runs.items()}  # warm-up (torch infers shapes on its first step)
     runs["tetron"]()
     runs["torch"]()
-    times: dict[str, list[float]] = {impl: [] for impl in runs}
-    for _ in range(max(1, args.steps // args.per_round)):
-        for impl, fn in runs.items():
-            for _ in range(args.per_round):
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                times[impl].append(time.perf_counter() - start)
+    med = median_step_times(runs, steps=args.steps, per_round=args.per_round)
 
     # the bubble of each schedule, from every rank's action timestamps
     bubbles = {}
@@ -144,9 +130,8 @@ def rank_main(rank: int, args, init_file: str) -> None:
               f"torch {first['torch']:.6f}", flush=True)
     dist.barrier()
     if rank == 0:
-        med = {impl: statistics.median(t) for impl, t in times.items()}
         print(f"pipeline parallel, {p} ranks (gloo), {args.layers} layers hidden {args.hidden} vocab {args.vocab}, "
-              f"{m} micro-batches of {mb}x{seq}, {len(times['tetron'])} steps each")
+              f"{m} micro-batches of {mb}x{seq}, {args.steps} steps each")
         print(f"  tetron 1F1B          median step {med['tetron'] * 1e3:8.1f} ms")
         print(f"  torch Schedule1F1B   median step {med['torch'] * 1e3:8.1f} ms")
         print(f"  tetron / torch = {med['tetron'] / med['torch']:.3f}   (1.00 or below: tetron is not slower)")
@@ -156,14 +141,11 @@ def rank_main(rank: int, args, init_file: str) -> None:
             theory = theoretical_bubble(name, pp=p, virtual=virtual, micro_batches=m)
             print(f"    {name:11s} v={virtual}  measured [{fmt(measured)}]  replayed [{fmt(replayed)}]  "
                   f"theory {theory:.3f}   peak (chunk, micro-batch) pairs held per rank {peaks}")
-    dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
-    parser.add_argument("--per-round", type=int, default=2, help="consecutive steps per implementation per round")
+    add_timing_args(parser)
     parser.add_argument("--bubble-steps", type=int, default=3, help="measured steps per schedule for the bubble")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
@@ -172,11 +154,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=8)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        # fork: the children share this process's imported torch, so they start in milliseconds
-        mp.start_processes(rank_main, args=(args, os.path.join(tmp, "init")), nprocs=args.ranks,
-                           start_method="fork")
-
+    launch(rank_main, args)
 
 if __name__ == "__main__":
     main()

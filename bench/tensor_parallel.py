@@ -10,15 +10,9 @@ Each rank runs both in interleaved rounds; rank 0 prints the median step times a
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import tempfile
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
@@ -29,6 +23,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from common import add_timing_args, launch, median_step_times
 from tetron.init import init_weights_, materialize_
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -60,10 +55,7 @@ def torch_tp_model(config: LlamaConfig, mesh) -> Llama:
     return parallelize_module(model, mesh, plan)
 
 
-def rank_main(rank: int, args, init_file: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks,
-                            timeout=timedelta(seconds=300))
+def rank_main(rank: int, args) -> None:
     mesh = init_device_mesh("cpu", (args.ranks,))
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
                          num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
@@ -97,41 +89,27 @@ def rank_main(rank: int, args, init_file: str) -> None:
 
     runs = {"tetron": step_ours, "torch": step_theirs}
     first = {name: fn() for name, fn in runs.items()}  # warm-up, and a check that both compute the same loss
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(max(1, args.steps // args.per_round)):
-        for name, fn in runs.items():
-            for _ in range(args.per_round):
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+    med = median_step_times(runs, steps=args.steps, per_round=args.per_round)
     if rank == 0:
-        med = {name: statistics.median(t) for name, t in times.items()}
         n_params = config.num_params()
         print(f"tensor parallel, tp={args.ranks} (gloo), {n_params / 1e6:.1f}M params, batch {args.batch}x{args.seq}, "
-              f"{len(times['tetron'])} steps each")
+              f"{args.steps} steps each")
         print(f"  first-step loss: tetron {first['tetron']:.6f}  torch {first['torch']:.6f}")
         print(f"  tetron tp            median step {med['tetron'] * 1e3:8.1f} ms")
         print(f"  torch DTensor tp     median step {med['torch'] * 1e3:8.1f} ms")
         print(f"  tetron / torch = {med['tetron'] / med['torch']:.3f}   (1 or below: tetron is not slower)")
-    dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
-    parser.add_argument("--per-round", type=int, default=2)
+    add_timing_args(parser)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(rank_main, args=(args, os.path.join(tmp, "init")), nprocs=args.ranks,
-                           start_method="fork")
-
+    launch(rank_main, args)
 
 if __name__ == "__main__":
     main()

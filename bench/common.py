@@ -1,0 +1,57 @@
+"""What every multi-rank benchmark shares: forked ranks, and interleaved timing with medians.
+
+Forking after torch is imported starts ranks in milliseconds. Each implementation runs a few
+steps in turn, round after round, so drift in machine load hits all of them alike; every timed
+step starts after a barrier, and the median is reported, since timings here vary 20-60%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def add_timing_args(parser: argparse.ArgumentParser, *, ranks: int = 2) -> None:
+    parser.add_argument("--ranks", type=int, default=ranks)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
+    parser.add_argument("--per-round", type=int, default=2, help="consecutive steps per implementation per round")
+
+
+def launch(rank_main: Callable, args: argparse.Namespace) -> None:
+    """Run rank_main(rank, args) on args.ranks forked ranks of a gloo process group."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank_entry, args=(rank_main, args, os.path.join(tmp, "init")), nprocs=args.ranks,
+                           start_method="fork")
+
+
+def _rank_entry(rank: int, rank_main: Callable, args: argparse.Namespace, init_file: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))  # ranks share the cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks,
+                            timeout=timedelta(seconds=600))
+    try:
+        rank_main(rank, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def median_step_times(runs: dict[str, Callable[[], object]], *, steps: int, per_round: int) -> dict[str, float]:
+    """Median seconds per call of each run, timed in interleaved rounds (call every run once first
+    to warm up)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(max(1, steps // per_round)):
+        for name, step in runs.items():
+            for _ in range(per_round):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
