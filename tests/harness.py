@@ -7,13 +7,14 @@ through a pipe; an exception or a hang in any rank fails the caller with its mes
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import tempfile
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -71,3 +72,19 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300, **kwar
         if errors:
             raise RuntimeError("\n".join(errors))
         return results
+
+
+@contextlib.contextmanager
+def saved_bytes(model: torch.nn.Module) -> Iterator[dict[int, int]]:
+    """Storage bytes of what autograd saves for the backward inside the block, by storage, the
+    model's weights left out: the activation memory held from the forward to the backward pass."""
+    params = {p.data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved

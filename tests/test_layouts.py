@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_config
-from harness import run_ranks
+from harness import run_ranks, saved_bytes
 from tetron.config import from_dict, validate
 from tetron.mesh import Mesh
 from tetron.train import build_model, prepare_data, train
@@ -109,18 +109,10 @@ def _activation_bytes(raw: dict) -> int:
     from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 
     apply_context_parallel(model, mesh, layout="zigzag")
-    params = {p.data_ptr() for p in model.parameters()}
     seq, cp = cfg.data.seq_len, cfg.parallel.cp
     mine = shard_indices(seq, cp, mesh.local_rank("cp")) if cp > 1 else torch.arange(seq)
     ids = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            saved[t.data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes(model) as saved:
         logits = model(ids[:, mine], mine)
     logits.float().sum().backward()
     return sum(saved.values())

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from conftest import tiny_config
-from harness import run_ranks
+from harness import run_ranks, saved_bytes
 from tetron.checkpoint import gather_full_state
 from tetron.config import from_dict, validate
 from tetron.mesh import Mesh
@@ -104,15 +104,15 @@ def _vocab_parallel_loss_rank(vocab: int, tp: int) -> dict:
 
 @pytest.mark.parametrize("vocab, tp", [(256, 2), (257, 2), (257, 4)])
 def test_vocab_parallel_cross_entropy_equals_full_softmax(vocab, tp):
-    for r in run_ranks(tp, _vocab_parallel_loss_rank, vocab, tp):
+    results = run_ranks(tp, _vocab_parallel_loss_rank, vocab, tp)
+    for r in results:
         # float64 inside the test, but the function computes in fp32: 1e-5 relative covers that rounding.
         assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
         torch.testing.assert_close(r["grad"].double(), r["ref_grad"], rtol=1e-5, atol=1e-6)
         # padded columns get neither probability nor gradient
         padding = r["cols"] >= vocab
         assert torch.all(r["grad"][:, padding] == 0)
-    assert sum(int((r["cols"] >= vocab).sum()) for r in run_ranks(tp, _vocab_parallel_loss_rank, vocab, tp)) == \
-        padded_vocab_size(vocab, tp) - vocab
+    assert sum(int((r["cols"] >= vocab).sum()) for r in results) == padded_vocab_size(vocab, tp) - vocab
 
 
 # ----------------------------------------------------------------------------- memory of logits + loss
@@ -127,18 +127,10 @@ def _head_and_loss_saved_bytes(raw: dict) -> int:
     mesh = Mesh(tp=cfg.parallel.tp)
     model = build_model(cfg, torch.device("cpu"), tp_group=mesh.group("tp"))
     loss_fn = make_loss_fn(cfg, mesh)
-    params = {p.data_ptr() for p in model.parameters()}
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (4, cfg.data.seq_len))
     hidden = model.model(ids, torch.arange(cfg.data.seq_len)[None]).detach().requires_grad_(True)
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            saved[t.data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes(model) as saved:
         loss = loss_fn(model.lm_head(hidden), ids)
     loss.backward()
     return sum(saved.values())
