@@ -21,8 +21,8 @@ from tetron.config import (
     TrainConfig,
     from_dict,
     load_config,
-    validate,
 )
+from tetron.validate import validate
 from tetron.model import LlamaConfig
 
 SHIPPED = sorted(CONFIGS_DIR.glob("*.yaml"))
@@ -139,6 +139,10 @@ SHORT_FLAG_CASES = {
     "cp-layout": ("contiguous", lambda c: c.parallel.cp_layout, "contiguous"),
     "pp-schedule": ("interleaved", lambda c: c.parallel.pp_schedule, "interleaved"),
     "pp-virtual": ("3", lambda c: c.parallel.pp_virtual, 3),
+    "save-every": ("5", lambda c: c.checkpoint.save_every, 5),
+    "resume": ("auto", lambda c: c.checkpoint.resume, "auto"),
+    "init-from": ("org/name", lambda c: c.checkpoint.init_from, "org/name"),
+    "max-restarts": ("2", lambda c: c.parallel.max_restarts, 2),
 }
 
 

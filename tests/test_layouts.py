@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from conftest import tiny_config
 from harness import run_ranks, saved_bytes
-from tetron.config import from_dict, validate
+from tetron.config import from_dict
+from tetron.validate import validate
 from tetron.mesh import Mesh
 from tetron.train import build_model, prepare_data, train
 

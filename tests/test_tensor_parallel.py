@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from conftest import tiny_config
 from harness import run_ranks, saved_bytes
 from tetron.checkpoint import gather_full_state
-from tetron.config import from_dict, validate
+from tetron.config import from_dict
+from tetron.validate import validate
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.tensor_parallel import (

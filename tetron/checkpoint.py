@@ -1,16 +1,29 @@
-"""The trained model as a Hugging Face model folder: config.json + safetensors (+ tokenizer).
+"""Checkpoints, written: the model as a Hugging Face model folder, optimizer state beside it, trainer state.
 
-transformers' `AutoModelForCausalLM.from_pretrained(folder)` loads it as it is. The folder is
-written under a temporary name and renamed when complete, so a crash never leaves half a model
-under the final name. No pickle: nothing here can run code when loaded.
+    OUT/checkpoints/step_N/
+        config.json, model-XXXXX-of-YYYYY.safetensors, model.safetensors.index.json   (transformers loads this)
+        optimizer-XXXXX-of-YYYYY.safetensors, optimizer.safetensors.index.json     ("{name}.exp_avg", "{name}.exp_avg_sq")
+        rng.safetensors ("rank_{i}": every rank's CPU generator state), tokenizer files
+        trainer_state.json   (step, tokens, loader position, config, layout, sha256 of every other file; written last)
+    OUT/checkpoints/latest   ("step_N", replaced after the folder is complete)
+
+Every tensor is gathered whole (over tp, padding cut) on its pipeline stage and sent to rank 0, which
+streams it into the current shard: no rank holds more than one full tensor. The folder is written as
+`step_N.tmp-<random>`, synced, renamed; `latest` is updated last, so a run killed at any moment leaves the
+previous checkpoint whole. No pickle: safetensors and JSON only, nothing here can run code when read.
+Reading is in checkpoint_load.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,6 +34,16 @@ from tetron.data import Tokenizer
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.comm import all_gather_dim
+from tetron.safetensors_stream import SafetensorsWriter
+
+FORMAT = "tetron-checkpoint/1"
+STATE_FILE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
+STEP_DIR = re.compile(r"^step_(\d+)$")
+Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or model folder that cannot be used; its message is one line naming the file."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -31,9 +54,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """JSON written to a temporary name, synced, then renamed over `path`."""
+    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    _fsync_file(tmp)
+    os.replace(tmp, path)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def seal(state: dict[str, Any]) -> dict[str, Any]:
+    """The trainer state with a checksum of its own content, so an edit anywhere in it is caught."""
+    body = {k: v for k, v in state.items() if k != "checksum"}
+    return {**body, "checksum": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
+
+
+# --------------------------------------------------------------------------- whole model folders
+
+
 def save_model(model: Llama, folder: Path, *, tokenizer: Tokenizer | None = None) -> None:
     """Write a whole, plain Llama as a HF model folder at `folder`, replacing any old one."""
     save_state(model.state_dict(), model.config, folder, tokenizer=tokenizer)
+
+
+def _replace_folder(tmp: Path, folder: Path) -> None:
+    """Sync every file of `tmp`, then put it at `folder` (an old one is moved aside first, removed after)."""
+    for f in tmp.iterdir():
+        _fsync_file(f)
+    old = folder.with_name(folder.name + ".old")
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+    tmp.rename(folder)
+    _fsync_dir(folder.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_state(state: dict[str, Tensor], config: LlamaConfig, folder: Path, *,
@@ -50,89 +116,288 @@ def save_state(state: dict[str, Tensor], config: LlamaConfig, folder: Path, *,
     (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(tmp)
-    for f in tmp.iterdir():
-        with open(f, "rb+") as fh:
-            os.fsync(fh.fileno())
-    old = folder.with_name(folder.name + ".old")
-    if folder.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        folder.rename(old)
-    tmp.rename(folder)
-    _fsync_dir(folder.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    _replace_folder(tmp, folder)
 
 
 def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
-    """A plain Llama from a HF model folder (config.json + model.safetensors)."""
+    """A plain Llama from a HF model folder (config.json + model.safetensors, or shards + index)."""
+    from tetron.checkpoint_load import TensorReader
+
     folder = Path(folder)
     config = LlamaConfig.from_hf(folder)
     with torch.device("meta"):
         model = Llama(config)
-    state = load_file(folder / "model.safetensors", device=str(device))
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    if (folder / "model.safetensors").is_file():
+        state = load_file(folder / "model.safetensors", device=str(device))
+        where = folder / "model.safetensors"
+    else:
+        with TensorReader(folder, "model") as reader:
+            state = {k: reader.read(k).to(device) for k in reader.names() if k in expected}
+        where = folder / "model.safetensors.index.json"
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
         name = sorted(missing or unexpected)[0]
         what = "missing" if missing else "unexpected"
-        raise ValueError(f"{folder / 'model.safetensors'}: {what} tensor {name} for this config.json")
+        raise ValueError(f"{where}: {what} tensor {name} for this config.json")
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
 
 
-def _full_tensor(param: nn.Parameter, tp_group: dist.ProcessGroup) -> Tensor:
-    """The whole tensor of which `param` holds a part (all-gathered over tp, padding cut), on its device."""
-    full = param.detach()
+# --------------------------------------------------------------------------- gathering, one tensor at a time
+
+
+def _full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup) -> Tensor:
+    """The whole tensor of which `local` (the parameter or a state of the same shape) is this rank's part."""
     shard = getattr(param, "shard", None)
-    if shard is not None:
-        dim = shard[0]
-        full = all_gather_dim(full, dim, tp_group)
-        full = full.narrow(dim, 0, getattr(param, "logical_size", full.shape[dim]))
-    return full
+    if shard is None:
+        return local
+    dim = shard[0]
+    full = all_gather_dim(local, dim, tp_group)
+    return full.narrow(dim, 0, getattr(param, "logical_size", full.shape[dim]))
 
 
 @torch.no_grad()
 def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str, Tensor]:
-    """The whole tensors of a tensor-parallel model, one at a time (memory bounded by the largest):
-    shards are all-gathered over tp and vocabulary padding is cut off. Every tp rank gets them."""
-    return {name: _full_tensor(param, tp_group).cpu()
-            for name, param in model.named_parameters(remove_duplicate=False)}
+    """The whole tensors of a tensor-parallel model (every tp rank gets them); for tests and small models."""
+    return {name: _full_tensor(p.detach(), p, tp_group).cpu()
+            for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _stage_of(name: str, layer_ranks: list[int], pp: int) -> int:
-    """The pipeline rank that holds tensor `name`: layers by `layer_ranks`, the embedding on the first,
+def stage_of(name: str, layer_ranks: list[int], pp: int) -> int:
+    """The pipeline rank that holds parameter `name`: layers by `layer_ranks`, the embedding on the first,
     the final norm and head on the last."""
     if name.startswith("model.layers."):
         return layer_ranks[int(name.split(".")[2])]
     return 0 if name.startswith("model.embed_tokens.") else pp - 1
 
 
-@torch.no_grad()
-def gather_pipeline_state(chunks: list[nn.Module], mesh: Mesh, *, config: LlamaConfig,
-                          layer_ranks: list[int]) -> dict[str, Tensor]:
-    """The whole model on global rank 0, from every pipeline stage: the stages of rank 0's (dp, cp, tp)
-    column send it their tensors (gathered over tp) one at a time, in the plain model's order.
-    Other ranks take part in the tp gathers and return {}."""
-    pp = mesh.local_rank("pp")
-    in_column = all(mesh.local_rank(axis) == 0 for axis in ("dp", "cp", "tp"))
-    mine = {name: param for chunk in chunks for name, param in chunk.named_parameters(remove_duplicate=False)}
+def model_specs(config: LlamaConfig) -> list[Spec]:
+    """Every tensor of the HF model folder in the plain model's order; a tied head is not stored."""
     with torch.device("meta"):
         whole = Llama(config)  # names and full shapes, no storage
-    state: dict[str, Tensor] = {}
-    for name, meta in whole.named_parameters(remove_duplicate=False):
-        owner = _stage_of(name, layer_ranks, mesh.size("pp"))
-        if owner == pp:
-            full = _full_tensor(mine[name], mesh.group("tp")).contiguous()  # every tp rank joins the gather
+    return [(name, name, p.dtype, tuple(p.shape)) for name, p in whole.named_parameters(remove_duplicate=False)
+            if not (config.tie_word_embeddings and name == "lm_head.weight")]
+
+
+def optimizer_specs(config: LlamaConfig) -> list[Spec]:
+    """AdamW's two moments of every stored parameter, full (unpadded) shapes, fp32."""
+    return [(f"{name}.{kind}", name, torch.float32, shape)
+            for name, _, _, shape in model_specs(config) for kind in ("exp_avg", "exp_avg_sq")]
+
+
+@torch.no_grad()
+def gather_tensors(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], *, layer_ranks: list[int],
+                   local: Callable[[nn.Parameter, str], Tensor]) -> Iterator[tuple[str, Tensor | None]]:
+    """Yield (key, whole tensor) on global rank 0 for every spec, in order; (key, None) on the other ranks,
+    which take part in the tp all-gathers of their stage, and, on the owning stage's (dp=0, cp=0, tp=0)
+    rank, send the tensor to rank 0. `local(param, key)` is this rank's part of the tensor."""
+    pp_rank, pp = mesh.local_rank("pp"), mesh.size("pp")
+    in_column = all(mesh.local_rank(axis) == 0 for axis in ("dp", "cp", "tp"))
+    mine = {name: p for chunk in chunks for name, p in chunk.named_parameters(remove_duplicate=False)}
+    device = next(iter(mine.values())).device
+    for key, name, dtype, shape in specs:
+        owner = stage_of(name, layer_ranks, pp)
+        if owner == pp_rank:
+            param = mine[name]
+            full = _full_tensor(local(param, key), param, mesh.group("tp")).contiguous()  # all tp ranks join
             if mesh.rank == 0:
-                state[name] = full.cpu()
-            elif in_column:
+                yield key, full.cpu()
+                continue
+            if in_column:
                 dist.send(full, dst=0)
         elif mesh.rank == 0:
-            device = next(iter(mine.values())).device
-            full = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            full = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(full, src=mesh.stage_rank(owner))
-            state[name] = full.cpu()
-    return state
+            yield key, full.cpu()
+            continue
+        yield key, None
+
+
+def plan_shards(specs: list[Spec], shard_bytes: int) -> list[list[Spec]]:
+    """Consecutive specs grouped into shards of at most `shard_bytes` (a larger tensor gets its own)."""
+    shards: list[list[Spec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = torch.Size(spec[3]).numel() * torch.empty((), dtype=spec[2]).element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
+
+
+def write_tensors(folder: Path | None, prefix: str, specs: list[Spec], stream: Iterator[tuple[str, Tensor | None]],
+                  *, shard_bytes: int, single_file: bool = False) -> None:
+    """Consume `stream` (from gather_tensors) on every rank; rank 0 (folder not None) writes the shards
+    `{prefix}-XXXXX-of-YYYYY.safetensors` and `{prefix}.safetensors.index.json` (or, with `single_file`
+    and one shard, `{prefix}.safetensors` alone, as transformers writes small models)."""
+    plan = plan_shards(specs, shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(plan):
+        fname = (f"{prefix}.safetensors" if single_file and len(plan) == 1
+                 else f"{prefix}-{i + 1:05d}-of-{len(plan):05d}.safetensors")
+        writer = (SafetensorsWriter(folder / fname, [(k, dt, sh) for k, _, dt, sh in shard],
+                                    metadata={"format": "pt"}) if folder is not None else None)
+        for key, _, _, _ in shard:
+            got, tensor = next(stream)
+            assert got == key  # the stream follows the same specs
+            if writer is not None:
+                writer.write(key, tensor)
+                total += tensor.numel() * tensor.element_size()
+            weight_map[key] = fname
+        if writer is not None:
+            writer.close()
+    if folder is not None and not (single_file and len(plan) == 1):
+        write_json(folder / f"{prefix}.safetensors.index.json",
+                   {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _gather_rng(mesh: Mesh, device: torch.device) -> dict[str, Tensor]:
+    """Every rank's generator states on rank 0: CPU ("rank_{i}"), and CUDA ("cuda_rank_{i}") on GPUs.
+    All the same size, so a tensor all-gather carries them (all_gather_object would pickle)."""
+    states = {"rank": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda_rank"] = torch.cuda.get_rng_state(device)
+    out: dict[str, Tensor] = {}
+    for prefix, state in states.items():
+        parts = [torch.empty_like(state, device=device) for _ in range(mesh.world_size)]
+        dist.all_gather(parts, state.to(device))
+        out.update({f"{prefix}_{i}": part.cpu() for i, part in enumerate(parts)})
+    return out
+
+
+def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, config: LlamaConfig,
+                       layer_ranks: list[int], tokenizer: Tokenizer | None, shard_mb: int) -> None:
+    """OUT/model: the model as a HF folder (model.safetensors when it fits one shard), replaced atomically.
+    Every rank calls this; rank 0 writes."""
+    tmp = None
+    if mesh.rank == 0:
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    specs = model_specs(config)
+    stream = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks, local=lambda p, k: p.detach())
+    write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True)
+    if tmp is not None:
+        (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        _replace_folder(tmp, folder)
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoints_dir(out: Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The complete `step_N` folders under OUT/checkpoints, in the order they were written (oldest
+    first). Not by step: a run resumed from an earlier step into the same OUT writes lower step
+    numbers after higher ones, and `keep` must keep what was written last."""
+    root = checkpoints_dir(out)
+    if not root.is_dir():
+        return []
+    found = [((p / STATE_FILE).stat().st_mtime_ns, int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, _, p in sorted(found)]
+
+
+def find_latest(out: Path) -> Path | None:
+    """The checkpoint `latest` names if it is complete, else the last complete one written, else None."""
+    root = checkpoints_dir(out)
+    try:
+        name = (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    if STEP_DIR.match(name) and (root / name / STATE_FILE).is_file():
+        return root / name
+    done = complete_checkpoints(out)
+    return done[-1] if done else None
+
+
+def clean_stale(out: Path) -> None:
+    """Remove the `.tmp-*` folders a killed save left behind (never a complete checkpoint). A
+    `step_N.tmp-old-*` is the previous step_N moved aside to be replaced: if the save died before its
+    replacement took its place, it is the only copy and goes back."""
+    root = checkpoints_dir(out)
+    if root.is_dir():
+        for p in root.iterdir():
+            if ".tmp-" not in p.name:
+                continue
+            final = root / p.name.split(".tmp-")[0]
+            if ".tmp-old-" in p.name and not final.exists() and (p / STATE_FILE).is_file():
+                p.rename(final)
+            elif p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], layer_ranks: list[int], tokenizer: Tokenizer | None) -> Path:
+    """Write OUT/checkpoints/step_N (N = trainer_state["step"]) atomically, point `latest` at it and keep
+    the newest `cfg.checkpoint.keep`. Every rank calls this; rank 0 writes."""
+    step, rank0 = int(trainer_state["step"]), mesh.rank == 0
+    root = checkpoints_dir(out)
+    final = root / f"step_{step}"
+    tmp = root / f"step_{step}.tmp-{secrets.token_hex(4)}" if rank0 else None
+    if tmp is not None:
+        tmp.mkdir(parents=True)
+    device = next(chunks[0].parameters()).device
+    rng = _gather_rng(mesh, device)
+    shard_bytes = cfg.checkpoint.shard_mb << 20
+    specs = model_specs(cfg.model)
+    write_tensors(tmp, "model", specs, gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks,
+                                                      local=lambda p, k: p.detach()), shard_bytes=shard_bytes)
+    # Every rank has stepped (or none has): a fresh optimizer has no state to save.
+    has_moments = bool(optimizer.state)
+    steps = {float(s["step"]) for s in optimizer.state.values()}
+    if has_moments:
+        ospecs = optimizer_specs(cfg.model)
+        local = lambda p, key: optimizer.state[p][key.rsplit(".", 1)[1]]  # noqa: E731
+        write_tensors(tmp, "optimizer", ospecs, gather_tensors(chunks, mesh, ospecs, layer_ranks=layer_ranks,
+                                                               local=local), shard_bytes=shard_bytes)
+    if tmp is not None:
+        save_file(rng, tmp / "rng.safetensors")
+        (tmp / "config.json").write_text(json.dumps(cfg.model.to_hf(), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        state = {"format": FORMAT, **trainer_state,
+                 "optimizer": {"present": has_moments, "step": max(steps) if steps else 0.0},
+                 "files": {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}}
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        write_json(tmp / STATE_FILE, seal(state))  # last: its presence marks the folder complete
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # the same step saved again (a resumed run ending where it began)
+            old = final.with_name(f"{final.name}.tmp-old-{secrets.token_hex(4)}")
+            final.rename(old)
+        tmp.rename(final)
+        _fsync_dir(root)
+        _write_latest(root, final.name)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in complete_checkpoints(out)[:-cfg.checkpoint.keep]:
+            if stale != final:
+                shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f"latest.tmp-{secrets.token_hex(4)}"
+    tmp.write_text(name + "\n")
+    _fsync_file(tmp)
+    os.replace(tmp, root / "latest")
+    _fsync_dir(root)

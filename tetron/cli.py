@@ -12,12 +12,16 @@ import os
 import sys
 import uuid
 
-from tetron.config import Config, ConfigError, load_config, validate
+from tetron.checkpoint import CheckpointError
+from tetron.config import Config, ConfigError, load_config
+from tetron.validate import validate
 from tetron.data import DataError
 
 USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [--model M] [--data D] [--tokenizer T]
                     [--out DIR] [--dp N] [--tp N] [--pp N] [--cp N] [--steps N] [--seed N]
                     [--seq-len N] [--micro-batch N] [--grad-acc N] [--lr X] [--dp-impl naive|bucket]
+                    [--save-every N] [--resume PATH|auto] [--init-from PATH_OR_HUB_NAME] [--max-restarts N]
+       tetron convert SRC DST   (a checkpoint to a Hugging Face folder, or a HF folder to a checkpoint)
        tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]"""
 
 
@@ -46,7 +50,7 @@ def train_command(args: list[str]) -> int:
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
         if not inside_launch or os.environ.get("RANK") == "0":
             _check_data(cfg)
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, CheckpointError) as err:
         return _fail(str(err))
 
     from tetron.train import run_rank
@@ -60,17 +64,29 @@ def train_command(args: list[str]) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=cfg.parallel.max_restarts,
                           monitor_interval=0.1, start_method="spawn")
     print(f"tetron: starting {cfg.world_size} ranks (dp={cfg.parallel.dp} tp={cfg.parallel.tp} "
           f"pp={cfg.parallel.pp} cp={cfg.parallel.cp}), run folder {cfg.out}", flush=True)
     try:
         elastic_launch(launch, run_rank)(raw)
     except ChildFailedError as err:
-        first = next(iter(err.failures.values()))
-        print(f"tetron: training failed on rank {first.global_rank} (exit code {first.exitcode}); "
+        rank, first = next(iter(err.failures.items()))
+        print(f"tetron: training failed on rank {rank} (exit code {first.exitcode}); "
               f"see its error above", file=sys.stderr)
         return 1
+    return 0
+
+
+def convert_command(args: list[str]) -> int:
+    if len(args) != 2 or any(a.startswith("-") for a in args):
+        return _fail("usage: tetron convert SRC DST (a checkpoint folder to a HF folder, or back)")
+    from tetron.convert import convert
+
+    try:
+        print(f"tetron: {convert(args[0], args[1])}")
+    except CheckpointError as err:
+        return _fail(str(err))
     return 0
 
 
@@ -108,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         return train_command(rest)
     if command == "generate":
         return generate_command(rest)
-    return _fail(f"unknown command {command!r}; use train or generate")
+    if command == "convert":
+        return convert_command(rest)
+    return _fail(f"unknown command {command!r}; use train, convert or generate")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 A config is built in three steps: the YAML file becomes a plain dict, command-line
 overrides edit that dict in the order given, and `from_dict` turns it into dataclasses
-(unknown keys are an error). `validate` then checks everything that can be checked
+(unknown keys are an error). `validate` (validate.py) then checks everything that can be checked
 before a process group starts; each problem is one `ConfigError` line naming the field.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+
 import types
 import typing
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # gradient bucket size for dp_impl=bucket, in MB of fp32
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     timeout_s: float = 600.0  # a collective that takes longer fails the run with an error
+    max_restarts: int = 0  # the launcher restarts all ranks this many times after a failure (they resume "auto")
 
 
 @dataclass
@@ -70,6 +72,16 @@ class TrainConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     seed: int = 0  # seeds the weights, the data order and the sampler
     dtype: str = "float32"  # compute dtype: "float32" or "bfloat16" (autocast; weights stay fp32)
+    on_nonfinite: str = "stop"  # a NaN/inf loss: "stop" the run naming the step, or "skip" the step's update
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = 0  # save OUT/checkpoints/step_N every this many steps; 0: only at the end of the run
+    keep: int = 3  # complete checkpoints kept (the oldest are deleted after each save)
+    resume: str | None = None  # a checkpoint folder to continue from, or "auto": OUT's latest, if any
+    init_from: str | None = None  # start from these weights: a Hugging Face model folder or hub name
+    shard_mb: int = 2000  # largest safetensors shard in MB; a larger tensor gets a shard of its own
 
 
 @dataclass
@@ -88,6 +100,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     out: str = "runs/default"  # the run folder: metrics.jsonl, tokenizer, final model
 
     @property
@@ -124,6 +137,10 @@ SHORT_FLAGS = {
     "pp-schedule": "parallel.pp_schedule",
     "pp-virtual": "parallel.pp_virtual",
     "cp-layout": "parallel.cp_layout",
+    "save-every": "checkpoint.save_every",
+    "resume": "checkpoint.resume",
+    "init-from": "checkpoint.init_from",
+    "max-restarts": "parallel.max_restarts",
 }
 # Flags that may stand alone, meaning true: `--sp`.
 BOOL_FLAGS = {"sp"}
@@ -283,9 +300,16 @@ def from_dict(raw: dict[str, Any]) -> Config:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown section; known sections are {', '.join(sorted(known))}")
-    sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig}
+    sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig,
+                "checkpoint": CheckpointConfig}
     kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name) for name, cls in sections.items()}
-    kwargs["model"] = resolve_model(raw.get("model")) if "model" in raw else LlamaConfig()
+    init_from = kwargs["checkpoint"].init_from
+    if "model" in raw:
+        kwargs["model"] = resolve_model(raw.get("model"))
+    elif init_from and (Path(init_from).expanduser() / "config.json").is_file():
+        kwargs["model"] = resolve_model(str(Path(init_from).expanduser()))  # the model is the one loaded
+    else:
+        kwargs["model"] = LlamaConfig()
     if "out" in raw:
         kwargs["out"] = _coerce(raw["out"], str, "out")
     return Config(**kwargs)
@@ -307,117 +331,3 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not isinstance(raw, dict):
             raise ConfigError(f"config {p}: expected a mapping of sections at the top level")
     return from_dict(apply_overrides(raw, list(overrides)))
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _validate_pipeline(cfg: Config) -> None:
-    """The pipeline checks: stages vs layers, the schedule's needs in micro-batches, the split."""
-    p, layers, m = cfg.parallel, cfg.model.num_hidden_layers, cfg.train.grad_acc
-    _check(p.pp_schedule in ("afab", "1f1b", "interleaved"),
-           f"parallel.pp_schedule={p.pp_schedule!r}: use afab, 1f1b or interleaved")
-    _check(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be at least 1")
-    _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved",
-           f"parallel.pp_virtual={p.pp_virtual} needs pp_schedule=interleaved; use pp_virtual=1 with "
-           f"pp_schedule={p.pp_schedule}")
-    _check(p.pp <= layers, f"parallel.pp={p.pp} is more than model.num_hidden_layers={layers}; use pp <= {layers}")
-    stages = p.pp * p.pp_virtual
-    if p.pp_schedule == "interleaved":
-        _check(p.pp >= 2, f"parallel.pp_schedule=interleaved needs pp >= 2, not pp={p.pp}; use pp >= 2 or 1f1b")
-        _check(stages <= layers,
-               f"parallel.pp_virtual={p.pp_virtual} x pp={p.pp} = {stages} virtual stages is more than "
-               f"model.num_hidden_layers={layers}; use pp_virtual <= {layers // p.pp}")
-        # Micro-batches go round the ring in groups of pp, one group per chunk in turn (Megatron's order).
-        _check(m % p.pp == 0,
-               f"train.grad_acc={m} micro-batches: pp_schedule=interleaved needs a multiple of pp={p.pp}; "
-               f"use grad_acc={max(1, -(-m // p.pp)) * p.pp} (or pp_schedule=1f1b, which takes any number)")
-    # afab and 1f1b take any number of micro-batches (grad_acc >= 1 is checked below); with fewer
-    # than pp, stages idle most of the step: the bubble is (pp-1)/(grad_acc+pp-1) of it.
-    if p.pp_split is not None:
-        split = p.pp_split
-        _check(len(split) == stages,
-               f"parallel.pp_split={split} has {len(split)} entries; give one per pipeline stage "
-               f"(pp*pp_virtual = {stages})")
-        _check(min(split) >= 1, f"parallel.pp_split={split}: every stage needs at least 1 layer")
-        _check(sum(split) == layers,
-               f"parallel.pp_split={split} sums to {sum(split)}; it must sum to model.num_hidden_layers={layers}")
-
-
-def validate(cfg: Config, *, world_size: int | None = None) -> None:
-    """Every check that needs no process group; raises ConfigError with one line naming the field."""
-    m, p, d, t, lg = cfg.model, cfg.parallel, cfg.data, cfg.train, cfg.logging
-    for name in ("dp", "tp", "pp", "cp"):
-        _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be at least 1")
-    if world_size is not None:
-        _check(world_size == cfg.world_size,
-               f"world size {world_size} is not dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {cfg.world_size}; "
-               f"launch {cfg.world_size} ranks or change the sizes")
-    _check(p.dp_impl in ("naive", "bucket"), f"parallel.dp_impl={p.dp_impl!r}: use naive or bucket")
-    _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
-    _check(p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r}: use auto, cpu or cuda")
-    _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
-
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "head_dim"):
-        _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be at least 1")
-    _check(m.num_attention_heads % m.num_key_value_heads == 0,
-           f"model.num_key_value_heads={m.num_key_value_heads} must divide "
-           f"num_attention_heads={m.num_attention_heads}")
-    _check(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
-    _check(m.num_attention_heads % p.tp == 0,
-           f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads}")
-    _check(m.num_key_value_heads % p.tp == 0,
-           f"parallel.tp={p.tp} must divide model.num_key_value_heads={m.num_key_value_heads}")
-    _check(m.intermediate_size % p.tp == 0,
-           f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
-    _check(p.vocab_pad_multiple >= 1, f"parallel.vocab_pad_multiple={p.vocab_pad_multiple} must be at least 1")
-    _check(p.cp_layout in ("zigzag", "contiguous"), f"parallel.cp_layout={p.cp_layout!r}: use zigzag or contiguous")
-    chunks = 2 * p.cp if p.cp_layout == "zigzag" and p.cp > 1 else p.cp
-    _check(d.seq_len % chunks == 0,
-           f"data.seq_len={d.seq_len} must be divisible by {'2*cp' if chunks != p.cp else 'cp'}={chunks} "
-           f"(cp={p.cp}, cp_layout={p.cp_layout}); use a multiple of {chunks}")
-    _check(not p.sp or (d.seq_len // p.cp) % p.tp == 0,
-           f"parallel.sp needs data.seq_len={d.seq_len} / cp={p.cp} divisible by tp={p.tp}; "
-           f"use a seq_len that is a multiple of {p.cp * p.tp}")
-    _validate_pipeline(cfg)
-
-    _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be at least 1")
-    _check(d.seq_len <= m.max_position_embeddings,
-           f"data.seq_len={d.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
-    _check(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes={d.max_bytes} must be positive")
-    if not d.path.startswith("hf:") and d.path != "stdlib":
-        from tetron.data import DataError, resolve_files
-
-        try:
-            resolve_files(d.path)
-        except DataError as err:
-            raise ConfigError(f"data.path={d.path}: {err}") from None
-    tok = d.tokenizer
-    if tok.startswith("bpe:"):
-        n = tok[4:]
-        _check(n.isdigit() and int(n) >= 257, f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
-        _check(int(n) <= m.vocab_size,
-               f"data.tokenizer={tok} has a larger vocabulary than model.vocab_size={m.vocab_size}; "
-               f"use bpe:{m.vocab_size} or a larger vocab_size")
-    elif tok == "bytes":
-        _check(m.vocab_size >= 256, f"data.tokenizer=bytes needs model.vocab_size >= 256, not {m.vocab_size}")
-
-    for name in ("steps", "micro_batch", "grad_acc"):
-        _check(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)} must be at least 1")
-    _check(t.lr > 0, f"train.lr={t.lr} must be positive")
-    _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    _check(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
-    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
-    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1/beta2 must be in [0, 1)")
-    _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
-    _check(t.dtype in ("float32", "bfloat16"), f"train.dtype={t.dtype!r}: use float32 or bfloat16")
-    _check(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be at least 1")
-    _check(lg.sample_tokens >= 0, f"logging.sample_tokens={lg.sample_tokens} must be >= 0")
-
-    out = Path(cfg.out).expanduser().resolve()
-    existing = next((q for q in [out, *out.parents] if q.exists()), None)
-    _check(existing is not None and existing.is_dir() and os.access(existing, os.W_OK),
-           f"out={cfg.out}: cannot create or write this folder (choose a writable path)")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tetron import device as dev
-from tetron.checkpoint import gather_full_state, gather_pipeline_state, save_state
+from tetron.checkpoint import clean_stale, find_latest, save_checkpoint, write_model_folder
+from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_from
 from tetron.config import Config, TrainConfig, from_dict
 from tetron.data import DataLoader, Tokenizer, default_cache_dir, load_tokenizer, load_tokens, prepare_tokens
 from tetron.init import init_weights_, materialize_
@@ -158,6 +160,7 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
     # Data: rank 0 tokenizes (or finds the cache) while the others wait, then everyone maps the file.
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
+        clean_stale(out)  # what a save killed mid-write left behind
         prepare_data(cfg)
     dist.barrier()
     tokenizer, token_path = prepare_data(cfg)
@@ -176,6 +179,29 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
     loss_fn = make_loss_fn(cfg, mesh)
     optimizer = build_optimizer(plain if len(chunks) == 1 else nn.ModuleList(chunks), t)
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
+    # Start from a checkpoint (weights, optimizer, data position, RNG), else from a model folder, else
+    # from the seed (build_chunks). Each rank reads only its own slices.
+    ck, resume_from = cfg.checkpoint, None
+    if ck.resume is not None:
+        resume_from = find_latest(out) if ck.resume == "auto" else Path(ck.resume)
+    if resume_from is not None:
+        load_checkpoint(resume_from, chunks=chunks, optimizer=optimizer, loader=loader, mesh=mesh, cfg=cfg)
+    elif ck.init_from is not None:
+        if not rank0:
+            dist.barrier()  # rank 0 downloads a hub model first, the others find it cached
+        load_weights(chunks, resolve_init_from(ck.init_from))
+        if rank0:
+            dist.barrier()
+    layers = layer_ranks(cfg)
+
+    def save(step: int) -> None:
+        state = {"step": step, "tokens": step * cfg.global_batch * d.seq_len, "loader": loader.state_dict(),
+                 "config": cfg.to_dict(), "layout": {**{a: mesh.size(a) for a in ("dp", "tp", "pp", "cp")},
+                                                     "pp_virtual": cfg.parallel.pp_virtual,
+                                                     "world_size": mesh.world_size}}
+        save_checkpoint(out, chunks, mesh, cfg=cfg, optimizer=optimizer, trainer_state=state, layer_ranks=layers,
+                        tokenizer=tokenizer)
+
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
                 else contextlib.nullcontext())
 
@@ -234,11 +260,14 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
             # Zero on every stage but the last: the sum hands every rank (rank 0, which logs, too)
             # the last stage's mean.
             dist.all_reduce(loss_sum, group=mesh.group("pp"))
-        loss_value = float(loss_sum)
-        if not math.isfinite(loss_value):
-            raise FloatingPointError(f"step {step + 1}: loss is {loss_value}; stopping before the weights are updated")
-        grad_norm = clip_grad_norm_(params, t.grad_clip, mesh)
-        optimizer.step()
+        loss_value = float(loss_sum)  # the global loss: every rank takes the same branch below
+        skipped = not math.isfinite(loss_value)
+        if skipped and t.on_nonfinite == "stop":
+            raise FloatingPointError(f"step {step + 1}: loss is {loss_value}; stopping before the weights are updated "
+                                     f"(train.on_nonfinite=skip skips such steps)")
+        grad_norm = clip_grad_norm_(params, t.grad_clip, mesh) if not skipped else float("nan")
+        if not skipped:
+            optimizer.step()
         for chunk in wrapped:
             chunk.zero_grad(set_to_none=True)
         dev.synchronize(device)
@@ -258,29 +287,41 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
                 "peak_mem_mb": dev.peak_memory_mb(device),
                 "mfu": mfu(tokens_per_s, flops_per_token, peak_tflops=peak, world_size=mesh.world_size),
             }
+            if skipped:
+                record["skipped"] = True
             log.write(record)
             if bar:
                 bar.update(step + 1, {"loss": f"{loss_value:.4f}", "lr": f"{lr:.2e}",
                                       "tok/s": f"{tokens_per_s:,.0f}"})
+        if ck.save_every and (step + 1) % ck.save_every == 0 and step + 1 < t.steps:
+            save(step + 1)
     if log:
         log.close()
     result.dp_collectives = sum(chunk.num_collectives for chunk in wrapped)
     result.pipeline_trace = pipeline.trace if pipeline is not None else None
 
-    if pipeline is None:
-        state = gather_full_state(plain, mesh.group("tp"))
-    else:  # rank 0 receives every stage's tensors
-        state = gather_pipeline_state(chunks, mesh, config=cfg.model, layer_ranks=layer_ranks(cfg))
-    if rank0:
-        save_state(state, cfg.model, out / "model", tokenizer=tokenizer)
-    dist.barrier()
+    # The final checkpoint, and OUT/model (the model alone, for `tetron generate`): both streamed to rank 0.
+    save(t.steps)
+    write_model_folder(out / "model", chunks, mesh, config=cfg.model, layer_ranks=layers, tokenizer=tokenizer,
+                       shard_mb=ck.shard_mb)
     return result
+
+
+def _is_timeout(err: BaseException) -> bool:
+    """Whether a torch.distributed error is a collective (or rendezvous) that ran out of time."""
+    text = str(err).lower()
+    return isinstance(err, (dist.DistBackendError, dist.DistStoreError, RuntimeError)) and (
+        "timed out" in text or "timeout" in text)
 
 
 def run_rank(raw_config: dict[str, Any]) -> None:
     """Entry point of one launched rank (elastic launcher or torchrun): group, mesh, train, sample."""
     cfg = from_dict(raw_config)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # The elastic launcher counts restarts; a restarted rank continues from OUT's latest checkpoint.
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restart > 0 and cfg.checkpoint.resume is None:
+        cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
     device = dev.pick_device(cfg.parallel.device, local_rank)
     if device.type == "cpu":
         # Ranks share the cores: more threads than cores per rank only adds contention.
@@ -288,12 +329,20 @@ def run_rank(raw_config: dict[str, Any]) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     device_id = device if device.type == "cuda" else None
-    if "RANK" in os.environ:
-        dist.init_process_group(dev.backend_for(device), timeout=timeout, device_id=device_id)
-    else:  # a single process started without a launcher: a group of one, no rendezvous needed
-        dist.init_process_group(dev.backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout, device_id=device_id)
+    rank = int(os.environ.get("RANK", 0))
     try:
+        if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # The agent's store outlives a restart, and with it the previous attempt's gloo addresses:
+            # a prefix per attempt keeps the new ranks from connecting to the dead ones.
+            store = dist.PrefixStore(f"tetron/attempt_{restart}", dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
+            dist.init_process_group(dev.backend_for(device), store=store, rank=rank,
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout, device_id=device_id)
+        elif "RANK" in os.environ:
+            dist.init_process_group(dev.backend_for(device), timeout=timeout, device_id=device_id)
+        else:  # a single process started without a launcher: a group of one, no rendezvous needed
+            dist.init_process_group(dev.backend_for(device), store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout, device_id=device_id)
         p = cfg.parallel
         mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, device_type=device.type)
         train(cfg, mesh, device=device)
@@ -303,5 +352,13 @@ def run_rank(raw_config: dict[str, Any]) -> None:
             text = sample_from_run(Path(cfg.out), prompt=cfg.logging.sample_prompt,
                                    max_new_tokens=cfg.logging.sample_tokens, device=device, seed=cfg.train.seed)
             print(f"\n--- sample from {cfg.out}/model ---\n{text}\n---", flush=True)
+    except Exception as err:
+        if not _is_timeout(err):
+            raise
+        # One line instead of a C++ stack: the usual cause is another rank, not this one.
+        print(f"tetron: rank {rank}: a collective did not finish within parallel.timeout_s={cfg.parallel.timeout_s:g} s "
+              f"(a rank died or hangs)", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,248 @@
+"""Bad input: damaged or mismatched checkpoints, bad data, out and tokenizer paths. Each ends in one line
+naming the file and what is wrong (exit code 2 through the CLI), and leaves every file on disk as it was.
+A seeded fuzz loop feeds many random corruptions through validation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_config
+from harness import run_ranks
+from test_cli import user_env
+from tetron.checkpoint import STATE_FILE, seal, sha256, write_json
+from tetron.config import ConfigError, from_dict
+from tetron.validate import validate
+from tetron.mesh import Mesh
+from tetron.train import prepare_data, train
+
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def _train_rank(raw: dict) -> None:
+    cfg = from_dict(raw)
+    train(cfg, Mesh())
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory, corpus, cache_dir) -> tuple[Path, dict]:
+    """A real checkpoint after 2 steps (single rank) and the raw config that made it."""
+    tmp = tmp_path_factory.mktemp("good")
+    raw = tiny_config(corpus, cache_dir, tmp / "run", train={"steps": 2})
+    prepare_data(from_dict(raw))
+    run_ranks(1, _train_rank, raw)
+    return tmp / "run" / "checkpoints" / "step_2", raw
+
+
+def hashes(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def reseal(folder: Path) -> None:
+    """Recompute the trainer state's file list and checksum: a checkpoint consistent with itself."""
+    state = json.loads((folder / STATE_FILE).read_text())
+    state["files"] = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)}
+                      for f in sorted(folder.iterdir()) if f.name != STATE_FILE}
+    write_json(folder / STATE_FILE, seal(state))
+
+
+@contextmanager
+def time_limit(seconds: int):
+    def fail(*_):
+        raise TimeoutError(f"no answer within {seconds} s")
+    old = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def expect_error(raw: dict, root: Path, match: str) -> str:
+    """validate() raises one ConfigError line matching `match`; nothing under `root` changes."""
+    before = hashes(root)
+    with time_limit(30), pytest.raises(ConfigError) as info:
+        validate(from_dict(raw))
+    message = str(info.value)
+    assert "\n" not in message and __import__("re").search(match, message), message
+    assert hashes(root) == before
+    return message
+
+
+def copy_of(good, tmp_path) -> tuple[Path, dict]:
+    ck, raw = good
+    folder = tmp_path / "step_2"
+    shutil.copytree(ck, folder)
+    return folder, {**raw, "checkpoint": {"resume": str(folder)}, "out": str(tmp_path / "out")}
+
+
+# ----------------------------------------------------------------------------- each bad input, by name
+
+
+def test_truncated_safetensors(good, tmp_path):
+    folder, raw = copy_of(good, tmp_path)
+    data = (folder / SHARD).read_bytes()
+    (folder / SHARD).write_bytes(data[: len(data) // 2])
+    expect_error(raw, tmp_path, f"{SHARD}: .* bytes, trainer_state.json says .*: truncated")
+    reseal(folder)  # even when the trainer state agrees, the header says what is missing
+    expect_error(raw, tmp_path, f"{SHARD}: truncated")
+
+
+def test_flipped_bytes_in_header(good, tmp_path):
+    folder, raw = copy_of(good, tmp_path)
+    data = bytearray((folder / SHARD).read_bytes())
+    data[9:13] = b"@@@@"
+    (folder / SHARD).write_bytes(bytes(data))
+    expect_error(raw, tmp_path, f"{SHARD}: contents differ from the sha256 in trainer_state.json: corrupted")
+    reseal(folder)
+    expect_error(raw, tmp_path, f"{SHARD}: the safetensors header is not valid JSON: corrupted")
+
+
+def test_missing_tensor(good, tmp_path):
+    folder, raw = copy_of(good, tmp_path)
+    tensors = load_file(folder / SHARD)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / SHARD, metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    reseal(folder)
+    expect_error(raw, tmp_path, "model.safetensors.index.json: tensor model.layers.1.mlp.up_proj.weight is missing")
+
+
+def test_wrong_model_shape(good, tmp_path):
+    folder, raw = copy_of(good, tmp_path)
+    raw["model"] = {**raw["model"], "hidden_size": 64}
+    expect_error(raw, tmp_path, "step_2/config.json: model.hidden_size=32 there, but this run has model.hidden_size=64")
+
+
+def test_edited_json(good, tmp_path):
+    folder, raw = copy_of(good, tmp_path)
+    (folder / STATE_FILE).write_text((folder / STATE_FILE).read_text().replace('"step": 2', '"step": 7'))
+    expect_error(raw, tmp_path, "trainer_state.json: its checksum does not match its content")
+    (folder / STATE_FILE).write_text("{ not json")
+    expect_error(raw, tmp_path, "trainer_state.json: not valid JSON")
+    folder, raw = copy_of(good, tmp_path / "b")
+    (folder / "model.safetensors.index.json").write_text("[1, 2")
+    expect_error(raw, tmp_path / "b", "model.safetensors.index.json: .*(truncated|corrupted)")
+    reseal(folder)
+    expect_error(raw, tmp_path / "b", "model.safetensors.index.json: not valid JSON")
+
+
+CLI_CASES = {
+    "truncated checkpoint": (lambda t, ck: ["--resume", str(ck)], f"{SHARD}: .*truncated"),
+    "wrong model shape": (lambda t, ck: ["--resume", str(t / "pristine"), "--model.hidden_size=64"], "model.hidden_size=32 there"),
+    "missing data path": (lambda t, ck: ["--data", str(t / "nope.txt")], "nope.txt"),
+    "unwritable out": (lambda t, ck: ["--out", str(t / "file.txt" / "out")], "cannot create or write"),
+    "tokenizer larger than the model": (lambda t, ck: ["--tokenizer", "bpe:300"], "larger vocabulary than model.vocab_size=256"),
+    "resume not a folder": (lambda t, ck: ["--resume", str(t / "nowhere")], "no such folder"),
+}
+
+
+def test_bad_inputs_through_the_cli(good, tmp_path):
+    folder, raw = copy_of(good, tmp_path)
+    shutil.copytree(folder, tmp_path / "pristine")
+    data = (folder / SHARD).read_bytes()
+    (folder / SHARD).write_bytes(data[:100])
+    (tmp_path / "file.txt").write_text("a file, not a folder")
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump({**raw, "checkpoint": {}}))
+    before = hashes(tmp_path)
+    procs = {name: subprocess.Popen([sys.executable, "-m", "tetron.cli", "train", str(tmp_path / "tiny.yaml"),
+                                     *args(tmp_path, folder)], cwd=tmp_path, env=user_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, (args, _) in CLI_CASES.items()}
+    convert = subprocess.Popen([sys.executable, "-m", "tetron.cli", "convert", str(folder), str(tmp_path / "file.txt")],
+                               cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for name, proc in [*procs.items(), ("convert onto an existing path", convert)]:
+        out, err = proc.communicate(timeout=120)
+        err = err.decode()
+        assert proc.returncode == 2, (name, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("tetron: error: "), (name, err)
+        pattern = CLI_CASES[name][1] if name in CLI_CASES else "(truncated|already exists)"
+        assert __import__("re").search(pattern, lines[0]), (name, err)
+    assert hashes(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------- fuzz
+
+
+BAD_CONFIG = [("checkpoint", "keep", 0), ("checkpoint", "save_every", -1), ("checkpoint", "resume", "/no/such/ck"),
+              ("checkpoint", "init_from", "not a hub name!"), ("checkpoint", "shard_mb", 0),
+              ("train", "on_nonfinite", "maybe"), ("parallel", "max_restarts", -2), ("checkpoint", "keep", "many"),
+              ("checkpoint", "resume", 3.5), ("checkpoint", "init_from", "/no/such/model")]
+ODD_VALUES = [None, "x", -1, 3.5, [], {}, True, "", 10**30]
+
+
+def _corrupt(folder: Path, rng: random.Random) -> str:
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    kind = rng.choice(["truncate", "overwrite", "delete", "json", "shape"])
+    f = rng.choice(files)
+    if kind == "truncate":
+        size = f.stat().st_size
+        f.write_bytes(f.read_bytes()[: rng.randrange(0, size - 1)])  # a trailing newline alone is not damage
+    elif kind == "overwrite":
+        data = bytearray(f.read_bytes())
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(len(data))
+            data[i] = rng.choice([c for c in b"AZaz09@#{}\"" if c != data[i]])
+        f.write_bytes(bytes(data))
+    elif kind == "delete":
+        f.unlink()
+    elif kind == "json":
+        f = rng.choice([p for p in files if p.suffix == ".json"])
+        obj = json.loads(f.read_text())
+        node = obj
+        key = rng.choice(sorted(node))
+        if isinstance(node[key], dict) and node[key] and rng.random() < 0.5:
+            node, key = node[key], rng.choice(sorted(node[key]))
+        node[key] = rng.choice([v for v in ODD_VALUES if v != node[key]])
+        f.write_text(json.dumps(obj))
+        if rng.random() < 0.3 and f.name != STATE_FILE:
+            reseal(folder)  # consistent hashes: the content itself must be caught
+    else:
+        tensors = load_file(folder / SHARD)
+        name = rng.choice(sorted(tensors))
+        t = tensors[name]
+        tensors[name] = torch.zeros((t.shape[0] + rng.randint(1, 3), *t.shape[1:]))
+        save_file(tensors, folder / SHARD, metadata={"format": "pt"})
+        if rng.random() < 0.5:
+            reseal(folder)
+    return f"{kind} {f.name}"
+
+
+def test_fuzz_corrupted_checkpoints_and_configs(good, tmp_path):
+    rng = random.Random(1234)
+    for case in range(50):
+        where = tmp_path / f"case{case}"
+        folder, raw = copy_of(good, where)
+        if case % 5 == 4:  # a bad config value instead
+            section, key, value = rng.choice(BAD_CONFIG)
+            raw = {**raw, section: {**raw.get(section, {}), key: value}}
+            what = f"config {section}.{key}={value!r}"
+        else:
+            what = _corrupt(folder, rng)
+        before = hashes(where)
+        try:
+            with time_limit(30):
+                validate(from_dict(raw))
+        except ConfigError as err:
+            assert "\n" not in str(err) and str(err), (case, what, err)
+        else:
+            pytest.fail(f"case {case} ({what}): no error")
+        assert hashes(where) == before, (case, what)
+        shutil.rmtree(where)

@@ -1,0 +1,227 @@
+"""Checkpoints: the streaming writer, exact resume, resharding between layouts, Hugging Face in and out.
+
+Multi-rank runs use the fork harness; each compares with an uninterrupted run (bit-identical with the
+same layout, within 1e-5 relative across layouts) or with transformers' model (logits within 1e-5)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import tiny_config
+from harness import run_ranks
+from tetron.checkpoint import find_latest, load_model
+from tetron.checkpoint_load import TensorReader, inspect_checkpoint
+from tetron.config import from_dict
+from tetron.validate import validate
+from tetron.convert import convert
+from tetron.mesh import Mesh
+from tetron.safetensors_stream import SafetensorsWriter
+from tetron.train import prepare_data, train
+
+LOSS_RTOL = 1e-5  # per-step loss after a reshard, relative (as tests/test_layouts.py)
+LOGITS_ATOL = 1e-5  # transformers' logits against tetron's, fp32
+LR = 1e-3  # see tests/test_layouts.py: keeps layouts within tolerance of each other
+
+
+def _train_rank(raw: dict) -> list[float]:
+    cfg = from_dict(raw)
+    p = cfg.parallel
+    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
+
+
+def run(raw: dict) -> list[float]:
+    """Train on cfg.world_size forked ranks; rank 0's losses of the steps this run took."""
+    cfg = from_dict(raw)
+    validate(cfg)
+    prepare_data(cfg)
+    return run_ranks(cfg.world_size, _train_rank, raw, timeout=300)[0]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    with TensorReader(folder, "model") as reader:
+        return {k: reader.read(k) for k in reader.names()}
+
+
+# ----------------------------------------------------------------------------- the streaming writer
+
+
+def test_safetensors_writer_streams_a_readable_file(tmp_path):
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.int64),
+               "c": torch.randn(2, 2).to(torch.bfloat16), "empty": torch.zeros(0, 3)}
+    path = tmp_path / "x.safetensors"
+    writer = SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()],
+                               metadata={"format": "pt"})
+    for k, v in tensors.items():
+        writer.write(k, v)
+    writer.close()
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for k, v in tensors.items():
+            assert torch.equal(f.get_tensor(k), v), k
+    # out of order or the wrong shape is refused; closing early names the missing tensor
+    writer = SafetensorsWriter(tmp_path / "y.safetensors", [("a", torch.float32, (3, 4)), ("b", torch.float32, (1,))])
+    with pytest.raises(ValueError, match="expected a"):
+        writer.write("b", torch.zeros(1))
+    writer.write("a", torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="closed before b"):
+        writer.close()
+
+
+# ----------------------------------------------------------------------------- format, atomic, exact resume
+
+
+def test_exact_resume_on_2_ranks(corpus, cache_dir, tmp_path):
+    train_cfg = {"steps": 10, "micro_batch": 1, "grad_acc": 2}
+    full = tiny_config(corpus, cache_dir, tmp_path / "full", parallel={"dp": 2}, train=train_cfg,
+                       checkpoint={"save_every": 5, "keep": 2})
+    losses = run(full)
+    ckpts = tmp_path / "full" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_10", "step_5"]
+    assert (ckpts / "latest").read_text().strip() == "step_10"
+    step5 = ckpts / "step_5"
+    state = inspect_checkpoint(step5)
+    assert state["step"] == 5 and state["loader"]["step"] == 5 and state["optimizer"]["present"]
+    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors", "rng.safetensors",
+            "optimizer.safetensors.index.json", "trainer_state.json"} <= {p.name for p in step5.iterdir()}
+    with safe_open(str(step5 / "rng.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["rank_0", "rank_1"]
+
+    # continue from step 5 (the learning-rate schedule is that of the 10-step run) in another folder
+    resumed = tiny_config(corpus, cache_dir, tmp_path / "b", parallel={"dp": 2}, train=train_cfg,
+                          checkpoint={"resume": str(step5)})
+    assert run(resumed) == losses[5:]  # bit-identical
+    ref, got = weights(ckpts / "step_10"), weights(tmp_path / "b" / "checkpoints" / "step_10")
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
+    with TensorReader(ckpts / "step_10", "optimizer") as a, TensorReader(tmp_path / "b/checkpoints/step_10", "optimizer") as b:
+        for k in a.names():
+            assert torch.equal(a.read(k), b.read(k)), k
+    # resume auto in the same folder, with nothing left to do, finds step_10
+    assert find_latest(tmp_path / "full") == ckpts / "step_10"
+
+
+RESHARD = {
+    "dp2-tp2 -> pp2": ({"dp": 2, "tp": 2}, {"pp": 2, "pp_schedule": "1f1b"}, {}),
+    "dp2-tp2 -> single": ({"dp": 2, "tp": 2}, {}, {"tie_word_embeddings": True}),
+    "pp2-interleaved -> tp2-sp": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2},
+                                  {"tp": 2, "sp": True}, {"tie_word_embeddings": True}),
+    "tp2 vocab 257 -> pp2 tp2": ({"tp": 2}, {"pp": 2, "tp": 2}, {"vocab_size": 257}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESHARD))
+def test_reshard_between_layouts(corpus, cache_dir, tmp_path, name):
+    saved, loaded, model = RESHARD[name]
+    model = {"num_hidden_layers": 4, **model}
+    global_batch = 4
+
+    def cfg(out, parallel, steps, **extra):
+        dp = parallel.get("dp", 1)
+        train_cfg = {"steps": steps, "micro_batch": 1, "grad_acc": global_batch // dp, "lr": LR}
+        return tiny_config(corpus, cache_dir, tmp_path / out, model=model, parallel=parallel, train=train_cfg, **extra)
+
+    reference = run(cfg("ref", {}, 8))
+    run(cfg("a", saved, 8, checkpoint={"save_every": 4}))
+    after = run(cfg("b", loaded, 8, checkpoint={"resume": str(tmp_path / "a" / "checkpoints" / "step_4")}))
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(reference[4:]), rtol=LOSS_RTOL, atol=0)
+
+
+# ----------------------------------------------------------------------------- Hugging Face in and out
+
+
+def _hf_folder(path: Path, *, tied: bool, vocab: int = 256) -> Path:
+    import transformers
+
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=tied)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_checkpoint_loads_in_transformers(corpus, cache_dir, tmp_path):
+    import transformers
+
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", parallel={"tp": 2}, train={"steps": 3},
+                      model={"tie_word_embeddings": True, "vocab_size": 257})
+    run(raw)
+    ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    for folder in (tmp_path / "run" / "checkpoints" / "step_3", tmp_path / "run" / "model"):
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(theirs(ids).logits, load_model(folder)(ids), rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_init_from_hf_folder(corpus, cache_dir, tmp_path, tied):
+    import transformers
+
+    hf = _hf_folder(tmp_path / "hf", tied=tied)
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", train={"steps": 1, "micro_batch": 1, "grad_acc": 2},
+                      parallel={"pp": 2}, checkpoint={"init_from": str(hf)})
+    del raw["model"]  # the model comes from the folder
+    assert from_dict(raw).model.tie_word_embeddings is tied
+    (loss,) = run(raw)
+    from tetron.data import DataLoader, load_tokens
+
+    cfg = from_dict(raw)
+    _, tokens = prepare_data(cfg)
+    loader = DataLoader(load_tokens(tokens), 32, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=cfg.train.seed)
+    ((inputs, targets),) = loader.next_batch()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())
+    assert abs(loss - float(expected)) <= 1e-5 * abs(float(expected))
+
+
+def test_convert_round_trip(corpus, cache_dir, tmp_path):
+    hf = _hf_folder(tmp_path / "hf", tied=False)
+    convert(hf, tmp_path / "ck")
+    state = inspect_checkpoint(tmp_path / "ck")
+    assert state["step"] == 0 and not state["optimizer"]["present"]
+    convert(tmp_path / "ck", tmp_path / "back")
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        original = {k: f.get_tensor(k) for k in f.keys()}
+    back = weights(tmp_path / "back")
+    assert original.keys() == back.keys()
+    for k, v in original.items():
+        assert torch.equal(v, back[k]), k
+    # the converted checkpoint resumes (optimizer fresh): a run from it trains from the HF weights
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", train={"steps": 2},
+                      checkpoint={"resume": str(tmp_path / "ck")})
+    assert len(run(raw)) == 2
+    with pytest.raises(ValueError, match="already exists"):
+        convert(hf, tmp_path / "ck")
+    assert json.loads((tmp_path / "ck" / "trainer_state.json").read_text())["step"] == 0
+
+
+def test_checkpoints_are_ordered_by_write_time_and_stale_saves_recovered(tmp_path):
+    """A run resumed from an earlier step writes lower step numbers after higher ones: `keep` and
+    `find_latest`'s fallback must go by write order. A save killed after moving the old step_N aside
+    must give that copy back, not delete it."""
+    import os
+
+    from tetron.checkpoint import STATE_FILE, checkpoints_dir, clean_stale, complete_checkpoints, find_latest
+
+    root = checkpoints_dir(tmp_path)
+    for i, step in enumerate((8, 10, 6)):  # written in this order
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / STATE_FILE).write_text("{}")
+        os.utime(root / f"step_{step}" / STATE_FILE, ns=(10**18 + i, 10**18 + i))
+    (root / "step_4").mkdir()  # incomplete: no state file
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_8", "step_10", "step_6"]
+    assert find_latest(tmp_path).name == "step_6"  # no `latest` file: the last written
+    moved = root / "step_12.tmp-old-abcd"
+    moved.mkdir()
+    (moved / STATE_FILE).write_text("{}")
+    (root / "step_14.tmp-0123").mkdir()
+    clean_stale(tmp_path)
+    assert (root / "step_12" / STATE_FILE).is_file() and not moved.exists()
+    assert not (root / "step_14.tmp-0123").exists()

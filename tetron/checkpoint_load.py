@@ -1,0 +1,370 @@
+"""Checkpoints, read: checked from JSON and safetensors headers before any process starts, then loaded
+slice by slice, each rank reading only the part of each tensor it holds (so any layout loads any checkpoint).
+
+The same reader takes Hugging Face model folders (`--init-from`: model.safetensors, or shards with an
+index; tied models without lm_head.weight). Problems raise CheckpointError: one line naming the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from tetron.checkpoint import (
+    FORMAT,
+    STATE_FILE,
+    STEP_DIR,
+    CheckpointError,
+    model_specs,
+    optimizer_specs,
+    seal,
+    sha256,
+)
+from tetron.init import full_shape, name_seed
+from tetron.model import LlamaConfig
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_FLOATS = {"F32", "F16", "BF16", "F64"}
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tetron_tokenizer.json", "special_tokens_map.json")
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise CheckpointError(message)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({str(err).splitlines()[0]})") from None
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of a safetensors file, after checking that the header parses and its byte
+    ranges tile the rest of the file exactly (so a truncated or padded file is caught here)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            _need(len(head) == 8, f"{path}: truncated (shorter than a safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            _need(n <= size - 8 and n <= 100 << 20, f"{path}: header length {n} is past the end of the file "
+                                                    f"({size} bytes): truncated or corrupted")
+            raw = fh.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON: corrupted") from None
+    _need(isinstance(header, dict), f"{path}: the safetensors header is not a mapping: corrupted")
+    out, ranges = {}, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPES and isinstance(entry.get("shape"), list)
+              and all(type(d) is int and d >= 0 for d in entry["shape"]) and isinstance(entry.get("data_offsets"), list)
+              and len(entry["data_offsets"]) == 2 and all(type(o) is int for o in entry["data_offsets"]))
+        _need(ok, f"{path}: bad header entry for tensor {name!r}: corrupted")
+        begin, end = entry["data_offsets"]
+        nbytes = math.prod(entry["shape"]) * torch.empty((), dtype=_DTYPES[entry["dtype"]]).element_size()
+        _need(end - begin == nbytes, f"{path}: tensor {name} has {end - begin} bytes for shape {entry['shape']}: corrupted")
+        ranges.append((begin, end))
+        out[name] = (entry["dtype"], tuple(entry["shape"]))
+    pos = 0
+    for begin, end in sorted(ranges):
+        _need(begin == pos, f"{path}: tensor byte ranges overlap or leave gaps: corrupted")
+        pos = end
+    data = size - 8 - n
+    _need(pos <= data, f"{path}: truncated ({data} bytes of tensor data, the header needs {pos})")
+    _need(pos == data, f"{path}: {data - pos} bytes after the last tensor: corrupted")
+    return out
+
+
+class TensorReader:
+    """Tensors of `{prefix}.safetensors` or `{prefix}-*.safetensors` + `{prefix}.safetensors.index.json`
+    in `folder`, read whole or one slice at a time; every header is checked on opening."""
+
+    def __init__(self, folder: Path, prefix: str = "model") -> None:
+        self.folder = Path(folder)
+        index, single = self.folder / f"{prefix}.safetensors.index.json", self.folder / f"{prefix}.safetensors"
+        if index.exists():
+            data = read_json(index)
+            wmap = data.get("weight_map") if isinstance(data, dict) else None
+            _need(isinstance(wmap, dict) and all(isinstance(v, str) for v in wmap.values()),
+                  f"{index}: no weight_map of tensor name to file")
+            meta = data.get("metadata", {})
+            _need(isinstance(meta, dict) and type(meta.get("total_size", 0)) in (int, float),
+                  f"{index}: metadata must be a mapping with a numeric total_size")
+            self.total_size = meta.get("total_size")
+            for f in set(wmap.values()):  # plain file names only: an index must not point outside the folder
+                _need(f and Path(f).name == f and f not in (".", ".."), f"{index}: bad file name {f!r}")
+            self.where = index
+        elif single.exists():
+            wmap, self.where = None, single
+        else:
+            raise CheckpointError(f"{self.folder}: no {single.name} or {index.name}")
+        if wmap is None:
+            self.total_size = None
+        files = sorted(set(wmap.values())) if wmap is not None else [single.name]
+        self.headers = {f: read_header(self.folder / f) for f in files}
+        self.file_of: dict[str, str] = {}
+        for f, header in self.headers.items():
+            for name in header:
+                if wmap is None or wmap.get(name) == f:
+                    self.file_of[name] = f
+        for name, f in (wmap or {}).items():
+            _need(name in self.headers[f], f"{self.folder / f}: tensor {name} (listed in {index.name}) is missing")
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        f = self.file_of.get(name)
+        return None if f is None else self.headers[f][name]
+
+    def check(self, name: str, shape: tuple[int, ...], *, dtypes: set[str]) -> None:
+        info = self.info(name)
+        _need(info is not None, f"{self.where}: tensor {name} is missing")
+        where = self.folder / self.file_of[name]
+        _need(info[1] == tuple(shape), f"{where}: tensor {name} has shape {list(info[1])}, the model needs {list(shape)}")
+        _need(info[0] in dtypes, f"{where}: tensor {name} has dtype {info[0]}, expected one of {sorted(dtypes)}")
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> Tensor:
+        """The whole tensor, or rows [start, stop) along `dim`, as stored (its own dtype)."""
+        f = self.file_of.get(name)
+        _need(f is not None, f"{self.where}: tensor {name} is missing")
+        try:
+            if f not in self._handles:
+                self._handles[f] = self._stack.enter_context(safe_open(str(self.folder / f), framework="pt"))
+            piece = self._handles[f].get_slice(name)
+            index = [slice(None)] * len(self.headers[f][name][1])
+            if dim is not None:
+                index[dim] = slice(start, stop)
+            return piece[tuple(index)] if index else self._handles[f].get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as err:  # safetensors' own errors: the file changed or is damaged
+            raise CheckpointError(f"{self.folder / f}: cannot read tensor {name} ({err})") from None
+
+
+# --------------------------------------------------------------------------- checking, before any process starts
+
+
+def read_model_config(folder: Path) -> LlamaConfig:
+    path = Path(folder) / "config.json"
+    raw = read_json(path)
+    _need(isinstance(raw, dict), f"{path}: expected a JSON object")
+    try:
+        return LlamaConfig.from_hf(raw)
+    except (ValueError, TypeError) as err:
+        raise CheckpointError(f"{path}: {err}") from None
+
+
+def compare_models(found: LlamaConfig, want: LlamaConfig, where: Path) -> None:
+    for f in MODEL_FIELDS:
+        _need(getattr(found, f) == getattr(want, f),
+              f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}; "
+              f"use the same model config")
+
+
+def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
+    path = folder / STATE_FILE
+    s = read_json(path)
+    _need(isinstance(s, dict) and s.get("format") == FORMAT, f"{path}: not a {FORMAT} trainer state")
+    _need(seal(s).get("checksum") == s.get("checksum"), f"{path}: its checksum does not match its content: edited or corrupted")
+    _need(type(s.get("step")) is int and s["step"] >= 0, f"{path}: step must be a non-negative integer")
+    named = STEP_DIR.match(folder.name)
+    _need(not named or int(named.group(1)) == s["step"], f"{path}: step={s['step']} but the folder is {folder.name}")
+    _need(type(s.get("tokens")) is int and s["tokens"] >= 0, f"{path}: tokens must be a non-negative integer")
+    loader = s.get("loader")
+    _need(loader is None or (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in
+          ("step", "seed", "global_batch", "seq_len", "num_tokens")) and loader["step"] == s["step"]),
+          f"{path}: loader must hold integer step (= {s['step']}), seed, global_batch, seq_len, num_tokens")
+    _need(s.get("config") is None or isinstance(s["config"], dict), f"{path}: config must be a mapping")
+    layout = s.get("layout")
+    _need(layout is None or (isinstance(layout, dict) and all(type(layout.get(k)) is int and layout[k] >= 1
+          for k in ("dp", "tp", "pp", "cp", "pp_virtual", "world_size"))), f"{path}: bad layout")
+    opt = s.get("optimizer")
+    _need(isinstance(opt, dict) and type(opt.get("present")) is bool and type(opt.get("step")) in (int, float),
+          f"{path}: optimizer must be {{present: bool, step: number}}")
+    files = s.get("files")
+    _need(isinstance(files, dict) and files, f"{path}: files must list every file with its size and sha256")
+    for name, meta in files.items():
+        f = folder / name
+        _need(Path(name).name == name and name not in (".", ".."), f"{path}: bad file name {name!r}")
+        _need(isinstance(meta, dict) and type(meta.get("size")) is int and isinstance(meta.get("sha256"), str),
+              f"{path}: bad entry for {name}")
+        _need(f.is_file(), f"{f}: missing (listed in {STATE_FILE})")
+        _need(f.stat().st_size == meta["size"],
+              f"{f}: {f.stat().st_size} bytes, {STATE_FILE} says {meta['size']}: truncated or replaced")
+        _need(not verify_data or sha256(f) == meta["sha256"], f"{f}: contents differ from the sha256 in {STATE_FILE}: corrupted")
+    if layout is not None:
+        _need("rng.safetensors" in files, f"{path}: rng.safetensors is not listed")
+    return s
+
+
+def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, require_state: bool = True,
+                       verify_data: bool = True) -> dict[str, Any] | None:
+    """Check a checkpoint (or, with require_state=False, any HF model folder) without loading it: JSON,
+    safetensors headers, every tensor the model needs with its shape, file sizes and hashes; and that its
+    model equals `model` where given. Returns the trainer state (None for a plain HF folder). Writes nothing."""
+    folder = Path(folder)
+    _need(folder.is_dir(), f"{folder}: no such checkpoint folder")
+    state = None
+    if (folder / STATE_FILE).exists() or require_state:
+        _need((folder / STATE_FILE).exists(), f"{folder / STATE_FILE}: missing (not a complete tetron checkpoint)")
+        state = _check_trainer_state(folder, verify_data=verify_data)
+    config = read_model_config(folder)
+    if model is not None:
+        compare_models(config, model, folder / "config.json")
+    dtypes = {"F32"} if state is not None else _FLOATS
+    reader = TensorReader(folder, "model")
+    for name, _, _, shape in model_specs(config):
+        reader.check(name, shape, dtypes=dtypes)
+    readers = [reader]
+    if state is not None and state["optimizer"]["present"]:
+        opt = TensorReader(folder, "optimizer")
+        for name, _, _, shape in optimizer_specs(config):
+            opt.check(name, shape, dtypes={"F32"})
+        readers.append(opt)
+    for r in readers if state is not None else []:  # tetron writes the exact byte count of its tensors
+        total = sum(math.prod(s) * 4 for f, h in r.headers.items() for n, (_, s) in h.items() if r.file_of.get(n) == f)
+        _need(r.total_size in (None, total), f"{r.where}: total_size={r.total_size}, its tensors hold {total} bytes")
+    if state is not None and state.get("layout") is not None:
+        rng = read_header(folder / "rng.safetensors")
+        for i in range(state["layout"]["world_size"]):
+            _need(f"rank_{i}" in rng and rng[f"rank_{i}"][0] == "U8", f"{folder / 'rng.safetensors'}: no rank_{i}")
+    return state
+
+
+# --------------------------------------------------------------------------- loading, slice by slice
+
+
+def _read_local(reader: TensorReader, key: str, param: nn.Parameter) -> Tensor:
+    """This rank's part of tensor `key` for `param`: its slice along the tp dim, vocab padding as zeros."""
+    reader.check(key, full_shape(param), dtypes=_FLOATS)
+    shard = getattr(param, "shard", None)
+    if shard is None:
+        return reader.read(key).to(param.dtype)
+    dim, index, count = shard
+    local = param.shape[dim]
+    logical = full_shape(param)[dim]
+    start, stop = min(index * local, logical), min((index + 1) * local, logical)
+    part = reader.read(key, dim, start, stop).to(param.dtype)
+    if stop - start < local:  # padded vocabulary rows start at zero, as at init
+        pad = [0, 0] * (param.dim() - 1 - dim) + [0, local - (stop - start)]
+        part = torch.nn.functional.pad(part, pad)
+    return part
+
+
+def _source_name(name: str, param: nn.Parameter, reader: TensorReader) -> str:
+    """The stored tensor of `param`: `init_name` for a pipeline's tied head copy; the embedding for a
+    tied head that the folder leaves out (as transformers does)."""
+    src = getattr(param, "init_name", name)
+    if src == "lm_head.weight" and reader.info(src) is None:
+        return "model.embed_tokens.weight"
+    return src
+
+
+@torch.no_grad()
+def load_weights(chunks: list[nn.Module], folder: Path) -> None:
+    """Fill this rank's parameters from a checkpoint or HF model folder, reading only its slices."""
+    with TensorReader(folder, "model") as reader:
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                param.copy_(_read_local(reader, _source_name(name, param, reader), param))
+
+
+@torch.no_grad()
+def load_optimizer(optimizer: torch.optim.Optimizer, chunks: list[nn.Module], folder: Path, *, step: float) -> None:
+    """AdamW's moments for this rank's parameters (their slices), and its step count."""
+    with TensorReader(folder, "model") as model_reader, TensorReader(folder, "optimizer") as reader:
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                src = _source_name(name, param, model_reader)
+                optimizer.state[param] = {
+                    "step": torch.tensor(float(step), dtype=torch.float32),
+                    "exp_avg": _read_local(reader, f"{src}.exp_avg", param),
+                    "exp_avg_sq": _read_local(reader, f"{src}.exp_avg_sq", param),
+                }
+
+
+def same_layout(state: dict[str, Any], cfg: Any) -> bool:
+    layout, p = state.get("layout"), cfg.parallel
+    return layout is not None and all(layout[k] == getattr(p, k) for k in ("dp", "tp", "pp", "cp", "pp_virtual"))
+
+
+def load_checkpoint(folder: Path, *, chunks: list[nn.Module], optimizer: torch.optim.Optimizer, loader: Any,
+                    mesh: Any, cfg: Any) -> dict[str, Any]:
+    """Resume from a checkpoint folder on every rank: weights, optimizer, loader position and RNG.
+
+    RNG: with the same layout each rank gets back its own generator state; with another, the states
+    cannot correspond, so each rank is reseeded from (seed, step, rank), deterministically."""
+    state = read_json(Path(folder) / STATE_FILE)
+    load_weights(chunks, folder)
+    if state["optimizer"]["present"]:
+        load_optimizer(optimizer, chunks, folder, step=state["optimizer"]["step"])
+    if state["loader"] is not None:
+        loader.load_state_dict(state["loader"])
+    else:
+        loader.step = state["step"]
+    if same_layout(state, cfg):
+        with TensorReader(folder, "rng") as reader:
+            torch.set_rng_state(reader.read(f"rank_{mesh.rank}"))
+            device = next(chunks[0].parameters()).device
+            if device.type == "cuda" and reader.info(f"cuda_rank_{mesh.rank}") is not None:
+                torch.cuda.set_rng_state(reader.read(f"cuda_rank_{mesh.rank}"), device)
+    else:
+        torch.manual_seed(name_seed(cfg.train.seed, f"resume:{state['step']}:{mesh.rank}"))
+    dist.barrier()
+    return state
+
+
+def resolve_init_from(spec: str) -> Path:
+    """A local HF model folder, or a hub name downloaded (cached) with huggingface_hub."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+    except Exception as err:  # offline, unknown repo, no access: all one message
+        raise CheckpointError(f"checkpoint.init_from={spec}: not a local folder and not downloadable "
+                              f"from the Hugging Face hub ({type(err).__name__})") from None
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)

@@ -1,0 +1,90 @@
+"""`tetron convert SRC DST`: a tetron checkpoint to a standalone Hugging Face folder, and back.
+
+Checkpoint -> HF: the model files, config.json and tokenizer files are copied (the checkpoint's model part
+already is a HF model folder). HF -> checkpoint: the weights are streamed, one tensor at a time, into a
+step-0 checkpoint with no optimizer state, which `--resume` accepts (the optimizer then starts fresh).
+DST is written under a temporary name and renamed; an existing DST is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from tetron.checkpoint import (
+    FORMAT,
+    STATE_FILE,
+    CheckpointError,
+    model_specs,
+    seal,
+    sha256,
+    write_json,
+    write_tensors,
+)
+from tetron.checkpoint_load import TensorReader, copy_tokenizer, inspect_checkpoint, read_json
+
+
+def _tmp_for(dst: Path) -> Path:
+    if dst.exists() or dst.is_symlink():
+        raise CheckpointError(f"{dst}: already exists; give a new folder (nothing is overwritten)")
+    parent = dst.parent if str(dst.parent) else Path(".")
+    if not (parent.is_dir() and os.access(parent, os.W_OK)):
+        raise CheckpointError(f"{dst}: cannot create it ({parent} is not a writable folder)")
+    tmp = parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    return tmp
+
+
+def _finish(tmp: Path, dst: Path) -> None:
+    for f in tmp.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    tmp.rename(dst)
+
+
+def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
+    """Convert `src` (checkpoint or HF folder) into `dst`; returns what was done, in words."""
+    src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such folder (give a tetron checkpoint or a Hugging Face model folder)")
+    if (src / STATE_FILE).exists():
+        inspect_checkpoint(src)
+        tmp = _tmp_for(dst)
+        try:
+            names = ["config.json"]
+            index = src / "model.safetensors.index.json"
+            names += [index.name, *sorted(set(read_json(index)["weight_map"].values()))]
+            for name in names:
+                shutil.copyfile(src / name, tmp / name)
+            copy_tokenizer(src, tmp)
+            _finish(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return f"wrote the Hugging Face model folder {dst}"
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"{src}: neither a tetron checkpoint ({STATE_FILE}) nor a Hugging Face folder (config.json)")
+    inspect_checkpoint(src, require_state=False)
+    from tetron.checkpoint_load import read_model_config
+
+    config = read_model_config(src)
+    tmp = _tmp_for(dst)
+    try:
+        specs = model_specs(config)
+        with TensorReader(src, "model") as reader:
+            stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
+            write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20)
+        (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+        copy_tokenizer(src, tmp)
+        files = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
+        write_json(tmp / STATE_FILE, seal({"format": FORMAT, "step": 0, "tokens": 0, "loader": None, "config": None,
+                                      "layout": None, "optimizer": {"present": False, "step": 0.0},
+                                      "files": files, "converted_from": str(src)}))
+        _finish(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return f"wrote the tetron checkpoint {dst} (step 0, no optimizer state: resuming starts AdamW fresh)"

@@ -1,0 +1,62 @@
+"""Write a safetensors file one tensor at a time, so a writer never holds more than one tensor.
+
+The format is an 8-byte little-endian header length, a JSON header naming every tensor's dtype,
+shape and byte range, then the raw bytes. Shapes and dtypes are known before any tensor arrives
+(from the model config), so the header is written first and the tensors streamed after it. The
+files are read by `safetensors` (and transformers) like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class SafetensorsWriter:
+    """`write` each tensor named in `specs`, in that order; `close` checks all arrived and syncs."""
+
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], *,
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, object] = {"__metadata__": metadata or {}}
+        offset = 0
+        self.expected: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for name, dtype, shape in specs:
+            size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+            self.expected.append((name, dtype, tuple(shape)))
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.path = Path(path)
+        self.file = open(self.path, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, dtype, shape = self.expected[self.next]
+        if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{self.path}: expected {want_name} {dtype} {list(shape)}, "
+                             f"got {name} {tensor.dtype} {list(tensor.shape)}")
+        data = tensor.detach().contiguous().cpu()
+        # bytes of any dtype (numpy has no bfloat16): view the storage as uint8
+        self.file.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        self.next += 1
+
+    def close(self) -> None:
+        if self.next != len(self.expected):
+            missing = self.expected[self.next][0]
+            self.file.close()
+            raise ValueError(f"{self.path}: closed before {missing} was written")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()

@@ -1,0 +1,162 @@
+"""Every check of a run configuration that needs no process group: one `ConfigError` line each,
+naming the field, the values and what would work, raised before any rank starts."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from tetron.config import Config, ConfigError
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """The pipeline checks: stages vs layers, the schedule's needs in micro-batches, the split."""
+    p, layers, m = cfg.parallel, cfg.model.num_hidden_layers, cfg.train.grad_acc
+    _check(p.pp_schedule in ("afab", "1f1b", "interleaved"),
+           f"parallel.pp_schedule={p.pp_schedule!r}: use afab, 1f1b or interleaved")
+    _check(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be at least 1")
+    _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved",
+           f"parallel.pp_virtual={p.pp_virtual} needs pp_schedule=interleaved; use pp_virtual=1 with "
+           f"pp_schedule={p.pp_schedule}")
+    _check(p.pp <= layers, f"parallel.pp={p.pp} is more than model.num_hidden_layers={layers}; use pp <= {layers}")
+    stages = p.pp * p.pp_virtual
+    if p.pp_schedule == "interleaved":
+        _check(p.pp >= 2, f"parallel.pp_schedule=interleaved needs pp >= 2, not pp={p.pp}; use pp >= 2 or 1f1b")
+        _check(stages <= layers,
+               f"parallel.pp_virtual={p.pp_virtual} x pp={p.pp} = {stages} virtual stages is more than "
+               f"model.num_hidden_layers={layers}; use pp_virtual <= {layers // p.pp}")
+        # Micro-batches go round the ring in groups of pp, one group per chunk in turn (Megatron's order).
+        _check(m % p.pp == 0,
+               f"train.grad_acc={m} micro-batches: pp_schedule=interleaved needs a multiple of pp={p.pp}; "
+               f"use grad_acc={max(1, -(-m // p.pp)) * p.pp} (or pp_schedule=1f1b, which takes any number)")
+    # afab and 1f1b take any number of micro-batches (grad_acc >= 1 is checked below); with fewer
+    # than pp, stages idle most of the step: the bubble is (pp-1)/(grad_acc+pp-1) of it.
+    if p.pp_split is not None:
+        split = p.pp_split
+        _check(len(split) == stages,
+               f"parallel.pp_split={split} has {len(split)} entries; give one per pipeline stage "
+               f"(pp*pp_virtual = {stages})")
+        _check(min(split) >= 1, f"parallel.pp_split={split}: every stage needs at least 1 layer")
+        _check(sum(split) == layers,
+               f"parallel.pp_split={split} sums to {sum(split)}; it must sum to model.num_hidden_layers={layers}")
+
+
+def _validate_checkpoint(cfg: Config) -> None:
+    """The checkpoint section, and any checkpoint it names: read (JSON, headers, hashes), never written."""
+    from tetron.checkpoint import CheckpointError, find_latest
+    from tetron.checkpoint_load import inspect_checkpoint, read_model_config
+
+    c = cfg.checkpoint
+    _check(c.save_every >= 0, f"checkpoint.save_every={c.save_every} must be >= 0 (0: only at the end)")
+    _check(c.keep >= 1, f"checkpoint.keep={c.keep} must be at least 1")
+    _check(c.shard_mb >= 1, f"checkpoint.shard_mb={c.shard_mb} must be at least 1")
+    try:
+        if c.resume is not None:
+            folder = find_latest(Path(cfg.out)) if c.resume == "auto" else Path(c.resume).expanduser()
+            _check(c.resume == "auto" or folder.is_dir(),
+                   f"checkpoint.resume={c.resume}: no such folder (give a checkpoint folder or auto)")
+            if folder is not None:
+                state = inspect_checkpoint(folder, cfg.model)
+                loader = state.get("loader") if state else None
+                if loader is not None:
+                    for name, mine in (("seq_len", cfg.data.seq_len), ("global_batch", cfg.global_batch),
+                                       ("seed", cfg.train.seed)):
+                        _check(loader[name] == mine, f"{folder}/trainer_state.json: {name}={loader[name]} there, "
+                                                     f"{mine} in this run; use the same to continue the data order")
+        if c.init_from is not None:
+            path = Path(c.init_from).expanduser()
+            if path.exists():
+                _check(path.is_dir(), f"checkpoint.init_from={c.init_from}: not a folder")
+                read_model_config(path)
+                inspect_checkpoint(path, cfg.model, require_state=False)
+            else:  # a hub name can only be checked by downloading it, which the ranks do
+                _check(re.fullmatch(r"[\w.-]+/[\w.-]+", c.init_from) is not None,
+                       f"checkpoint.init_from={c.init_from}: no such folder, and not a hub name (org/name)")
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+
+
+def validate(cfg: Config, *, world_size: int | None = None) -> None:
+    """Every check that needs no process group; raises ConfigError with one line naming the field."""
+    m, p, d, t, lg = cfg.model, cfg.parallel, cfg.data, cfg.train, cfg.logging
+    for name in ("dp", "tp", "pp", "cp"):
+        _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be at least 1")
+    if world_size is not None:
+        _check(world_size == cfg.world_size,
+               f"world size {world_size} is not dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {cfg.world_size}; "
+               f"launch {cfg.world_size} ranks or change the sizes")
+    _check(p.dp_impl in ("naive", "bucket"), f"parallel.dp_impl={p.dp_impl!r}: use naive or bucket")
+    _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
+    _check(p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r}: use auto, cpu or cuda")
+    _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
+
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim"):
+        _check(getattr(m, name) >= 1, f"model.{name}={getattr(m, name)} must be at least 1")
+    _check(m.num_attention_heads % m.num_key_value_heads == 0,
+           f"model.num_key_value_heads={m.num_key_value_heads} must divide "
+           f"num_attention_heads={m.num_attention_heads}")
+    _check(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
+    _check(m.num_attention_heads % p.tp == 0,
+           f"parallel.tp={p.tp} must divide model.num_attention_heads={m.num_attention_heads}")
+    _check(m.num_key_value_heads % p.tp == 0,
+           f"parallel.tp={p.tp} must divide model.num_key_value_heads={m.num_key_value_heads}")
+    _check(m.intermediate_size % p.tp == 0,
+           f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
+    _check(p.vocab_pad_multiple >= 1, f"parallel.vocab_pad_multiple={p.vocab_pad_multiple} must be at least 1")
+    _check(p.cp_layout in ("zigzag", "contiguous"), f"parallel.cp_layout={p.cp_layout!r}: use zigzag or contiguous")
+    chunks = 2 * p.cp if p.cp_layout == "zigzag" and p.cp > 1 else p.cp
+    _check(d.seq_len % chunks == 0,
+           f"data.seq_len={d.seq_len} must be divisible by {'2*cp' if chunks != p.cp else 'cp'}={chunks} "
+           f"(cp={p.cp}, cp_layout={p.cp_layout}); use a multiple of {chunks}")
+    _check(not p.sp or (d.seq_len // p.cp) % p.tp == 0,
+           f"parallel.sp needs data.seq_len={d.seq_len} / cp={p.cp} divisible by tp={p.tp}; "
+           f"use a seq_len that is a multiple of {p.cp * p.tp}")
+    _validate_pipeline(cfg)
+
+    _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be at least 1")
+    _check(d.seq_len <= m.max_position_embeddings,
+           f"data.seq_len={d.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    _check(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes={d.max_bytes} must be positive")
+    if not d.path.startswith("hf:") and d.path != "stdlib":
+        from tetron.data import DataError, resolve_files
+
+        try:
+            resolve_files(d.path)
+        except DataError as err:
+            raise ConfigError(f"data.path={d.path}: {err}") from None
+    tok = d.tokenizer
+    if tok.startswith("bpe:"):
+        n = tok[4:]
+        _check(n.isdigit() and int(n) >= 257, f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
+        _check(int(n) <= m.vocab_size,
+               f"data.tokenizer={tok} has a larger vocabulary than model.vocab_size={m.vocab_size}; "
+               f"use bpe:{m.vocab_size} or a larger vocab_size")
+    elif tok == "bytes":
+        _check(m.vocab_size >= 256, f"data.tokenizer=bytes needs model.vocab_size >= 256, not {m.vocab_size}")
+
+    for name in ("steps", "micro_batch", "grad_acc"):
+        _check(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)} must be at least 1")
+    _check(t.lr > 0, f"train.lr={t.lr} must be positive")
+    _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _check(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
+    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1/beta2 must be in [0, 1)")
+    _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+    _check(t.dtype in ("float32", "bfloat16"), f"train.dtype={t.dtype!r}: use float32 or bfloat16")
+    _check(t.on_nonfinite in ("stop", "skip"), f"train.on_nonfinite={t.on_nonfinite!r}: use stop or skip")
+    _check(p.max_restarts >= 0, f"parallel.max_restarts={p.max_restarts} must be >= 0")
+    _validate_checkpoint(cfg)
+    _check(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be at least 1")
+    _check(lg.sample_tokens >= 0, f"logging.sample_tokens={lg.sample_tokens} must be >= 0")
+
+    out = Path(cfg.out).expanduser().resolve()
+    existing = next((q for q in [out, *out.parents] if q.exists()), None)
+    _check(existing is not None and existing.is_dir() and os.access(existing, os.W_OK),
+           f"out={cfg.out}: cannot create or write this folder (choose a writable path)")
