@@ -19,11 +19,27 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tetron.model import LlamaConfig
+
 
 def add_timing_args(parser: argparse.ArgumentParser, *, ranks: int = 2) -> None:
     parser.add_argument("--ranks", type=int, default=ranks)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per implementation")
     parser.add_argument("--per-round", type=int, default=2, help="consecutive steps per implementation per round")
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, layers: int = 4, vocab: int = 4096) -> None:
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--seq", type=int, default=128)
+
+
+def model_config(args: argparse.Namespace) -> LlamaConfig:
+    """The benchmarked Llama: GQA 8/4 heads, SwiGLU width 8/3 of hidden, as the flags give it."""
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                       num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                       max_position_embeddings=args.seq)
 
 
 def launch(rank_main: Callable, args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from common import add_timing_args, launch, median_step_times
+from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from tetron.init import init_weights_
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.data_parallel import apply_data_parallel
@@ -43,9 +43,7 @@ def step(model, optimizer, inputs, targets) -> None:
 
 
 def rank_main(rank: int, args) -> None:
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=args.seq)
+    config = model_config(args)
     g = torch.Generator().manual_seed(rank)
     inputs = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
@@ -69,10 +67,7 @@ def rank_main(rank: int, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(parser)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=128)
+    add_model_args(parser)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--bucket-mb", type=float, default=4.0)
     args = parser.parse_args()

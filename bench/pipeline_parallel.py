@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from common import add_timing_args, launch, median_step_times
+from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
@@ -54,9 +54,7 @@ def fmt(values: list[float]) -> str:
 def rank_main(rank: int, args) -> None:
     p, m, mb, seq = args.ranks, args.micro_batches, args.micro_batch, args.seq
     mesh = Mesh(pp=p)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=seq)
+    config = model_config(args)
     g = torch.Generator().manual_seed(0)  # the same batch on every rank
     inputs = torch.randint(0, args.vocab, (m * mb, seq), generator=g)  # [m*mb, T]
     targets = torch.randint(0, args.vocab, (m * mb, seq), generator=g)
@@ -147,10 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(parser)
     parser.add_argument("--bubble-steps", type=int, default=3, help="measured steps per schedule for the bubble")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=256, help="small: the last stage's head costs little extra")
-    parser.add_argument("--seq", type=int, default=128)
+    add_model_args(parser, layers=8, vocab=256)  # pipeline: a small vocab, so the last stage's head costs little
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=8)
     args = parser.parse_args()

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from common import add_timing_args, launch, median_step_times
+from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from tetron.init import init_weights_, materialize_
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -57,9 +57,7 @@ def torch_tp_model(config: LlamaConfig, mesh) -> Llama:
 
 def rank_main(rank: int, args) -> None:
     mesh = init_device_mesh("cpu", (args.ranks,))
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=args.seq)
+    config = model_config(args)
     g = torch.Generator().manual_seed(0)  # tensor parallelism: every rank sees the same batch
     inputs = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     targets = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
@@ -103,10 +101,7 @@ def rank_main(rank: int, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(parser)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=128)
+    add_model_args(parser)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     launch(rank_main, args)

@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from tetron import data as D
+from tetron import tokenizer as tokenizer_module
 from tetron.data import (
     BatchSampler,
     DataError,
     DataLoader,
-    Tokenizer,
+    default_cache_dir,
     iter_texts,
-    load_tokenizer,
     load_tokens,
     prepare_tokens,
     resolve_files,
 )
+from tetron.tokenizer import Tokenizer, load_tokenizer
 
 
 def _write_jsonl(path: Path, texts: list[str], field: str = "text") -> None:
@@ -188,7 +188,7 @@ def test_bpe_cache_hit(bpe_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None
     def no_training(*args: object, **kwargs: object) -> None:
         raise AssertionError("retrained although cached")
 
-    monkeypatch.setattr(D, "_train_bpe", no_training)
+    monkeypatch.setattr(tokenizer_module, "_train_bpe", no_training)
     tok = load_tokenizer("bpe:384", data_spec="stdlib", cache_dir=bpe_cache, max_bytes=200_000)
     assert tok.vocab_size == 384
     assert (trained / "tokenizer.json").stat().st_mtime_ns == mtime
@@ -363,6 +363,6 @@ def test_resume_from_state_dict() -> None:
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert D.default_cache_dir() == tmp_path / "tetron"
+    assert default_cache_dir() == tmp_path / "tetron"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert D.default_cache_dir() == Path.home() / ".cache" / "tetron"
+    assert default_cache_dir() == Path.home() / ".cache" / "tetron"

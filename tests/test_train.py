@@ -20,7 +20,7 @@ from conftest import tiny_config
 from harness import run_ranks
 from tetron.checkpoint import load_model, save_model
 from tetron.config import TrainConfig, from_dict
-from tetron.data import Tokenizer, load_tokenizer
+from tetron.tokenizer import Tokenizer, load_tokenizer
 from tetron.generate import sample
 from tetron.init import full_tensor, init_weights_
 from tetron.mesh import Mesh

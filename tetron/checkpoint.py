@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from tetron.data import Tokenizer
+from tetron.tokenizer import Tokenizer
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.comm import all_gather_dim

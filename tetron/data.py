@@ -1,4 +1,4 @@
-"""Data: text sources, tokenizers, a cached flat token file, and a layout-free sampler.
+"""Data: text sources, a cached flat token file, and a layout-free sampler (tokenizers: tokenizer.py).
 
 Text is read from local files (.txt, .jsonl, .parquet, source code), the Python
 standard library (`stdlib`) or a Hugging Face dataset (`hf:NAME[:CONFIG][:SPLIT]`),
@@ -19,17 +19,18 @@ import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tetron.tokenizer import Tokenizer
 
 __all__ = [
     "DataError",
     "resolve_files",
     "iter_texts",
-    "Tokenizer",
-    "load_tokenizer",
     "prepare_tokens",
     "load_tokens",
     "BatchSampler",
@@ -38,7 +39,6 @@ __all__ = [
 ]
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".py", ".md")
-EOS_TOKEN = "<|endoftext|>"
 # Bump when the token file layout or the tokenization rules change, to invalidate caches.
 _CACHE_VERSION = "tetron-tokens-1"
 _ENCODE_BATCH = 256  # documents per encode_batch call
@@ -225,191 +225,13 @@ def _data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None) -> s
     return h.hexdigest()
 
 
-# ----------------------------------------------------------------------------- tokenizer
-
-
-class Tokenizer:
-    """Plain bytes (backend None) or a Hugging Face `tokenizers.Tokenizer`, with its EOS id."""
-
-    def __init__(self, backend: Any | None = None, eos_id: int | None = None, *, vocab_size: int | None = None) -> None:
-        self.backend = backend  # tokenizers.Tokenizer, or None for bytes
-        if backend is not None:  # documents are encoded whole, never cut or padded
-            backend.no_truncation()
-            backend.no_padding()
-        self._fingerprint: str | None = None
-        self.eos_id = eos_id
-        if vocab_size is None:
-            vocab_size = 256 if backend is None else backend.get_vocab_size(with_added_tokens=True)
-        self.vocab_size = vocab_size
-
-    def __repr__(self) -> str:
-        kind = "bytes" if self.backend is None else "hf"
-        return f"Tokenizer({kind}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a text, without BOS/EOS (documents are separated by EOS when packed)."""
-        if self.backend is None:
-            return list(text.encode("utf-8"))
-        return self.backend.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of many texts at once; the HF encoder runs them in parallel threads."""
-        if self.backend is None:
-            return [list(t.encode("utf-8")) for t in texts]
-        encodings = self.backend.encode_batch_fast(texts, add_special_tokens=False)
-        return [e.ids for e in encodings]
-
-    def decode(self, ids: list[int]) -> str:
-        """Text of token ids; invalid byte sequences become U+FFFD."""
-        if self.backend is None:
-            return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-        return self.backend.decode([int(i) for i in ids])
-
-    def fingerprint(self) -> str:
-        """A stable hash of the vocabulary and rules, used in cache keys for token files."""
-        if self._fingerprint is None:
-            h = hashlib.sha256(f"eos={self.eos_id};vocab={self.vocab_size};".encode())
-            if self.backend is None:
-                h.update(b"bytes")
-            else:
-                # Only what changes ids without special tokens counts: transformers adds a
-                # no-op post-processor on load, which must not invalidate the token cache.
-                spec = json.loads(self.backend.to_str())
-                for key in ("post_processor", "truncation", "padding"):
-                    spec.pop(key, None)
-                h.update(json.dumps(spec, sort_keys=True).encode())
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
-
-    def save(self, folder: Path) -> None:
-        """Write the tokenizer to a folder that load_tokenizer (and transformers, for HF ones) can read."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        meta: dict[str, Any] = {"type": "bytes" if self.backend is None else "hf",
-                                "vocab_size": self.vocab_size, "eos_id": self.eos_id}
-        if self.backend is not None:
-            self.backend.save(str(folder / "tokenizer.json"))
-            config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
-            if self.eos_id is not None:
-                config["eos_token"] = self.backend.id_to_token(self.eos_id)
-            _write_json(folder / "tokenizer_config.json", config)
-        _write_json(folder / "tetron_tokenizer.json", meta)
+# ----------------------------------------------------------------------------- token file
 
 
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-def _bpe_vocab_size(spec: str) -> int:
-    try:
-        n = int(spec[len("bpe:"):])
-    except ValueError:
-        n = 0
-    if n < 257:
-        raise DataError(
-            f"data: tokenizer {spec!r} needs an integer vocabulary size >= 257 (256 bytes + EOS), e.g. bpe:4096"
-        )
-    return n
-
-
-def _train_bpe(vocab_size: int, texts: Iterator[str]) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
-    backend = HFTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
-    return Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
-
-
-def _load_saved(folder: Path) -> Tokenizer:
-    """A folder written by Tokenizer.save."""
-    meta = json.loads((folder / "tetron_tokenizer.json").read_text())
-    if meta["type"] == "bytes":
-        return Tokenizer(None, None)
-    from tokenizers import Tokenizer as HFTokenizer
-
-    backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    return Tokenizer(backend, meta["eos_id"], vocab_size=meta["vocab_size"])
-
-
-def _load_pretrained(spec: str) -> Tokenizer:
-    """A Hugging Face tokenizer folder, tokenizer.json file, or hub name, through transformers."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    path = Path(spec).expanduser()
-    try:
-        if path.is_file():
-            if (path.parent / "tokenizer_config.json").exists():
-                tok = AutoTokenizer.from_pretrained(str(path.parent))
-            else:
-                tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
-        else:
-            tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else spec)
-    except Exception as e:  # OSError, ValueError, hub errors: all mean "cannot load this"
-        raise DataError(
-            f"data: cannot load tokenizer {spec!r} (use 'bytes', 'bpe:N', a tokenizer folder or "
-            f"tokenizer.json, or a hub name that is cached): {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        ) from e
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None:
-        raise DataError(f"data: tokenizer {spec!r} has no fast (tokenizers) backend; give one with a tokenizer.json")
-    return Tokenizer(backend, tok.eos_token_id, vocab_size=len(tok))
-
-
-def load_tokenizer(
-    spec: str,
-    *,
-    data_spec: str | None,
-    cache_dir: Path,
-    text_field: str = "text",
-    max_bytes: int | None = None,
-) -> Tokenizer:
-    """`bytes`, `bpe:N` (trained on the data once, then cached), or a Hugging Face tokenizer."""
-    if spec == "bytes":
-        return Tokenizer(None, None)
-    if spec.startswith("bpe:"):
-        vocab_size = _bpe_vocab_size(spec)
-        if data_spec is None:
-            raise DataError(f"data: tokenizer {spec!r} is trained on the data; give a data spec to train it on")
-        data_fp = _data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
-        key = hashlib.sha256(f"bpe:{vocab_size}:{data_fp}".encode()).hexdigest()
-        folder = Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key[:20]}"
-        if (folder / "tetron_tokenizer.json").exists():
-            return _load_saved(folder)
-        tok = _train_bpe(vocab_size, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes))
-        # Save under a temporary name and rename, so a crash never leaves a partial cache entry.
-        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-        tok.save(tmp)
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process finished first: use its copy
-            if not (folder / "tetron_tokenizer.json").exists():
-                raise
-            for p in tmp.iterdir():
-                p.unlink()
-            tmp.rmdir()
-        return _load_saved(folder)
-    path = Path(spec).expanduser()
-    if (path / "tetron_tokenizer.json").exists():
-        return _load_saved(path)
-    looks_like_path = spec.startswith(("/", "./", "../", "~")) or spec.endswith(".json")
-    if looks_like_path and not path.exists():
-        raise DataError(
-            f"data: tokenizer path {spec} does not exist (use 'bytes', 'bpe:N', a tokenizer folder or tokenizer.json)"
-        )
-    return _load_pretrained(spec)
-
-
-# ----------------------------------------------------------------------------- token file
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from tetron.checkpoint import load_model
-from tetron.data import Tokenizer, load_tokenizer
+from tetron.tokenizer import Tokenizer, load_tokenizer
 from tetron.model import Llama
 
 

@@ -21,7 +21,8 @@ from tetron import device as dev
 from tetron.checkpoint import clean_stale, find_latest, save_checkpoint, write_model_folder
 from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_from
 from tetron.config import Config, TrainConfig, from_dict
-from tetron.data import DataLoader, Tokenizer, default_cache_dir, load_tokenizer, load_tokens, prepare_tokens
+from tetron.data import DataLoader, default_cache_dir, load_tokens, prepare_tokens
+from tetron.tokenizer import Tokenizer, load_tokenizer
 from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
 from tetron.metrics import MetricsLog, ProgressBar, mfu
