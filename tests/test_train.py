@@ -392,3 +392,19 @@ def test_nan_loss_stops_training(corpus, cache_dir, tmp_path, monkeypatch):
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert not (out / "model").exists()  # nothing saved from a diverged run
+
+
+def test_trim_after_keeps_the_log_consistent_on_resume(tmp_path):
+    """Resuming at step 2 of a log that reached step 4 (its last line torn by a kill): the log keeps
+    steps 1-2, the old one is kept whole beside it."""
+    from tetron.metrics import trim_after
+
+    log = tmp_path / "metrics.jsonl"
+    text = "".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in range(1, 5)) + '{"step": 5, "lo'
+    log.write_text(text)
+    trim_after(log, 2)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+    assert (tmp_path / "metrics.before-resume-2.jsonl").read_text() == text
+    before = log.read_text()
+    trim_after(log, 2)  # nothing to trim: untouched, no second copy
+    assert log.read_text() == before and len(list(tmp_path.iterdir())) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -53,3 +54,25 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def trim_after(path: Path, step: int) -> None:
+    """Resuming at `step` into a run folder whose log goes further: the later records (and a line torn
+    by a kill) belong to the abandoned attempt. Move the whole old log aside, keep steps 1..step."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step and line.endswith("\n"):
+            keep.append(line)
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(path, path.with_name(f"metrics.before-resume-{step}.jsonl"))
+    os.replace(tmp, path)

@@ -25,7 +25,7 @@ from tetron.data import DataLoader, default_cache_dir, load_tokens, prepare_toke
 from tetron.tokenizer import Tokenizer, load_tokenizer
 from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
-from tetron.metrics import MetricsLog, ProgressBar, mfu
+from tetron.metrics import MetricsLog, ProgressBar, mfu, trim_after
 from tetron.model import Llama
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import apply_data_parallel
@@ -225,6 +225,8 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None) -> Tra
                             loss_fn=lambda logits, targets: loss_fn(logits, targets) / local_tokens)
     flops_per_token = cfg.model.flops_per_token(d.seq_len)
     peak = cfg.logging.peak_tflops or dev.peak_tflops(device, torch.bfloat16 if t.dtype == "bfloat16" else torch.float32)
+    if rank0 and ck.resume is not None:  # continuing this run folder (from step 0 if nothing was saved)
+        trim_after(out / "metrics.jsonl", loader.step)
     log = MetricsLog(out / "metrics.jsonl") if rank0 else None
     bar = ProgressBar(t.steps, every=cfg.logging.log_every) if rank0 and cfg.logging.progress else None
     result = TrainResult(model=plain, chunks=chunks)
