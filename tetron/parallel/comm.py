@@ -46,14 +46,6 @@ def reduce_scatter_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     return out.movedim(0, dim)
 
 
-def split_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
-    """This rank's equal part of `x` along `dim` (no autograd)."""
-    world = _size(group)
-    if world == 1:
-        return x
-    return x.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
-
-
 class _CopyToGroup(torch.autograd.Function):
     """forward: identity; backward: all-reduce (Megatron's f)."""
 
@@ -109,19 +101,6 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    """forward: keep this rank's part along `dim`; backward: all-gather along `dim`."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_dim(grad, ctx.dim, ctx.group), None, None
-
-
 def copy_to_group(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """f: forward identity, backward all-reduce."""
     return x if _size(group) == 1 else _CopyToGroup.apply(x, group)
@@ -140,8 +119,3 @@ def gather_from_sequence(x: Tensor, group: dist.ProcessGroup, *, dim: int = 1) -
 def reduce_scatter_to_sequence(x: Tensor, group: dist.ProcessGroup, *, dim: int = 1) -> Tensor:
     """Sequence-parallel g: forward reduce-scatter along dim, backward all-gather."""
     return x if _size(group) == 1 else _ReduceScatterToSequence.apply(x, dim, group)
-
-
-def scatter_to_sequence(x: Tensor, group: dist.ProcessGroup, *, dim: int = 1) -> Tensor:
-    """Forward: this rank's part along dim; backward: all-gather."""
-    return x if _size(group) == 1 else _ScatterToSequence.apply(x, dim, group)
