@@ -9,8 +9,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/harness.py
 
+from harness import run_ranks  # noqa: E402
 from tetron.config import from_dict  # noqa: E402
 from tetron.data import iter_texts  # noqa: E402
+from tetron.mesh import Mesh  # noqa: E402
+from tetron.train import prepare_data, train  # noqa: E402
+from tetron.validate import validate  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +48,18 @@ def tiny_config(corpus: Path, cache_dir: Path, out: Path, **sections) -> dict:
             raw[section] = values
     from_dict(raw)  # fail here, in the parent, on a bad test config
     return raw
+
+
+def train_rank_losses(raw: dict) -> list[float]:
+    """On one rank of a process group: train the raw config, return the losses of the steps run."""
+    cfg = from_dict(raw)
+    p = cfg.parallel
+    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
+
+
+def run_training(raw: dict) -> list[float]:
+    """Validate, tokenize once here, train on cfg.world_size forked ranks; rank 0's losses."""
+    cfg = from_dict(raw)
+    validate(cfg)
+    prepare_data(cfg)
+    return run_ranks(cfg.world_size, train_rank_losses, raw, timeout=300)[0]

@@ -12,34 +12,20 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import tiny_config
-from harness import run_ranks
+from conftest import run_training, tiny_config
 from tetron.checkpoint import find_latest, load_model
 from tetron.checkpoint_load import TensorReader, inspect_checkpoint
 from tetron.config import from_dict
-from tetron.validate import validate
 from tetron.convert import convert
-from tetron.mesh import Mesh
 from tetron.safetensors_stream import SafetensorsWriter
-from tetron.train import prepare_data, train
+from tetron.train import prepare_data
 
 LOSS_RTOL = 1e-5  # per-step loss after a reshard, relative (as tests/test_layouts.py)
 LOGITS_ATOL = 1e-5  # transformers' logits against tetron's, fp32
 LR = 1e-3  # see tests/test_layouts.py: keeps layouts within tolerance of each other
 
 
-def _train_rank(raw: dict) -> list[float]:
-    cfg = from_dict(raw)
-    p = cfg.parallel
-    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
-
-
-def run(raw: dict) -> list[float]:
-    """Train on cfg.world_size forked ranks; rank 0's losses of the steps this run took."""
-    cfg = from_dict(raw)
-    validate(cfg)
-    prepare_data(cfg)
-    return run_ranks(cfg.world_size, _train_rank, raw, timeout=300)[0]
+run = run_training  # train on forked ranks, rank 0's losses
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -22,30 +22,19 @@ import yaml
 from safetensors.torch import load_file
 
 import tetron.checkpoint
-from conftest import tiny_config
+from conftest import run_training, tiny_config, train_rank_losses
 from harness import run_ranks
 from test_cli import user_env
 from tetron.checkpoint import find_latest
 from tetron.checkpoint_load import inspect_checkpoint
 from tetron.config import from_dict
-from tetron.validate import validate
 from tetron.mesh import Mesh
 from tetron.train import prepare_data, train
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _train_rank(raw: dict) -> list[float]:
-    cfg = from_dict(raw)
-    p = cfg.parallel
-    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
-
-
-def run(raw: dict) -> list[float]:
-    cfg = from_dict(raw)
-    validate(cfg)
-    prepare_data(cfg)
-    return run_ranks(cfg.world_size, _train_rank, raw, timeout=300)[0]
+run = run_training  # train on forked ranks, rank 0's losses
 
 
 def hashes(folder: Path) -> dict[str, str]:
@@ -236,7 +225,7 @@ def _nan_rank(raw: dict) -> list[float]:
         return loss
 
     tt.make_loss_fn = make_nan
-    return _train_rank(raw)
+    return train_rank_losses(raw)
 
 
 def test_nan_loss_stops_naming_the_step(corpus, cache_dir, tmp_path):
