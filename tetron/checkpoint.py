@@ -2,7 +2,7 @@
 
     OUT/checkpoints/step_N/
         config.json, model-XXXXX-of-YYYYY.safetensors, model.safetensors.index.json   (transformers loads this)
-        optimizer-XXXXX-of-YYYYY.safetensors, optimizer.safetensors.index.json     ("{name}.exp_avg", "{name}.exp_avg_sq")
+        optimizer-XXXXX-of-YYYYY.safetensors, optimizer.safetensors.index.json   ("{name}.exp_avg", "{name}.exp_avg_sq")
         rng.safetensors ("rank_{i}": every rank's CPU generator state), tokenizer files
         trainer_state.json   (step, tokens, loader position, config, layout, sha256 of every other file; written last)
     OUT/checkpoints/latest   ("step_N", replaced after the folder is complete)
@@ -18,61 +18,28 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from tetron.tokenizer import Tokenizer
+from tetron.fs import fsync_dir, recover_temps, replace_folder, sha256, temp_name, write_json, write_text
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.comm import all_gather_dim
+from tetron.parallel.layout import layout_of
 from tetron.safetensors_stream import SafetensorsWriter
+from tetron.tokenizer import Tokenizer
 
 FORMAT = "tetron-checkpoint/1"
 STATE_FILE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
 STEP_DIR = re.compile(r"^step_(\d+)$")
 Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or model folder that cannot be used; its message is one line naming the file."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """JSON written to a temporary name, synced, then renamed over `path`."""
-    tmp = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    _fsync_file(tmp)
-    os.replace(tmp, path)
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def seal(state: dict[str, Any]) -> dict[str, Any]:
@@ -89,25 +56,12 @@ def save_model(model: Llama, folder: Path, *, tokenizer: Tokenizer | None = None
     save_state(model.state_dict(), model.config, folder, tokenizer=tokenizer)
 
 
-def _replace_folder(tmp: Path, folder: Path) -> None:
-    """Sync every file of `tmp`, then put it at `folder` (an old one is moved aside first, removed after)."""
-    for f in tmp.iterdir():
-        _fsync_file(f)
-    old = folder.with_name(folder.name + ".old")
-    if folder.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        folder.rename(old)
-    tmp.rename(folder)
-    _fsync_dir(folder.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def save_state(state: dict[str, Tensor], config: LlamaConfig, folder: Path, *,
                tokenizer: Tokenizer | None = None) -> None:
     """Write full tensors named as in LlamaForCausalLM as a HF model folder, atomically."""
     folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    recover_temps(folder.parent, folder.name)  # what an earlier save killed mid-way left
+    tmp = temp_name(folder)
     tmp.mkdir(parents=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     if config.tie_word_embeddings:
@@ -116,36 +70,7 @@ def save_state(state: dict[str, Tensor], config: LlamaConfig, folder: Path, *,
     (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(tmp)
-    _replace_folder(tmp, folder)
-
-
-def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
-    """A plain Llama from a HF model folder (config.json + model.safetensors, or shards + index)."""
-    from tetron.checkpoint_load import TensorReader
-
-    folder = Path(folder)
-    config = LlamaConfig.from_hf(folder)
-    with torch.device("meta"):
-        model = Llama(config)
-    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
-    if (folder / "model.safetensors").is_file():
-        state = load_file(folder / "model.safetensors", device=str(device))
-        where = folder / "model.safetensors"
-    else:
-        with TensorReader(folder, "model") as reader:
-            state = {k: reader.read(k).to(device) for k in reader.names() if k in expected}
-        where = folder / "model.safetensors.index.json"
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        name = sorted(missing or unexpected)[0]
-        what = "missing" if missing else "unexpected"
-        raise ValueError(f"{where}: {what} tensor {name} for this config.json")
-    model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model
+    replace_folder(tmp, folder)
 
 
 # --------------------------------------------------------------------------- gathering, one tensor at a time
@@ -153,12 +78,11 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
 
 def _full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup) -> Tensor:
     """The whole tensor of which `local` (the parameter or a state of the same shape) is this rank's part."""
-    shard = getattr(param, "shard", None)
+    shard = layout_of(param).tp
     if shard is None:
         return local
-    dim = shard[0]
-    full = all_gather_dim(local, dim, tp_group)
-    return full.narrow(dim, 0, getattr(param, "logical_size", full.shape[dim]))
+    full = all_gather_dim(local, shard.dim, tp_group)
+    return full.narrow(shard.dim, 0, shard.logical_size or full.shape[shard.dim])
 
 
 @torch.no_grad()
@@ -279,8 +203,8 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
     Every rank calls this; rank 0 writes."""
     tmp = None
     if mesh.rank == 0:
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        recover_temps(folder.parent, folder.name)  # what an earlier save killed mid-way left
+        tmp = temp_name(folder)
         tmp.mkdir(parents=True)
     specs = model_specs(config)
     stream = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks, local=lambda p, k: p.detach())
@@ -289,7 +213,7 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)
-        _replace_folder(tmp, folder)
+        replace_folder(tmp, folder)
     dist.barrier()
 
 
@@ -326,21 +250,9 @@ def find_latest(out: Path) -> Path | None:
 
 
 def clean_stale(out: Path) -> None:
-    """Remove the `.tmp-*` folders a killed save left behind (never a complete checkpoint). A
-    `step_N.tmp-old-*` is the previous step_N moved aside to be replaced: if the save died before its
-    replacement took its place, it is the only copy and goes back."""
-    root = checkpoints_dir(out)
-    if root.is_dir():
-        for p in root.iterdir():
-            if ".tmp-" not in p.name:
-                continue
-            final = root / p.name.split(".tmp-")[0]
-            if ".tmp-old-" in p.name and not final.exists() and (p / STATE_FILE).is_file():
-                p.rename(final)
-            elif p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
+    """Clear what a save killed mid-write left under OUT/checkpoints (never a complete checkpoint; a
+    `step_N.tmp-old-*` whose step_N is missing is the only copy of that checkpoint and goes back)."""
+    recover_temps(checkpoints_dir(out))
 
 
 def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, optimizer: torch.optim.Optimizer,
@@ -350,7 +262,7 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
     step, rank0 = int(trainer_state["step"]), mesh.rank == 0
     root = checkpoints_dir(out)
     final = root / f"step_{step}"
-    tmp = root / f"step_{step}.tmp-{secrets.token_hex(4)}" if rank0 else None
+    tmp = temp_name(final) if rank0 else None
     if tmp is not None:
         tmp.mkdir(parents=True)
     device = next(chunks[0].parameters()).device
@@ -375,29 +287,13 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
         state = {"format": FORMAT, **trainer_state,
                  "optimizer": {"present": has_moments, "step": max(steps) if steps else 0.0},
                  "files": {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}}
-        for f in tmp.iterdir():
-            _fsync_file(f)
         write_json(tmp / STATE_FILE, seal(state))  # last: its presence marks the folder complete
-        _fsync_dir(tmp)
-        old = None
-        if final.exists():  # the same step saved again (a resumed run ending where it began)
-            old = final.with_name(f"{final.name}.tmp-old-{secrets.token_hex(4)}")
-            final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(root)
-        _write_latest(root, final.name)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        # The same step saved again (a resumed run ending where it began) replaces the old folder.
+        replace_folder(tmp, final)
+        write_text(root / "latest", final.name + "\n")
+        fsync_dir(root)
         for stale in complete_checkpoints(out)[:-cfg.checkpoint.keep]:
             if stale != final:
                 shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     return final
-
-
-def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f"latest.tmp-{secrets.token_hex(4)}"
-    tmp.write_text(name + "\n")
-    _fsync_file(tmp)
-    os.replace(tmp, root / "latest")
-    _fsync_dir(root)

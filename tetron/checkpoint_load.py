@@ -8,6 +8,7 @@ index; tied models without lm_head.weight). Problems raise CheckpointError: one 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import shutil
@@ -18,33 +19,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from tetron.checkpoint import (
-    FORMAT,
-    STATE_FILE,
-    STEP_DIR,
-    CheckpointError,
-    model_specs,
-    optimizer_specs,
-    seal,
-    sha256,
-)
-from tetron.init import full_shape, name_seed
-from tetron.model import LlamaConfig
+from tetron.checkpoint import FORMAT, STATE_FILE, STEP_DIR, model_specs, optimizer_specs, seal
+from tetron.errors import CheckpointError, check
+from tetron.fs import sha256
+from tetron.init import name_seed
+from tetron.model import Llama, LlamaConfig
+from tetron.parallel.layout import full_shape, layout_of
+from tetron.safetensors_stream import DTYPES
 
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 _FLOATS = {"F32", "F16", "BF16", "F64"}
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "tie_word_embeddings")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tetron_tokenizer.json", "special_tokens_map.json")
 
 
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise CheckpointError(message)
+_need = functools.partial(check, error=CheckpointError)
 
 
 def read_json(path: Path) -> Any:
@@ -83,13 +75,14 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPES and isinstance(entry.get("shape"), list)
+        ok = (isinstance(entry, dict) and entry.get("dtype") in DTYPES and isinstance(entry.get("shape"), list)
               and all(type(d) is int and d >= 0 for d in entry["shape"]) and isinstance(entry.get("data_offsets"), list)
               and len(entry["data_offsets"]) == 2 and all(type(o) is int for o in entry["data_offsets"]))
         _need(ok, f"{path}: bad header entry for tensor {name!r}: corrupted")
         begin, end = entry["data_offsets"]
-        nbytes = math.prod(entry["shape"]) * torch.empty((), dtype=_DTYPES[entry["dtype"]]).element_size()
-        _need(end - begin == nbytes, f"{path}: tensor {name} has {end - begin} bytes for shape {entry['shape']}: corrupted")
+        nbytes = math.prod(entry["shape"]) * torch.empty((), dtype=DTYPES[entry["dtype"]]).element_size()
+        _need(end - begin == nbytes,
+              f"{path}: tensor {name} has {end - begin} bytes for shape {entry['shape']}: corrupted")
         ranges.append((begin, end))
         out[name] = (entry["dtype"], tuple(entry["shape"]))
     pos = 0
@@ -156,7 +149,8 @@ class TensorReader:
         info = self.info(name)
         _need(info is not None, f"{self.where}: tensor {name} is missing")
         where = self.folder / self.file_of[name]
-        _need(info[1] == tuple(shape), f"{where}: tensor {name} has shape {list(info[1])}, the model needs {list(shape)}")
+        _need(info[1] == tuple(shape),
+              f"{where}: tensor {name} has shape {list(info[1])}, the model needs {list(shape)}")
         _need(info[0] in dtypes, f"{where}: tensor {name} has dtype {info[0]}, expected one of {sorted(dtypes)}")
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> Tensor:
@@ -175,6 +169,33 @@ class TensorReader:
             raise
         except Exception as err:  # safetensors' own errors: the file changed or is damaged
             raise CheckpointError(f"{self.folder / f}: cannot read tensor {name} ({err})") from None
+
+
+def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
+    """A plain Llama from a HF model folder (config.json + model.safetensors, or shards + index)."""
+    folder = Path(folder)
+    config = LlamaConfig.from_hf(folder)
+    with torch.device("meta"):
+        model = Llama(config)
+    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    if (folder / "model.safetensors").is_file():
+        state = load_file(folder / "model.safetensors", device=str(device))
+        where = folder / "model.safetensors"
+    else:
+        with TensorReader(folder, "model") as reader:
+            state = {k: reader.read(k).to(device) for k in reader.names() if k in expected}
+        where = folder / "model.safetensors.index.json"
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        name = sorted(missing or unexpected)[0]
+        what = "missing" if missing else "unexpected"
+        raise ValueError(f"{where}: {what} tensor {name} for this config.json")
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
 
 
 # --------------------------------------------------------------------------- checking, before any process starts
@@ -201,7 +222,8 @@ def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
     path = folder / STATE_FILE
     s = read_json(path)
     _need(isinstance(s, dict) and s.get("format") == FORMAT, f"{path}: not a {FORMAT} trainer state")
-    _need(seal(s).get("checksum") == s.get("checksum"), f"{path}: its checksum does not match its content: edited or corrupted")
+    _need(seal(s).get("checksum") == s.get("checksum"),
+          f"{path}: its checksum does not match its content: edited or corrupted")
     _need(type(s.get("step")) is int and s["step"] >= 0, f"{path}: step must be a non-negative integer")
     named = STEP_DIR.match(folder.name)
     _need(not named or int(named.group(1)) == s["step"], f"{path}: step={s['step']} but the folder is {folder.name}")
@@ -227,7 +249,8 @@ def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
         _need(f.is_file(), f"{f}: missing (listed in {STATE_FILE})")
         _need(f.stat().st_size == meta["size"],
               f"{f}: {f.stat().st_size} bytes, {STATE_FILE} says {meta['size']}: truncated or replaced")
-        _need(not verify_data or sha256(f) == meta["sha256"], f"{f}: contents differ from the sha256 in {STATE_FILE}: corrupted")
+        _need(not verify_data or sha256(f) == meta["sha256"],
+              f"{f}: contents differ from the sha256 in {STATE_FILE}: corrupted")
     if layout is not None:
         _need("rng.safetensors" in files, f"{path}: rng.safetensors is not listed")
     return s
@@ -273,10 +296,10 @@ def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, requir
 def _read_local(reader: TensorReader, key: str, param: nn.Parameter) -> Tensor:
     """This rank's part of tensor `key` for `param`: its slice along the tp dim, vocab padding as zeros."""
     reader.check(key, full_shape(param), dtypes=_FLOATS)
-    shard = getattr(param, "shard", None)
+    shard = layout_of(param).tp
     if shard is None:
         return reader.read(key).to(param.dtype)
-    dim, index, count = shard
+    dim, index = shard.dim, shard.index
     local = param.shape[dim]
     logical = full_shape(param)[dim]
     start, stop = min(index * local, logical), min((index + 1) * local, logical)
@@ -288,9 +311,9 @@ def _read_local(reader: TensorReader, key: str, param: nn.Parameter) -> Tensor:
 
 
 def _source_name(name: str, param: nn.Parameter, reader: TensorReader) -> str:
-    """The stored tensor of `param`: `init_name` for a pipeline's tied head copy; the embedding for a
-    tied head that the folder leaves out (as transformers does)."""
-    src = getattr(param, "init_name", name)
+    """The stored tensor of `param`: its layout's `source` for a pipeline's tied head copy; the embedding
+    for a tied head that the folder leaves out (as transformers does)."""
+    src = layout_of(param).source or name
     if src == "lm_head.weight" and reader.info(src) is None:
         return "model.embed_tokens.weight"
     return src

@@ -14,17 +14,10 @@ import secrets
 import shutil
 from pathlib import Path
 
-from tetron.checkpoint import (
-    FORMAT,
-    STATE_FILE,
-    CheckpointError,
-    model_specs,
-    seal,
-    sha256,
-    write_json,
-    write_tensors,
-)
-from tetron.checkpoint_load import TensorReader, copy_tokenizer, inspect_checkpoint, read_json
+from tetron.checkpoint import FORMAT, STATE_FILE, model_specs, seal, write_tensors
+from tetron.checkpoint_load import TensorReader, copy_tokenizer, inspect_checkpoint, read_json, read_model_config
+from tetron.errors import CheckpointError
+from tetron.fs import replace_folder, sha256, write_json
 
 
 def _tmp_for(dst: Path) -> Path:
@@ -39,10 +32,10 @@ def _tmp_for(dst: Path) -> Path:
 
 
 def _finish(tmp: Path, dst: Path) -> None:
-    for f in tmp.iterdir():
-        with open(f, "rb+") as fh:
-            os.fsync(fh.fileno())
-    tmp.rename(dst)
+    try:
+        replace_folder(tmp, dst, overwrite=False)
+    except FileExistsError:
+        raise CheckpointError(f"{dst}: already exists; give a new folder (nothing is overwritten)") from None
 
 
 def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
@@ -66,10 +59,9 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
             raise
         return f"wrote the Hugging Face model folder {dst}"
     if not (src / "config.json").is_file():
-        raise CheckpointError(f"{src}: neither a tetron checkpoint ({STATE_FILE}) nor a Hugging Face folder (config.json)")
+        raise CheckpointError(f"{src}: neither a tetron checkpoint ({STATE_FILE}) "
+                              f"nor a Hugging Face folder (config.json)")
     inspect_checkpoint(src, require_state=False)
-    from tetron.checkpoint_load import read_model_config
-
     config = read_model_config(src)
     tmp = _tmp_for(dst)
     try:

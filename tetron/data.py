@@ -1,8 +1,6 @@
-"""Data: text sources, a cached flat token file, and a layout-free sampler (tokenizers: tokenizer.py).
+"""Data: a cached flat token file and a layout-free sampler (sources: sources.py, tokenizers: tokenizer.py).
 
-Text is read from local files (.txt, .jsonl, .parquet, source code), the Python
-standard library (`stdlib`) or a Hugging Face dataset (`hf:NAME[:CONFIG][:SPLIT]`),
-tokenized once into a flat memory-mapped token file, and cut into windows of
+Text is tokenized once into a flat memory-mapped token file and cut into windows of
 `seq_len + 1` tokens. The global batch of step s is a seeded list of windows that
 depends only on (seed, step, sizes); each DP rank and each micro-batch then takes its
 contiguous share of those rows, so any (dp, grad_acc, micro_batch) layout with the
@@ -11,41 +9,25 @@ same global batch sees the same data in the same order.
 
 from __future__ import annotations
 
-import codecs
-import glob
 import hashlib
 import itertools
 import json
 import os
-import sysconfig
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from tetron.tokenizer import Tokenizer
+from tetron.config import Config
+from tetron.errors import DataError
+from tetron.fs import fsync_file, temp_name, write_json
+from tetron.sources import data_fingerprint, iter_texts
+from tetron.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = [
-    "DataError",
-    "resolve_files",
-    "iter_texts",
-    "prepare_tokens",
-    "load_tokens",
-    "BatchSampler",
-    "DataLoader",
-    "default_cache_dir",
-]
-
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".py", ".md")
 # Bump when the token file layout or the tokenization rules change, to invalidate caches.
 _CACHE_VERSION = "tetron-tokens-1"
 _ENCODE_BATCH = 256  # documents per encode_batch call
-
-
-class DataError(ValueError):
-    """A data problem the user can fix; the message is one line naming it and a fix."""
 
 
 def default_cache_dir() -> Path:
@@ -54,184 +36,17 @@ def default_cache_dir() -> Path:
     return Path(base) / "tetron"
 
 
-# ----------------------------------------------------------------------------- sources
-
-
-def _stdlib_files() -> list[Path]:
-    root = sysconfig.get_paths()["stdlib"]
-    skip = {"site-packages", "dist-packages", "__pycache__"}  # third-party packages differ per machine
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in skip]
-        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
-    return sorted(p for p in files if p.is_file())
-
-
-def resolve_files(spec: str) -> list[Path]:
-    """The sorted files a data spec names: a file, a folder (recursive), a glob, or `stdlib`."""
-    if spec == "stdlib":
-        files = _stdlib_files()
-        if not files:
-            raise DataError(f"data: no .py files in the standard library at {sysconfig.get_paths()['stdlib']}")
-        return files
-    if spec.startswith("hf:"):
-        raise DataError(f"data: {spec} is a Hugging Face dataset, not files (read it with iter_texts)")
-    path = Path(spec).expanduser()
-    if glob.has_magic(spec):
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-        if not files:
-            raise DataError(f"data: no files match {spec} (give a file, a folder or a glob)")
-        return files
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-        if not files:
-            raise DataError(
-                f"data: no {'/'.join(TEXT_SUFFIXES)} files under {path} (give a file, a folder or a glob)"
-            )
-        return files
-    raise DataError(f"data: {spec} does not exist (give a file, a folder, a glob, 'stdlib' or hf:NAME)")
-
-
-def _parse_hf(spec: str) -> tuple[str, str | None, str]:
-    """`hf:NAME`, `hf:NAME:SPLIT` or `hf:NAME:CONFIG:SPLIT` -> (name, config, split)."""
-    parts = spec[len("hf:"):].split(":")
-    if not parts[0] or len(parts) > 3:
-        raise DataError(f"data: cannot parse {spec} (use hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT)")
-    if len(parts) == 1:
-        return parts[0], None, "train"
-    if len(parts) == 2:
-        return parts[0], None, parts[1]
-    return parts[0], parts[1], parts[2]
-
-
-def _load_hf(spec: str, text_field: str) -> Any:
-    import datasets  # slow to import; only needed for hf: specs
-
-    name, config, split = _parse_hf(spec)
-    try:
-        ds = datasets.load_dataset(name, config, split=split)
-    except Exception as e:  # datasets raises many types; all mean "cannot load this"
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"data: cannot load {spec}: {msg} (give a local dataset folder or a cached hub name)") from e
-    if text_field not in ds.column_names:
-        columns = ", ".join(ds.column_names)
-        raise DataError(f"data: {spec} has no column {text_field!r} (columns: {columns}; set text_field)")
-    return ds
-
-
-def _iter_hf(spec: str, text_field: str) -> Iterator[str]:
-    ds = _load_hf(spec, text_field)
-    for batch in ds.select_columns([text_field]).iter(batch_size=1000):
-        for text in batch[text_field]:
-            yield text or ""
-
-
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"data: {path} line {lineno} is not JSON ({e.msg}); expected one object per line"
-                ) from e
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                raise DataError(f"data: {path} line {lineno} has no string field {text_field!r} (set text_field)")
-            yield obj[text_field]
-
-
-def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise DataError(
-            f"data: {path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}; set text_field)"
-        )
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            yield text or ""
-
-
-def _read_text(path: Path, limit: int | None) -> str:
-    """A whole file as one document; not all files are UTF-8, so undecodable bytes become U+FFFD."""
-    with open(path, "rb") as f:
-        raw = f.read() if limit is None else f.read(limit)
-    # final=False drops a multi-byte character cut in half by the limit instead of replacing it.
-    final = limit is None or len(raw) < limit
-    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=final)
-
-
-def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = None) -> Iterator[str]:
-    """Yield the documents of a data spec, in a fixed order; stop after about max_bytes of UTF-8 text."""
-    if max_bytes is not None and max_bytes <= 0:
-        raise DataError(f"data: max_bytes={max_bytes} must be positive (or None for all the data)")
-
-    def docs() -> Iterator[str]:
-        if spec.startswith("hf:"):
-            yield from _iter_hf(spec, text_field)
-            return
-        for path in resolve_files(spec):
-            if path.suffix == ".jsonl":
-                yield from _iter_jsonl(path, text_field)
-            elif path.suffix == ".parquet":
-                yield from _iter_parquet(path, text_field)
-            else:
-                # Read no more than needed: a prefix of a huge file is enough.
-                yield _read_text(path, None if max_bytes is None else max_bytes - total)
-
-    total = 0
-    for doc in docs():
-        if max_bytes is None:
-            yield doc
-            continue
-        raw = doc.encode("utf-8")
-        if total + len(raw) >= max_bytes:
-            cut = raw[: max_bytes - total].decode("utf-8", errors="ignore")
-            if cut:
-                yield cut
-            return
-        total += len(raw)
-        yield doc
-
-
-def _data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None) -> str:
-    """A hash of the documents a spec yields, for cache keys; does not depend on where the data lies."""
-    h = hashlib.sha256(json.dumps({"text_field": text_field, "max_bytes": max_bytes}).encode())
-    if spec.startswith("hf:"):
-        fp = getattr(_load_hf(spec, text_field), "_fingerprint", None)
-        if fp:
-            h.update(f"hf-fingerprint:{fp}".encode())
-            return h.hexdigest()
-    elif max_bytes is None:
-        # Whole files: hashing their bytes is cheaper than parsing them.
-        files = resolve_files(spec)
-        root = Path(os.path.commonpath([str(p.parent) for p in files]))
-        for p in files:
-            h.update(f"\0file:{p.relative_to(root).as_posix()}:{p.stat().st_size}\0".encode())
-            with open(p, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-        return h.hexdigest()
-    # A prefix (or a dataset without a fingerprint): hash exactly the text that will be used.
-    for doc in iter_texts(spec, text_field=text_field, max_bytes=max_bytes):
-        raw = doc.encode("utf-8")
-        h.update(f"\0doc:{len(raw)}\0".encode())
-        h.update(raw)
-    return h.hexdigest()
+def prepare_data(cfg: Config) -> tuple[Tokenizer, Path]:
+    """Tokenizer and flat token file for this config; both cached, so only the first call does work."""
+    d = cfg.data
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+    tokenizer = load_tokenizer(d.tokenizer, data_spec=d.path, cache_dir=cache, text_field=d.text_field,
+                               max_bytes=d.max_bytes)
+    tokens = prepare_tokens(d.path, tokenizer, cache_dir=cache, text_field=d.text_field, max_bytes=d.max_bytes)
+    return tokenizer, tokens
 
 
 # ----------------------------------------------------------------------------- token file
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:
@@ -247,7 +62,7 @@ def prepare_tokens(
     max_bytes: int | None = None,
 ) -> Path:
     """Tokenize the data once into a flat token file (EOS after each document); cached by content."""
-    data_fp = _data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
+    data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
     key = hashlib.sha256(f"{_CACHE_VERSION}:{tokenizer.fingerprint()}:{data_fp}".encode()).hexdigest()
     folder = Path(cache_dir) / "tokens"
     path = folder / f"{key[:24]}.bin"
@@ -256,7 +71,7 @@ def prepare_tokens(
     folder.mkdir(parents=True, exist_ok=True)
     dtype = _token_dtype(tokenizer.vocab_size)
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]  # separates documents
-    tmp = folder / f"{path.name}.tmp-{os.getpid()}"
+    tmp = temp_name(path)
     num_tokens = 0
 
     def flush(f: Any, batch: list[str]) -> int:
@@ -283,7 +98,7 @@ def prepare_tokens(
         if num_tokens == 0:
             raise DataError(f"data: {data_spec} gave no tokens (is it empty, or is text_field={text_field!r} empty?)")
         # Sidecar first, token file renamed last: the .bin existing means both are complete.
-        _write_json(path.with_suffix(".json"), {
+        write_json(path.with_suffix(".json"), {
             "dtype": dtype.name,
             "num_tokens": num_tokens,
             "vocab_size": tokenizer.vocab_size,
@@ -291,7 +106,8 @@ def prepare_tokens(
             "source": data_spec,
             "text_field": text_field,
             "max_bytes": max_bytes,
-        })
+        }, indent=2)
+        fsync_file(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

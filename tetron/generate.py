@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from tetron.checkpoint import load_model
-from tetron.tokenizer import Tokenizer, load_tokenizer
+from tetron.checkpoint_load import load_model
 from tetron.model import Llama
+from tetron.tokenizer import Tokenizer, load_tokenizer
 
 
 @torch.no_grad()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from tetron.fs import write_text
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, *, peak_tflops: float | None, world_size: int) -> float | None:
@@ -72,7 +74,5 @@ def trim_after(path: Path, step: int) -> None:
             keep.append(line)
     if len(keep) == len(lines):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep), encoding="utf-8")
-    os.replace(path, path.with_name(f"metrics.before-resume-{step}.jsonl"))
-    os.replace(tmp, path)
+    shutil.copyfile(path, path.with_name(f"metrics.before-resume-{step}.jsonl"))
+    write_text(path, "".join(keep))

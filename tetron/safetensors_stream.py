@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {
+DTYPE_NAMES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
-}
+}  # torch dtype -> the safetensors header's name
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # and back
 
 
 class SafetensorsWriter:
@@ -32,7 +33,7 @@ class SafetensorsWriter:
         self.expected: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         for name, dtype, shape in specs:
             size = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size
             self.expected.append((name, dtype, tuple(shape)))
         raw = json.dumps(header, separators=(",", ":")).encode()

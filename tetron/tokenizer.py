@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from tetron.data import DataError, _data_fingerprint, _write_json, iter_texts
+from tetron.errors import DataError
+from tetron.fs import replace_folder, temp_name, write_json
+from tetron.sources import data_fingerprint, iter_texts
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -79,8 +81,8 @@ class Tokenizer:
             config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
             if self.eos_id is not None:
                 config["eos_token"] = self.backend.id_to_token(self.eos_id)
-            _write_json(folder / "tokenizer_config.json", config)
-        _write_json(folder / "tetron_tokenizer.json", meta)
+            write_json(folder / "tokenizer_config.json", config, indent=2)
+        write_json(folder / "tetron_tokenizer.json", meta, indent=2)
 
 
 def _bpe_vocab_size(spec: str) -> int:
@@ -96,7 +98,8 @@ def _bpe_vocab_size(spec: str) -> int:
 
 
 def _train_bpe(vocab_size: int, texts: Iterator[str]) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -161,23 +164,21 @@ def load_tokenizer(
         vocab_size = _bpe_vocab_size(spec)
         if data_spec is None:
             raise DataError(f"data: tokenizer {spec!r} is trained on the data; give a data spec to train it on")
-        data_fp = _data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
+        data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
         key = hashlib.sha256(f"bpe:{vocab_size}:{data_fp}".encode()).hexdigest()
         folder = Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key[:20]}"
         if (folder / "tetron_tokenizer.json").exists():
             return _load_saved(folder)
         tok = _train_bpe(vocab_size, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes))
         # Save under a temporary name and rename, so a crash never leaves a partial cache entry.
-        tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+        tmp = temp_name(folder)
         tok.save(tmp)
         try:
-            os.replace(tmp, folder)
+            replace_folder(tmp, folder, overwrite=False)
         except OSError:  # another process finished first: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
             if not (folder / "tetron_tokenizer.json").exists():
                 raise
-            for p in tmp.iterdir():
-                p.unlink()
-            tmp.rmdir()
         return _load_saved(folder)
     path = Path(spec).expanduser()
     if (path / "tetron_tokenizer.json").exists():
