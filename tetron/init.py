@@ -12,6 +12,9 @@ import hashlib
 import torch
 from torch import nn
 
+from tetron.model import Llama, LlamaConfig
+from tetron.parallel.layout import full_shape, layout_of, local_slice
+
 
 def name_seed(seed: int, name: str) -> int:
     """A stable 63-bit seed from the run seed and a parameter name (Python's hash() is salted per process)."""
@@ -27,36 +30,10 @@ def full_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> 
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
-def local_slice(param: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `full`. A sharded parameter says how it was cut with
-    `param.shard = (dim, index, count)`: equal parts along `dim`, this rank holding part `index`.
-    `param.logical_size`, where set, is the true size along `dim` before padding to a multiple
-    of `count` (a vocabulary that tp does not divide): padded rows are zeros."""
-    shard = getattr(param, "shard", None)
-    if shard is None:
-        return full
-    dim, index, count = shard
-    padded = param.shape[dim] * count
-    if full.shape[dim] < padded:
-        pad = [0, 0] * (full.dim() - 1 - dim) + [0, padded - full.shape[dim]]
-        full = torch.nn.functional.pad(full, pad)
-    return full.chunk(count, dim=dim)[index]
-
-
-def full_shape(param: nn.Parameter) -> tuple[int, ...]:
-    """The shape of the whole (unpadded) tensor of which `param` holds a part."""
-    shape = list(param.shape)
-    shard = getattr(param, "shard", None)
-    if shard is not None:
-        dim, _, count = shard
-        shape[dim] = getattr(param, "logical_size", shape[dim] * count)
-    return tuple(shape)
-
-
 def materialize_(model: nn.Module, device: torch.device) -> None:
     """Give a model built on the meta device real, uninitialised storage on `device`.
 
-    Unlike `Module.to_empty`, this keeps each Parameter's attributes (`shard`, ...) and keeps
+    Unlike `Module.to_empty`, this keeps each Parameter's attributes (its layout) and keeps
     tied parameters tied: one new Parameter per old one, wherever it is registered."""
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -74,8 +51,17 @@ def materialize_(model: nn.Module, device: torch.device) -> None:
 def init_weights_(model: nn.Module, *, seed: int, std: float) -> None:
     """Fill every parameter of `model` (named as in the plain, unwrapped model) from its full tensor.
 
-    `param.init_name`, where set, is the name whose tensor it starts from: a pipeline's last stage
-    holds its own copy of a tied embedding as `lm_head.weight`, initialised as `model.embed_tokens.weight`."""
+    A parameter whose layout names a `source` starts from that tensor: a pipeline's last stage holds its
+    own copy of a tied embedding as `lm_head.weight`, initialised as `model.embed_tokens.weight`."""
     for name, param in model.named_parameters():
-        full = full_tensor(getattr(param, "init_name", name), full_shape(param), seed=seed, std=std)
+        full = full_tensor(layout_of(param).source or name, full_shape(param), seed=seed, std=std)
         param.copy_(local_slice(param, full))
+
+
+def seeded_model(config: LlamaConfig, *, seed: int, device: torch.device) -> Llama:
+    """The whole model as a single-process run starts it: built on meta, given storage, filled from `seed`."""
+    with torch.device("meta"):
+        model = Llama(config)
+    materialize_(model, device)
+    init_weights_(model, seed=seed, std=config.initializer_range)
+    return model

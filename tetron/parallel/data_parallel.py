@@ -21,20 +21,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tetron.config import DpImpl
+
 # Gloo and NCCL both average natively; a sum followed by a division would cost an extra pass.
 AVG = dist.ReduceOp.AVG
 
 
-class _DataParallel(nn.Module):
+class DataParallel(nn.Module):
     """Shared plumbing: the wrapped module, the group, the sync switch and a collective counter."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, count_collectives: bool = False) -> None:
         super().__init__()
         self.module = module
         self.group = group
         self.world = dist.get_world_size(group)
         self.require_sync = True
-        self.num_collectives = 0  # all-reduce calls issued so far, so tests can count syncs per step
+        # all-reduce calls issued so far, kept only when asked (tests count syncs per step)
+        self.num_collectives: int | None = 0 if count_collectives else None
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -51,20 +54,25 @@ class _DataParallel(nn.Module):
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
+    def _all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> dist.Work | None:
+        """Average `tensor` over the group."""
+        if self.num_collectives is not None:
+            self.num_collectives += 1
+        return dist.all_reduce(tensor, op=AVG, group=self.group, async_op=async_op)
 
-class DataParallelNaive(_DataParallel):
+
+class DataParallelNaive(DataParallel):
     """An all-reduce (average) hook on every parameter's gradient."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup) -> None:
-        super().__init__(module, group)
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, count_collectives: bool = False) -> None:
+        super().__init__(module, group, count_collectives=count_collectives)
         if self.world > 1:
             for p in self._params():
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, param: nn.Parameter) -> None:
         if self.require_sync:
-            self.num_collectives += 1
-            dist.all_reduce(param.grad, op=AVG, group=self.group)
+            self._all_reduce(param.grad)
 
 
 class _Bucket:
@@ -77,11 +85,12 @@ class _Bucket:
         self.handle: dist.Work | None = None
 
 
-class DataParallelBucket(_DataParallel):
+class DataParallelBucket(DataParallel):
     """Gradients in fp32 buckets whose asynchronous all-reduce overlaps the backward pass."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0) -> None:
-        super().__init__(module, group)
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0,
+                 count_collectives: bool = False) -> None:
+        super().__init__(module, group, count_collectives=count_collectives)
         params = self._params()
         device = params[0].device
         # Backward visits parameters roughly in reverse order of definition: fill buckets that way,
@@ -97,11 +106,12 @@ class DataParallelBucket(_DataParallel):
         if group_params:
             self.buckets.append(_Bucket(group_params, device))
         self.bucket_of: dict[nn.Parameter, _Bucket] = {}
+        # each parameter's fp32 gradient: a view into its bucket's buffer (Megatron's main_grad)
+        self.main_grads: dict[nn.Parameter, torch.Tensor] = {}
         for bucket in self.buckets:
             offset = 0
             for p in bucket.params:
-                # main_grad: this parameter's fp32 gradient, a view into its bucket's buffer
-                p.main_grad = bucket.buffer[offset:offset + p.numel()].view_as(p)
+                self.main_grads[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
                 self.bucket_of[p] = bucket
                 p.register_post_accumulate_grad_hook(self._hook)
@@ -110,8 +120,8 @@ class DataParallelBucket(_DataParallel):
 
     def _attach_grads(self) -> None:
         """Point fp32 parameters' .grad at their bucket views, so autograd accumulates in place."""
-        for p in self.bucket_of:
-            p.grad = p.main_grad if p.dtype == torch.float32 else None
+        for p, main_grad in self.main_grads.items():
+            p.grad = main_grad if p.dtype == torch.float32 else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the buckets (the gradients' storage); `set_to_none` is ignored, the views stay attached."""
@@ -121,11 +131,12 @@ class DataParallelBucket(_DataParallel):
         self._attach_grads()
 
     def _hook(self, param: nn.Parameter) -> None:
-        if param.grad is not param.main_grad:
+        main_grad = self.main_grads[param]
+        if param.grad is not main_grad:
             # Lower-precision parameters (or a .grad reset by someone else): accumulate into the
             # fp32 buffer by hand, then point fp32 parameters back at their view.
-            param.main_grad.add_(param.grad)
-            param.grad = param.main_grad if param.dtype == torch.float32 else None
+            main_grad.add_(param.grad)
+            param.grad = main_grad if param.dtype == torch.float32 else None
         if not self.require_sync or self.world == 1:
             return
         if not self._callback_queued:
@@ -135,30 +146,26 @@ class DataParallelBucket(_DataParallel):
         bucket = self.bucket_of[param]
         bucket.pending.discard(param)
         if not bucket.pending:
-            self.num_collectives += 1
-            bucket.handle = dist.all_reduce(bucket.buffer, op=AVG, group=self.group, async_op=True)
+            bucket.handle = self._all_reduce(bucket.buffer, async_op=True)
 
     def _finish(self) -> None:
         for bucket in self.buckets:
             if bucket.handle is None:
                 # Parameters unused in this backward never fire their hook: reduce what is there.
-                self.num_collectives += 1
-                dist.all_reduce(bucket.buffer, op=AVG, group=self.group)
+                self._all_reduce(bucket.buffer)
             else:
                 bucket.handle.wait()
             bucket.handle = None
             bucket.pending = set(bucket.params)
         self._callback_queued = False
-        for p in self.bucket_of:
+        for p, main_grad in self.main_grads.items():
             if p.dtype != torch.float32:
-                p.grad = p.main_grad.to(p.dtype)
+                p.grad = main_grad.to(p.dtype)
 
 
-def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, *, impl: str = "bucket",
-                        bucket_mb: float = 25.0) -> _DataParallel:
+def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, *, impl: DpImpl = "bucket",
+                        bucket_mb: float = 25.0, count_collectives: bool = False) -> DataParallel:
     """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket")."""
     if impl == "naive":
-        return DataParallelNaive(model, group)
-    if impl == "bucket":
-        return DataParallelBucket(model, group, bucket_mb=bucket_mb)
-    raise ValueError(f"dp_impl={impl!r}: use naive or bucket")
+        return DataParallelNaive(model, group, count_collectives=count_collectives)
+    return DataParallelBucket(model, group, bucket_mb=bucket_mb, count_collectives=count_collectives)

@@ -32,15 +32,16 @@ from tetron.parallel.comm import (
     reduce_from_group,
     reduce_scatter_to_sequence,
 )
+from tetron.parallel.layout import Shard, layout_of, set_layout
 
 
-def _shard_param(shape: tuple[int, ...], *, dim: int, rank: int, world: int, logical: int | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> nn.Parameter:
-    """An uninitialised parameter holding part `rank` of `world` along `dim`; init fills it later."""
-    param = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-    param.shard = (dim, rank, world)  # read by init (which slice) and grad-norm clipping (sum over tp)
-    if logical is not None:
-        param.logical_size = logical  # the full size along `dim` before padding
+def _shard_param(old: nn.Parameter, shape: tuple[int, ...], *, dim: int, group: dist.ProcessGroup,
+                 logical: int | None = None) -> nn.Parameter:
+    """An uninitialised parameter holding this rank's part along `dim` of what `old` held whole; it
+    keeps what earlier strategies recorded about `old` (parallel/layout.py). Init fills it later."""
+    param = nn.Parameter(torch.empty(shape, device=old.device, dtype=old.dtype))
+    shard = Shard("tp", dim, dist.get_rank(group), dist.get_world_size(group), logical)
+    set_layout(param, inherit=old, tp=shard)
     return param
 
 
@@ -49,15 +50,17 @@ class ColumnParallelLinear(nn.Module):
     "copy" applies f (replicated x), "gather" all-gathers a sequence-split x, "none" takes x as is
     (f already applied by the caller, once for several sibling layers)."""
 
-    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, *, input_mode: str = "copy") -> None:
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, *, input_mode: str = "copy",
+                 padded_out: int | None = None) -> None:
         super().__init__()
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = dist.get_world_size(group)
         out_features, in_features = linear.weight.shape
-        if out_features % world:
-            raise ValueError(f"{out_features} output features are not divisible by tp={world}")
+        padded = padded_out or out_features  # the head's vocabulary, padded to a multiple of tp
+        if padded % world:
+            raise ValueError(f"{padded} output features are not divisible by tp={world}")
         self.group, self.input_mode = group, input_mode
-        self.weight = _shard_param((out_features // world, in_features), dim=0, rank=rank, world=world,
-                                   device=linear.weight.device, dtype=linear.weight.dtype)
+        self.weight = _shard_param(linear.weight, (padded // world, in_features), dim=0, group=group,
+                                   logical=out_features if padded_out else None)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_mode == "copy":
@@ -73,13 +76,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, *, sequence_parallel: bool = False) -> None:
         super().__init__()
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = dist.get_world_size(group)
         out_features, in_features = linear.weight.shape
         if in_features % world:
             raise ValueError(f"{in_features} input features are not divisible by tp={world}")
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _shard_param((out_features, in_features // world), dim=1, rank=rank, world=world,
-                                   device=linear.weight.device, dtype=linear.weight.dtype)
+        self.weight = _shard_param(linear.weight, (out_features, in_features // world), dim=1, group=group)
 
     def forward(self, x: Tensor) -> Tensor:
         partial = F.linear(x, self.weight)  # [B, T, out], this rank's share of the sum
@@ -100,8 +102,7 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = padded_vocab // world
         self.group, self.sequence_parallel = group, sequence_parallel
         self.start, self.end = rank * per_rank, (rank + 1) * per_rank
-        self.weight = _shard_param((per_rank, hidden), dim=0, rank=rank, world=world, logical=vocab,
-                                   device=embedding.weight.device, dtype=embedding.weight.dtype)
+        self.weight = _shard_param(embedding.weight, (per_rank, hidden), dim=0, group=group, logical=vocab)
 
     def forward(self, ids: Tensor) -> Tensor:
         outside = (ids < self.start) | (ids >= self.end)
@@ -188,16 +189,15 @@ def apply_tensor_parallel(model: Llama, group: dist.ProcessGroup, *, sequence_pa
         mlp.register_forward_pre_hook(enter(group))
         if sp:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.weight.sequence_parallel = True
+                set_layout(norm.weight, sequence_parallel=True)
     if inner.embed_tokens is not None:
         inner.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, group, padded_vocab=padded,
                                                     sequence_parallel=sp)
     if inner.norm is not None and sp:
-        inner.norm.weight.sequence_parallel = True
+        set_layout(inner.norm.weight, sequence_parallel=True)
     if model.lm_head is not None:
-        head = nn.Linear(cfg.hidden_size, padded, bias=False, device=model.lm_head.weight.device)
-        model.lm_head = ColumnParallelLinear(head, group, input_mode="gather" if sp else "copy")
-        model.lm_head.weight.logical_size = cfg.vocab_size
+        model.lm_head = ColumnParallelLinear(model.lm_head, group, input_mode="gather" if sp else "copy",
+                                             padded_out=padded)
     model.tie_weights()
     return model
 
@@ -218,7 +218,7 @@ def _gather_input(group: dist.ProcessGroup):
 def sync_sequence_parallel_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Sum over tp the gradients of replicated weights that saw only this rank's tokens (RMSNorm
     under sequence parallelism), in one flat all-reduce."""
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in params if layout_of(p).sequence_parallel and p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.flatten() for g in grads])
