@@ -14,9 +14,9 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from torch.nn.parallel import DistributedDataParallel
 
-from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from tetron.init import init_weights_
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.data_parallel import apply_data_parallel

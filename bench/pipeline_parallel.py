@@ -17,13 +17,13 @@ import statistics
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
-from tetron.parallel.pipeline_parallel import Pipeline, keep_stage_, measure_bubble, split_layers
+from tetron.parallel.pipeline_parallel import Pipeline, apply_pipeline_stage, measure_bubble, split_layers
 from tetron.parallel.pipeline_schedules import simulate, theoretical_bubble
 
 
@@ -35,7 +35,7 @@ def make_chunks(config: LlamaConfig, *, pp: int, virtual: int, rank: int) -> lis
         s = c * pp + rank
         with torch.device("meta"):
             model = Llama(config)
-        keep_stage_(model, ranges[s], first=s == 0, last=s == pp * virtual - 1)
+        apply_pipeline_stage(model, ranges[s], first=s == 0, last=s == pp * virtual - 1)
         materialize_(model, torch.device("cpu"))
         init_weights_(model, seed=0, std=0.02)
         chunks.append(model)
@@ -64,7 +64,7 @@ def rank_main(rank: int, args) -> None:
         chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank)
         # sum over tokens / (tokens per micro-batch * m): the mean over the batch, as torch's below
         pipeline = Pipeline(chunks, mesh, schedule_name=name, micro_batches=m, shape=(mb, seq, args.hidden),
-                            positions=torch.arange(seq),
+                            positions=torch.arange(seq), trace=True,
                             loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(),
                                                                       reduction="sum") / (mb * seq * m))
         params = [q for c in chunks for q in c.parameters()]
@@ -118,7 +118,7 @@ def rank_main(rank: int, args) -> None:
                 # left is the schedule's own bubble (with these stages' imbalance), not the network's
                 durations = [[end - start for _, _, _, start, end in t.events] for t in traces]
                 replayed.append(simulate(name, pp=p, virtual=virtual, micro_batches=m,
-                                         duration=lambda r, i, action: durations[r][i]))
+                                         duration=lambda r, i, action, d=durations: d[r][i]))
                 peaks = [t.peak_in_flight for t in traces]
         bubbles[name] = (virtual, per_rank_median(measured), per_rank_median(replayed), peaks)
 

@@ -14,6 +14,7 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -23,7 +24,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from tetron.init import init_weights_, materialize_
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy

@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import uuid
 
-from tetron.checkpoint import CheckpointError
-from tetron.config import Config, ConfigError, load_config
+from tetron.config import Config, load_config
+from tetron.data import prepare_data
+from tetron.errors import ConfigError, UserError
+from tetron.launch import launch
 from tetron.validate import validate
-from tetron.data import DataError
 
 USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [--model M] [--data D] [--tokenizer T]
                     [--out DIR] [--dp N] [--tp N] [--pp N] [--cp N] [--steps N] [--seed N]
@@ -32,8 +32,6 @@ def _fail(message: str) -> int:
 
 def _check_data(cfg: Config) -> None:
     """Tokenize (or find the cache) before any rank starts, and check the vocabulary fits the model."""
-    from tetron.train import prepare_data
-
     tokenizer, _ = prepare_data(cfg)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, more than "
@@ -50,32 +48,9 @@ def train_command(args: list[str]) -> int:
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
         if not inside_launch or os.environ.get("RANK") == "0":
             _check_data(cfg)
-    except (ConfigError, DataError, CheckpointError) as err:
+    except UserError as err:
         return _fail(str(err))
-
-    from tetron.train import run_rank
-
-    raw = cfg.to_dict()
-    if inside_launch or cfg.world_size == 1:
-        run_rank(raw)
-        return 0
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=cfg.parallel.max_restarts,
-                          monitor_interval=0.1, start_method="spawn")
-    print(f"tetron: starting {cfg.world_size} ranks (dp={cfg.parallel.dp} tp={cfg.parallel.tp} "
-          f"pp={cfg.parallel.pp} cp={cfg.parallel.cp}), run folder {cfg.out}", flush=True)
-    try:
-        elastic_launch(launch, run_rank)(raw)
-    except ChildFailedError as err:
-        rank, first = next(iter(err.failures.items()))
-        print(f"tetron: training failed on rank {rank} (exit code {first.exitcode}); "
-              f"see its error above", file=sys.stderr)
-        return 1
-    return 0
+    return launch(cfg)
 
 
 def convert_command(args: list[str]) -> int:
@@ -85,7 +60,7 @@ def convert_command(args: list[str]) -> int:
 
     try:
         print(f"tetron: {convert(args[0], args[1])}")
-    except CheckpointError as err:
+    except UserError as err:
         return _fail(str(err))
     return 0
 

@@ -10,22 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
-
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
+from tetron.errors import ConfigError
 from tetron.model import LlamaConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-
-class ConfigError(ValueError):
-    """A bad value in the run configuration; its message is one line for the user."""
+# Every choice a config field offers, in one place: the field's type says it, from_dict checks it.
+PpSchedule = Literal["afab", "1f1b", "interleaved"]
+DpImpl = Literal["naive", "bucket"]
+CpLayout = Literal["zigzag", "contiguous"]
+DeviceKind = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["float32", "bfloat16"]
+OnNonfinite = Literal["stop", "skip"]
 
 
 @dataclass
@@ -34,15 +38,15 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks (within a node)
     pp: int = 1  # pipeline stages
     cp: int = 1  # context-parallel ranks (ring attention)
-    pp_schedule: str = "1f1b"  # pipeline schedule: "afab" (all forward, all backward), "1f1b" or "interleaved"
+    pp_schedule: PpSchedule = "1f1b"  # pipeline schedule: "afab" (all forward, all backward), "1f1b" or "interleaved"
     pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank; above 1 only with pp_schedule=interleaved
     pp_split: list[int] | None = None  # layers per pipeline stage (virtual-stage order); None: as even as possible
-    cp_layout: str = "zigzag"  # how the sequence is split over cp: "zigzag" (balanced for causal attention) or "contiguous"
+    cp_layout: CpLayout = "zigzag"  # the sequence over cp: "zigzag" (balanced for causal attention) or "contiguous"
     sp: bool = False  # sequence parallelism: split activations outside attention/MLP along the sequence over tp
     vocab_pad_multiple: int = 1  # pad the vocabulary to a multiple of tp * this (64 or 128 speeds up GPU matmuls)
-    dp_impl: str = "bucket"  # "naive": per-parameter all-reduce hooks; "bucket": fp32 buckets overlapped with backward
+    dp_impl: DpImpl = "bucket"  # "naive": an all-reduce hook per parameter; "bucket": fp32 buckets, overlapped
     bucket_mb: float = 25.0  # gradient bucket size for dp_impl=bucket, in MB of fp32
-    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
+    device: DeviceKind = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     timeout_s: float = 600.0  # a collective that takes longer fails the run with an error
     max_restarts: int = 0  # the launcher restarts all ranks this many times after a failure (they resume "auto")
 
@@ -71,8 +75,8 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     seed: int = 0  # seeds the weights, the data order and the sampler
-    dtype: str = "float32"  # compute dtype: "float32" or "bfloat16" (autocast; weights stay fp32)
-    on_nonfinite: str = "stop"  # a NaN/inf loss: "stop" the run naming the step, or "skip" the step's update
+    dtype: Dtype = "float32"  # compute dtype: "float32" or "bfloat16" (autocast; weights stay fp32)
+    on_nonfinite: OnNonfinite = "stop"  # a NaN/inf loss: "stop" the run naming the step, or "skip" the step's update
 
 
 @dataclass
@@ -220,14 +224,22 @@ def resolve_model(spec: Any) -> LlamaConfig:
     return _build(LlamaConfig, base, "model")
 
 
+def one_of(choices: tuple[str, ...]) -> str:
+    """"a, b or c"."""
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+
+
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check and convert one value against a dataclass field annotation.
 
     Text (every command-line value, and YAML scalars such as `3e-4` that YAML keeps as strings)
     is converted by the field's type, so `--out 007` stays "007" and `--train.lr=3e-4` is a float."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, vars(typing) | {"Any": Any})  # annotations are strings (future import)
     origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{where}={value!r}: use {one_of(choices)}")
+        return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
         if type(None) in options and (value is None or (isinstance(value, str) and value.lower() in ("null", "none"))):
@@ -267,7 +279,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 value = float(value) if annotation is float else int(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (annotation is int and int(value) != value):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (annotation is int and int(value) != value):
             raise ConfigError(f"{where}={value!r}: expected {'an integer' if annotation is int else 'a number'}")
         return annotation(value)
     if annotation is str:
@@ -286,7 +299,8 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(f"{where}.{unknown[0]}: unknown key; known keys are {', '.join(fields)}")
-    kwargs = {name: _coerce(value, fields[name].type, f"{where}.{name}") for name, value in raw.items()}
+    types_ = typing.get_type_hints(cls)  # the annotations are strings (future import): resolve them
+    kwargs = {name: _coerce(value, types_[name], f"{where}.{name}") for name, value in raw.items()}
     try:
         return cls(**kwargs)
     except ValueError as err:  # LlamaConfig checks its heads and rope_scaling as it is built

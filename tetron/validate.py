@@ -7,19 +7,17 @@ import os
 import re
 from pathlib import Path
 
-from tetron.config import Config, ConfigError
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+from tetron.checkpoint import find_latest
+from tetron.checkpoint_load import inspect_checkpoint, read_model_config
+from tetron.config import Config
+from tetron.errors import CheckpointError, ConfigError, DataError
+from tetron.errors import check as _check
+from tetron.sources import resolve_files
 
 
 def _validate_pipeline(cfg: Config) -> None:
     """The pipeline checks: stages vs layers, the schedule's needs in micro-batches, the split."""
     p, layers, m = cfg.parallel, cfg.model.num_hidden_layers, cfg.train.grad_acc
-    _check(p.pp_schedule in ("afab", "1f1b", "interleaved"),
-           f"parallel.pp_schedule={p.pp_schedule!r}: use afab, 1f1b or interleaved")
     _check(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be at least 1")
     _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved",
            f"parallel.pp_virtual={p.pp_virtual} needs pp_schedule=interleaved; use pp_virtual=1 with "
@@ -49,9 +47,6 @@ def _validate_pipeline(cfg: Config) -> None:
 
 def _validate_checkpoint(cfg: Config) -> None:
     """The checkpoint section, and any checkpoint it names: read (JSON, headers, hashes), never written."""
-    from tetron.checkpoint import CheckpointError, find_latest
-    from tetron.checkpoint_load import inspect_checkpoint, read_model_config
-
     c = cfg.checkpoint
     _check(c.save_every >= 0, f"checkpoint.save_every={c.save_every} must be >= 0 (0: only at the end)")
     _check(c.keep >= 1, f"checkpoint.keep={c.keep} must be at least 1")
@@ -82,18 +77,16 @@ def _validate_checkpoint(cfg: Config) -> None:
         raise ConfigError(str(err)) from None
 
 
-def validate(cfg: Config, *, world_size: int | None = None) -> None:
-    """Every check that needs no process group; raises ConfigError with one line naming the field."""
-    m, p, d, t, lg = cfg.model, cfg.parallel, cfg.data, cfg.train, cfg.logging
+def _validate_layout(cfg: Config, world_size: int | None) -> None:
+    """The parallel sizes against the world and the model's shapes."""
+    m, p, d = cfg.model, cfg.parallel, cfg.data
     for name in ("dp", "tp", "pp", "cp"):
         _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)} must be at least 1")
     if world_size is not None:
         _check(world_size == cfg.world_size,
                f"world size {world_size} is not dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {cfg.world_size}; "
                f"launch {cfg.world_size} ranks or change the sizes")
-    _check(p.dp_impl in ("naive", "bucket"), f"parallel.dp_impl={p.dp_impl!r}: use naive or bucket")
     _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
-    _check(p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r}: use auto, cpu or cuda")
     _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
 
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -110,7 +103,6 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _check(m.intermediate_size % p.tp == 0,
            f"parallel.tp={p.tp} must divide model.intermediate_size={m.intermediate_size}")
     _check(p.vocab_pad_multiple >= 1, f"parallel.vocab_pad_multiple={p.vocab_pad_multiple} must be at least 1")
-    _check(p.cp_layout in ("zigzag", "contiguous"), f"parallel.cp_layout={p.cp_layout!r}: use zigzag or contiguous")
     chunks = 2 * p.cp if p.cp_layout == "zigzag" and p.cp > 1 else p.cp
     _check(d.seq_len % chunks == 0,
            f"data.seq_len={d.seq_len} must be divisible by {'2*cp' if chunks != p.cp else 'cp'}={chunks} "
@@ -120,13 +112,15 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
            f"use a seq_len that is a multiple of {p.cp * p.tp}")
     _validate_pipeline(cfg)
 
+
+def _validate_data(cfg: Config) -> None:
+    """The sequence length, the data source (resolved, not read) and the tokenizer against the model."""
+    m, d = cfg.model, cfg.data
     _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be at least 1")
     _check(d.seq_len <= m.max_position_embeddings,
            f"data.seq_len={d.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
     _check(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes={d.max_bytes} must be positive")
     if not d.path.startswith("hf:") and d.path != "stdlib":
-        from tetron.data import DataError, resolve_files
-
         try:
             resolve_files(d.path)
         except DataError as err:
@@ -134,25 +128,36 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     tok = d.tokenizer
     if tok.startswith("bpe:"):
         n = tok[4:]
-        _check(n.isdigit() and int(n) >= 257, f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
+        _check(n.isdigit() and int(n) >= 257,
+               f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
         _check(int(n) <= m.vocab_size,
                f"data.tokenizer={tok} has a larger vocabulary than model.vocab_size={m.vocab_size}; "
                f"use bpe:{m.vocab_size} or a larger vocab_size")
     elif tok == "bytes":
         _check(m.vocab_size >= 256, f"data.tokenizer=bytes needs model.vocab_size >= 256, not {m.vocab_size}")
 
+
+def _validate_train(cfg: Config) -> None:
+    """The optimizer, schedule and batch settings."""
+    p, t = cfg.parallel, cfg.train
     for name in ("steps", "micro_batch", "grad_acc"):
         _check(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)} must be at least 1")
     _check(t.lr > 0, f"train.lr={t.lr} must be positive")
     _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _check(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
-    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1/beta2 must be in [0, 1)")
+    _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2 must be in [0, 1)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
-    _check(t.dtype in ("float32", "bfloat16"), f"train.dtype={t.dtype!r}: use float32 or bfloat16")
-    _check(t.on_nonfinite in ("stop", "skip"), f"train.on_nonfinite={t.on_nonfinite!r}: use stop or skip")
     _check(p.max_restarts >= 0, f"parallel.max_restarts={p.max_restarts} must be >= 0")
+
+
+def validate(cfg: Config, *, world_size: int | None = None) -> None:
+    """Every check that needs no process group; raises ConfigError with one line naming the field."""
+    _validate_layout(cfg, world_size)
+    _validate_data(cfg)
+    _validate_train(cfg)
     _validate_checkpoint(cfg)
+    lg = cfg.logging
     _check(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be at least 1")
     _check(lg.sample_tokens >= 0, f"logging.sample_tokens={lg.sample_tokens} must be >= 0")
 

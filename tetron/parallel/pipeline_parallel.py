@@ -35,8 +35,8 @@ from torch.autograd.variable import Variable
 from tetron.config import Config
 from tetron.mesh import Mesh
 from tetron.model import Llama
+from tetron.parallel.layout import set_layout
 from tetron.parallel.pipeline_schedules import Action, receives, schedule
-from tetron.parallel.tensor_parallel import apply_tensor_parallel
 
 # --------------------------------------------------------------------------------------- stages
 
@@ -60,7 +60,7 @@ def layer_ranks(cfg: Config) -> list[int]:
     return [s % p.pp for s, layers in enumerate(ranges) for _ in layers]
 
 
-def keep_stage_(model: Llama, layers: range, *, first: bool, last: bool) -> Llama:
+def apply_pipeline_stage(model: Llama, layers: range, *, first: bool, last: bool) -> Llama:
     """Delete, in place, every part of `model` outside one stage: the other layers, the embedding
     unless `first`, the final norm and head unless `last`."""
     inner = model.model
@@ -75,28 +75,17 @@ def keep_stage_(model: Llama, layers: range, *, first: bool, last: bool) -> Llam
         # The head's weight is the embedding's Parameter (tied). This stage keeps it as its own copy:
         # started from the embedding's tensor (init by that name), kept equal to the first stage's by
         # summing the two gradients before each step, and counted once in the gradient norm.
-        model.lm_head.weight.init_name = "model.embed_tokens.weight"
-        model.lm_head.weight.tied_copy = True
+        set_layout(model.lm_head.weight, tied_copy=True, source="model.embed_tokens.weight")
     return model
 
 
-def build_pipeline_chunks(cfg: Config, mesh: Mesh) -> list[Llama]:
-    """This rank's chunks, on the meta device, in virtual-stage order: for each, the whole model is
-    built on meta, tensor parallelism applied, then everything but the chunk's layers deleted.
-    (A fresh meta model per chunk rather than a deepcopy: deepcopy drops Parameter attributes
-    such as `shard`; on meta both cost next to nothing.)"""
+def rank_stages(cfg: Config, pp_rank: int) -> list[tuple[range, bool, bool]]:
+    """The (virtual) stages pipeline rank `pp_rank` holds, in virtual-stage order: for each, its layers
+    and whether it is the first stage (embeds) and the last (norm, head, loss)."""
     p = cfg.parallel
     stages = p.pp * p.pp_virtual
     ranges = split_layers(cfg.model.num_hidden_layers, stages, p.pp_split)
-    chunks = []
-    for c in range(p.pp_virtual):
-        s = c * p.pp + mesh.local_rank("pp")
-        with torch.device("meta"):
-            model = Llama(cfg.model)
-        apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=p.sp,
-                              vocab_pad_multiple=p.vocab_pad_multiple)
-        chunks.append(keep_stage_(model, ranges[s], first=s == 0, last=s == stages - 1))
-    return chunks
+    return [(ranges[s], s == 0, s == stages - 1) for s in range(pp_rank, stages, p.pp)]
 
 
 def activation_shape(cfg: Config) -> tuple[int, int, int]:
@@ -156,7 +145,7 @@ class Pipeline:
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, schedule_name: str, micro_batches: int,
                  shape: tuple[int, ...], loss_fn: Callable[[Tensor, Tensor], Tensor],
                  positions: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 autocast: Any = None) -> None:
+                 autocast: Any = None, trace: bool = False) -> None:
         self.chunks, self.mesh = chunks, mesh
         self.p, self.rank, self.v = mesh.size("pp"), mesh.local_rank("pp"), len(chunks)
         self.stages = self.p * self.v
@@ -175,7 +164,8 @@ class Pipeline:
         self.sends: list[dist.Work] = []  # posted sends not yet known to be complete
         self.receives: dict[int, tuple[Tensor, dist.Work]] = {}  # action index -> posted receive
         self.to_receive: list[int] = []  # indices of the actions whose receive is not posted yet
-        self.trace = PipelineTrace(rank=self.rank)
+        self.tracing = trace  # record each action's times and the activations held (tests, benchmarks)
+        self.trace: PipelineTrace | None = None  # the last step's, when tracing
 
     # --- P2P: one batch after each action ---
 
@@ -250,7 +240,7 @@ class Pipeline:
         if len(batches) != self.m:
             raise ValueError(f"the schedule was built for {self.m} micro-batches, got {len(batches)}")
         self.loss = torch.zeros((), device=self.device)
-        self.trace = PipelineTrace(rank=self.rank)
+        self.trace = PipelineTrace(rank=self.rank) if self.tracing else None
         self.to_receive = [k for k, a in enumerate(self.actions) if self._source(a) is not None]
         self._post(None)
         for k, action in enumerate(self.actions):
@@ -265,7 +255,8 @@ class Pipeline:
                 outbound = self._forward(action, received, batches[action.micro])
             end = time.perf_counter()
             self._post(outbound)
-            self._record(action, start, end)
+            if self.trace:
+                self._record(action, start, end)  # after the post: a sent output is released by then
         for work in self.sends:
             work.wait()
         self.sends.clear()

@@ -22,9 +22,9 @@ rank p-1's chunk c feeds rank 0's chunk c+1. Stage 0 embeds the tokens, stage p*
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, get_args
 
-SCHEDULES = ("afab", "1f1b", "interleaved")
+from tetron.config import PpSchedule, one_of
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def schedule(name: str, *, pp: int, virtual: int, micro_batches: int, rank: int)
         return afab(pp, micro_batches, rank)
     if name == "1f1b":
         return one_f_one_b(pp, micro_batches, rank)
-    raise ValueError(f"unknown pipeline schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+    raise ValueError(f"unknown pipeline schedule {name!r}; use {one_of(get_args(PpSchedule))}")
 
 
 def theoretical_bubble(name: str, *, pp: int, virtual: int, micro_batches: int) -> float:

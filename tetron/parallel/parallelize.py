@@ -1,0 +1,101 @@
+"""The recipe: what is done to the plain model, in order, so that this rank trains its part of it.
+
+    build on meta -> pipeline split -> tensor parallel -> materialize + init -> context parallel -> data parallel
+
+`parallelize` is the only caller of the axes' `apply_*` functions; each axis lives in its own file.
+The order matters: the pipeline split decides which modules exist on this rank, tensor parallelism
+then swaps those for sharded ones (still on meta, so nothing is allocated twice), storage and initial
+values come only then, each rank filling its own slices; context parallelism swaps the attention
+function, and data parallelism wraps the finished chunk to average its gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tetron.config import Config
+from tetron.init import init_weights_, materialize_
+from tetron.mesh import Mesh
+from tetron.model import Llama
+from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
+from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
+from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, sync_tied_embedding_grads
+from tetron.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    padded_vocab_size,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
+
+
+@dataclass
+class ParallelModel:
+    """This rank's part of the model. Without pipeline parallelism there is one chunk, the whole model;
+    with it, one per virtual stage the rank holds, in virtual-stage order."""
+
+    chunks: list[Llama]  # the bare chunks: parameters, state dicts, checkpoints
+    dp_chunks: list[DataParallel]  # the same chunks wrapped for gradient averaging: run forward/backward here
+    params: list[nn.Parameter] = field(init=False)  # every trainable parameter, once each, chunk by chunk
+
+    def __post_init__(self) -> None:
+        self.params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+
+    def zero_grad(self) -> None:
+        for chunk in self.dp_chunks:
+            chunk.zero_grad(set_to_none=True)
+
+
+def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collectives: bool = False) -> ParallelModel:
+    """Build this rank's chunks of `cfg.model` for its place in `mesh`, initialised from the run seed
+    (each rank its own slices, so every layout starts from the same weights)."""
+    p = cfg.parallel
+    chunks = []
+    for layers, first, last in rank_stages(cfg, mesh.local_rank("pp")):
+        with torch.device("meta"):
+            chunk = Llama(cfg.model)
+        apply_pipeline_stage(chunk, layers, first=first, last=last)
+        apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
+                              vocab_pad_multiple=p.vocab_pad_multiple)
+        materialize_(chunk, device)
+        # Names stay Hugging Face names, so every layout starts from the same weights.
+        init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
+        apply_context_parallel(chunk, mesh, layout=p.cp_layout)
+        chunks.append(chunk)
+    dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb,
+                                     count_collectives=count_collectives) for chunk in chunks]
+    return ParallelModel(chunks, dp_chunks)
+
+
+def finish_gradients(model: ParallelModel, mesh: Mesh) -> None:
+    """What each axis adds to the gradients after the backward pass (data parallelism averaged them
+    during it): tied embedding copies summed over the pipeline's ends, sequence-parallel norm
+    weights summed over tp."""
+    sync_tied_embedding_grads(model.chunks, mesh)
+    sync_sequence_parallel_grads(model.params, mesh.group("tp"))
+
+
+def make_loss_fn(cfg: Config, mesh: Mesh) -> Callable[[Tensor, Tensor], Tensor]:
+    """Summed cross entropy over the target tokens: plain, or from vocab-sharded logits under tp."""
+    tp = mesh.size("tp")
+    if tp == 1:
+        return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                       reduction="sum")
+    padded = padded_vocab_size(cfg.model.vocab_size, tp, cfg.parallel.vocab_pad_multiple)
+    start = mesh.local_rank("tp") * padded // tp
+    return lambda logits, targets: vocab_parallel_cross_entropy(
+        logits.float(), targets, mesh.group("tp"), vocab_start=start, vocab_size=cfg.model.vocab_size)
+
+
+def sequence_positions(cfg: Config, mesh: Mesh) -> Tensor:
+    """The positions of each training sequence this rank holds ([T/cp], increasing): all of them, or
+    under context parallelism its share (zigzag or contiguous). Token ids, targets and RoPE positions
+    are all taken at these indices."""
+    cp = mesh.size("cp")
+    if cp == 1:
+        return torch.arange(cfg.data.seq_len)
+    return shard_indices(cfg.data.seq_len, cp, mesh.local_rank("cp"), layout=cfg.parallel.cp_layout)
