@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo lint test bench clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/tetron train configs/demo.yaml --out runs/demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+# The linter first: a lint error fails CI before the (longer) test suite starts.
+test: lint
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

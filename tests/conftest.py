@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/harness.py
 
-from harness import run_ranks  # noqa: E402
+from tetron.checkpoint import gather_full_state  # noqa: E402
 from tetron.config import from_dict  # noqa: E402
-from tetron.data import iter_texts  # noqa: E402
+from tetron.data import prepare_data  # noqa: E402
 from tetron.mesh import Mesh  # noqa: E402
-from tetron.train import prepare_data, train  # noqa: E402
+from tetron.sources import iter_texts  # noqa: E402
+from tetron.train import train  # noqa: E402
 from tetron.validate import validate  # noqa: E402
+
+from harness import run_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -50,11 +55,39 @@ def tiny_config(corpus: Path, cache_dir: Path, out: Path, **sections) -> dict:
     return raw
 
 
+def train_rank(raw: dict, *, trace: bool = False) -> dict:
+    """On one rank of a process group: train the raw config. Returns the losses of the steps run, this
+    rank's final weights as whole tensors (every chunk, gathered over tp, vocabulary padding cut), the
+    number of its parameters, and with `trace` its pipeline trace and data-parallel all-reduce count."""
+    cfg = from_dict(raw)
+    p = cfg.parallel
+    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+    result = train(cfg, mesh, trace=trace)
+    state = {}
+    for chunk in result.chunks:
+        state.update(gather_full_state(chunk, mesh.group("tp")))
+    return {"losses": result.losses, "state": state, "trace": result.pipeline_trace,
+            "collectives": result.dp_collectives, "num_params": sum(1 for c in result.chunks for _ in c.parameters())}
+
+
 def train_rank_losses(raw: dict) -> list[float]:
     """On one rank of a process group: train the raw config, return the losses of the steps run."""
     cfg = from_dict(raw)
     p = cfg.parallel
     return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
+
+
+def run_parallel(raw: dict, *, trace: bool = False, timeout: float = 300) -> tuple[list[dict], dict]:
+    """Validate, tokenize once here, train on cfg.world_size forked ranks (train_rank on each). Returns
+    every rank's result and what rank 0 wrote: the metrics records and the saved model's tensors."""
+    cfg = from_dict(raw)
+    validate(cfg)
+    prepare_data(cfg)  # tokenize once here, so ranks only read the cache
+    results = run_ranks(cfg.world_size, train_rank, raw, trace=trace, timeout=timeout)
+    out = Path(cfg.out)
+    written = {"metrics": [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
+               "model": load_file(out / "model" / "model.safetensors")}
+    return results, written
 
 
 def run_training(raw: dict) -> list[float]:

@@ -18,22 +18,16 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-
-from conftest import tiny_config
-from harness import run_ranks
 from test_cli import user_env
-from tetron.checkpoint import STATE_FILE, seal, sha256, write_json
+
+from tetron.checkpoint import STATE_FILE, seal
 from tetron.config import ConfigError, from_dict
+from tetron.fs import sha256, write_json
 from tetron.validate import validate
-from tetron.mesh import Mesh
-from tetron.train import prepare_data, train
+
+from conftest import run_training, tiny_config
 
 SHARD = "model-00001-of-00001.safetensors"
-
-
-def _train_rank(raw: dict) -> None:
-    cfg = from_dict(raw)
-    train(cfg, Mesh())
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +35,7 @@ def good(tmp_path_factory, corpus, cache_dir) -> tuple[Path, dict]:
     """A real checkpoint after 2 steps (single rank) and the raw config that made it."""
     tmp = tmp_path_factory.mktemp("good")
     raw = tiny_config(corpus, cache_dir, tmp / "run", train={"steps": 2})
-    prepare_data(from_dict(raw))
-    run_ranks(1, _train_rank, raw)
+    run_training(raw)
     return tmp / "run" / "checkpoints" / "step_2", raw
 
 
@@ -145,10 +138,12 @@ def test_edited_json(good, tmp_path):
 
 CLI_CASES = {
     "truncated checkpoint": (lambda t, ck: ["--resume", str(ck)], f"{SHARD}: .*truncated"),
-    "wrong model shape": (lambda t, ck: ["--resume", str(t / "pristine"), "--model.hidden_size=64"], "model.hidden_size=32 there"),
+    "wrong model shape": (lambda t, ck: ["--resume", str(t / "pristine"), "--model.hidden_size=64"],
+                          "model.hidden_size=32 there"),
     "missing data path": (lambda t, ck: ["--data", str(t / "nope.txt")], "nope.txt"),
     "unwritable out": (lambda t, ck: ["--out", str(t / "file.txt" / "out")], "cannot create or write"),
-    "tokenizer larger than the model": (lambda t, ck: ["--tokenizer", "bpe:300"], "larger vocabulary than model.vocab_size=256"),
+    "tokenizer larger than the model": (lambda t, ck: ["--tokenizer", "bpe:300"],
+                                        "larger vocabulary than model.vocab_size=256"),
     "resume not a folder": (lambda t, ck: ["--resume", str(t / "nowhere")], "no such folder"),
 }
 

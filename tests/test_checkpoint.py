@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import run_training, tiny_config
-from tetron.checkpoint import find_latest, load_model
-from tetron.checkpoint_load import TensorReader, inspect_checkpoint
+from tetron.checkpoint import find_latest
+from tetron.checkpoint_load import TensorReader, inspect_checkpoint, load_model
 from tetron.config import from_dict
 from tetron.convert import convert
+from tetron.data import prepare_data
 from tetron.safetensors_stream import SafetensorsWriter
-from tetron.train import prepare_data
+
+from conftest import run_training, tiny_config
 
 LOSS_RTOL = 1e-5  # per-step loss after a reshard, relative (as tests/test_layouts.py)
 LOGITS_ATOL = 1e-5  # transformers' logits against tetron's, fp32
@@ -85,7 +86,8 @@ def test_exact_resume_on_2_ranks(corpus, cache_dir, tmp_path):
     assert ref.keys() == got.keys()
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
-    with TensorReader(ckpts / "step_10", "optimizer") as a, TensorReader(tmp_path / "b/checkpoints/step_10", "optimizer") as b:
+    with TensorReader(ckpts / "step_10", "optimizer") as a, \
+            TensorReader(tmp_path / "b/checkpoints/step_10", "optimizer") as b:
         for k in a.names():
             assert torch.equal(a.read(k), b.read(k)), k
     # resume auto in the same folder, with nothing left to do, finds step_10

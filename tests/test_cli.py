@@ -17,13 +17,14 @@ import pytest
 import torch
 import yaml
 
-from harness import run_ranks
-from tetron.checkpoint import load_model
+from tetron.checkpoint_load import load_model
 from tetron.config import TrainConfig, from_dict
-from tetron.data import iter_texts
 from tetron.generate import sample_from_run
 from tetron.mesh import Mesh
+from tetron.sources import iter_texts
 from tetron.train import lr_at, train
+
+from harness import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 240  # s, one real launch of 2 ranks (about 10 s here)

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import tiny_config
 from tetron.config import (
     CONFIGS_DIR,
     SHORT_FLAGS,
@@ -22,8 +21,10 @@ from tetron.config import (
     from_dict,
     load_config,
 )
-from tetron.validate import validate
 from tetron.model import LlamaConfig
+from tetron.validate import validate
+
+from conftest import tiny_config
 
 SHIPPED = sorted(CONFIGS_DIR.glob("*.yaml"))
 

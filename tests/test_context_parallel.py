@@ -7,10 +7,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import run_ranks
 from tetron.mesh import Mesh
-from tetron.parallel.context_parallel import _math_block, _math_block_backward, block_attention, \
-    block_attention_backward, ring_attention, shard_indices
+from tetron.parallel.context_parallel import (
+    _math_block,
+    _math_block_backward,
+    block_attention,
+    block_attention_backward,
+    ring_attention,
+    shard_indices,
+)
+
+from harness import run_ranks
 
 
 def _full_attention(q, k, v):

@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from tetron import tokenizer as tokenizer_module
-from tetron.data import (
-    BatchSampler,
-    DataError,
-    DataLoader,
-    default_cache_dir,
-    iter_texts,
-    load_tokens,
-    prepare_tokens,
-    resolve_files,
-)
+from tetron.data import BatchSampler, DataLoader, default_cache_dir, load_tokens, prepare_tokens
+from tetron.errors import DataError
+from tetron.sources import iter_texts, resolve_files
 from tetron.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -330,7 +323,7 @@ def test_layout_independence(dp_size: int, grad_acc: int) -> None:
         DataLoader(tokens, seq_len, micro_batch=micro, grad_acc=grad_acc, dp_size=dp_size, dp_rank=r, seed=3)
         for r in range(dp_size)
     ]
-    for step in range(20):  # 20*16 windows > 249: crosses an epoch boundary
+    for _step in range(20):  # 20*16 windows > 249: crosses an epoch boundary
         (ref_x, ref_y), = ref.next_batch()
         parts = [mb for loader in loaders for mb in loader.next_batch()]
         assert len(parts) == dp_size * grad_acc and all(x.shape == (micro, seq_len) for x, _ in parts)

@@ -5,34 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_config
-from harness import run_ranks
-from tetron.config import from_dict
-from tetron.mesh import Mesh
-from tetron.train import prepare_data, train
+from conftest import run_parallel, tiny_config
 
 LOSS_RTOL = 1e-5  # per-step loss, relative (issue 2)
 WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
-
-
-def _train_rank(raw: dict) -> dict:
-    cfg = from_dict(raw)
-    p = cfg.parallel
-    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
-    result = train(cfg, mesh)
-    model = result.model
-    return {
-        "losses": result.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "collectives": result.dp_collectives,
-        "num_params": len(list(model.parameters())),
-    }
-
-
-def run(raw: dict) -> list[dict]:
-    cfg = from_dict(raw)
-    prepare_data(cfg)  # tokenize once here, so ranks only read the cache
-    return run_ranks(cfg.world_size, _train_rank, raw)
 
 
 _references: dict[tuple, dict] = {}
@@ -43,7 +19,7 @@ def reference(corpus, cache_dir, tmp_path, global_batch: int) -> dict:
     key = (str(corpus), global_batch)
     if key not in _references:
         raw = tiny_config(corpus, cache_dir, tmp_path / "ref", train={"micro_batch": global_batch, "grad_acc": 1})
-        _references[key] = run(raw)[0]
+        _references[key] = run_parallel(raw)[0][0]
     return _references[key]
 
 
@@ -64,7 +40,7 @@ def test_dp_matches_single_process(corpus, cache_dir, tmp_path, dp, impl, grad_a
     raw = tiny_config(corpus, cache_dir, tmp_path / "run",
                       parallel={"dp": dp, "dp_impl": impl, "bucket_mb": 0.01},
                       train={"micro_batch": micro, "grad_acc": grad_acc})
-    results = run(raw)
+    results, _ = run_parallel(raw)
     ref = reference(corpus, cache_dir, tmp_path, micro * grad_acc * dp)
     for result in results:
         assert_matches(result, ref)
@@ -82,8 +58,8 @@ def test_grad_accumulation_syncs_once_per_step(corpus, cache_dir, tmp_path, impl
         raw = tiny_config(corpus, cache_dir, tmp_path / f"acc{grad_acc}",
                           parallel={"dp": 2, "dp_impl": impl, "bucket_mb": 0.01},
                           train={"micro_batch": 1, "grad_acc": grad_acc, "steps": 3})
-        counts[grad_acc] = [r["collectives"] for r in run(raw)]
-    num_params = run(tiny_config(corpus, cache_dir, tmp_path / "n", train={"steps": 1}))[0]["num_params"]
+        counts[grad_acc] = [r["collectives"] for r in run_parallel(raw, trace=True)[0]]
+    num_params = run_parallel(tiny_config(corpus, cache_dir, tmp_path / "n", train={"steps": 1}))[0][0]["num_params"]
     per_step = num_params if impl == "naive" else None
     assert counts[4] == counts[1], counts
     if per_step is not None:

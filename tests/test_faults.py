@@ -20,16 +20,18 @@ import torch
 import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file
+from test_cli import user_env
 
 import tetron.checkpoint
-from conftest import run_training, tiny_config, train_rank_losses
-from harness import run_ranks
-from test_cli import user_env
 from tetron.checkpoint import find_latest
 from tetron.checkpoint_load import inspect_checkpoint
 from tetron.config import from_dict
+from tetron.data import prepare_data
 from tetron.mesh import Mesh
-from tetron.train import prepare_data, train
+from tetron.train import train
+
+from conftest import run_training, tiny_config, train_rank_losses
+from harness import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -165,7 +167,7 @@ def _timeout_child(rank: int, port: int, raw: dict, err_path: str) -> None:
     code = 0
     try:
         if rank == 0:
-            from tetron.train import run_rank
+            from tetron.launch import run_rank
 
             run_rank(raw)
         else:  # joins the group and the mesh, then never takes part in a collective

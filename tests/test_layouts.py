@@ -5,18 +5,15 @@ full weights gathered from whatever layout trained them. Both are compared with 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import tiny_config
-from harness import run_ranks, saved_bytes
 from tetron.config import from_dict
-from tetron.validate import validate
+from tetron.init import seeded_model
 from tetron.mesh import Mesh
-from tetron.train import build_model, prepare_data, train
+
+from conftest import run_parallel, tiny_config
+from harness import run_ranks, saved_bytes
 
 LOSS_RTOL = 1e-5  # per-step loss, relative, on every rank and in metrics.jsonl
 WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
@@ -24,22 +21,6 @@ WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
 # every layout stays well inside WEIGHT_ATOL after 10 steps (see test_pipeline_parallel.py).
 LR = 1e-3
 GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
-
-
-def _train_rank(raw: dict) -> list[float]:
-    cfg = from_dict(raw)
-    p = cfg.parallel
-    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
-
-
-def run(raw: dict) -> tuple[list[list[float]], list[float], dict]:
-    """Every rank's losses, rank 0's logged losses, and the saved model's tensors."""
-    cfg = from_dict(raw)
-    validate(cfg)
-    prepare_data(cfg)
-    per_rank = run_ranks(cfg.world_size, _train_rank, raw, timeout=600)
-    logged = [json.loads(line)["loss"] for line in open(f"{cfg.out}/metrics.jsonl")]
-    return per_rank, logged, load_file(f"{cfg.out}/model/model.safetensors")
 
 
 def check(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
@@ -50,11 +31,12 @@ def check(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = N
     cfg = from_dict(raw)
     ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
                           train={**train_cfg, "micro_batch": cfg.global_batch, "grad_acc": 1})
-    (ref_losses,), _, ref_state = run(ref_raw)
-    per_rank, logged, state = run(raw)
-    expected = torch.tensor(ref_losses)
+    (ref,), ref_written = run_parallel(ref_raw, timeout=600)
+    results, written = run_parallel(raw, timeout=600)
+    ref_state, state = ref_written["model"], written["model"]
+    expected = torch.tensor(ref["losses"])
     assert len(expected) == 10
-    for losses in [*per_rank, logged]:
+    for losses in [*(r["losses"] for r in results), [m["loss"] for m in written["metrics"]]]:
         torch.testing.assert_close(torch.tensor(losses), expected, rtol=LOSS_RTOL, atol=0)
     assert state.keys() == ref_state.keys()
     for name, value in state.items():
@@ -106,7 +88,7 @@ def _activation_bytes(raw: dict) -> int:
     """Bytes autograd keeps for the backward of one forward pass (activations, not weights)."""
     cfg = from_dict(raw)
     mesh = Mesh(cp=cfg.parallel.cp)
-    model = build_model(cfg, torch.device("cpu"))
+    model = seeded_model(cfg.model, seed=cfg.train.seed, device=torch.device("cpu"))
     from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 
     apply_context_parallel(model, mesh, layout="zigzag")

@@ -3,19 +3,13 @@ split, tied embeddings, dp and tp) against a single-process run on the same glob
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import tiny_config
-from harness import run_ranks
-from tetron.checkpoint import load_model
-from tetron.config import from_dict
-from tetron.mesh import Mesh
+from tetron.checkpoint_load import load_model
 from tetron.parallel.pipeline_parallel import split_layers
 from tetron.parallel.pipeline_schedules import (
     peak_in_flight,
@@ -25,7 +19,8 @@ from tetron.parallel.pipeline_schedules import (
     simulate,
     theoretical_bubble,
 )
-from tetron.train import prepare_data, train
+
+from conftest import run_parallel, tiny_config
 
 LOSS_RTOL = 1e-5  # per-step loss (every rank's, and metrics.jsonl's), relative
 # Gradient norm in metrics.jsonl, relative. Step 1 starts from identical weights: only summation order
@@ -93,28 +88,6 @@ def test_split_layers():
 # ----------------------------------------------------------------------------- training runs
 
 
-def _train_rank(raw: dict) -> dict:
-    cfg = from_dict(raw)
-    p = cfg.parallel
-    result = train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp))
-    state = {}
-    for chunk in result.chunks:
-        state.update({k: v.detach().clone() for k, v in chunk.state_dict().items()})
-    return {"losses": result.losses, "state": state, "trace": result.pipeline_trace,
-            "collectives": result.dp_collectives, "num_params": sum(1 for c in result.chunks for _ in c.parameters())}
-
-
-def run(raw: dict) -> tuple[list[dict], dict]:
-    """Per-rank results, and what rank 0 wrote: metrics records and the saved model's tensors."""
-    cfg = from_dict(raw)
-    prepare_data(cfg)  # tokenize once here, so ranks only read the cache
-    results = run_ranks(cfg.world_size, _train_rank, raw, timeout=120)
-    out = Path(cfg.out)
-    written = {"metrics": [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
-               "model": load_file(out / "model" / "model.safetensors")}
-    return results, written
-
-
 _references: dict[tuple, tuple] = {}
 
 
@@ -124,7 +97,7 @@ def reference(corpus, cache_dir, tmp_path, *, global_batch: int, model: dict) ->
     if key not in _references:
         raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
                           train={"micro_batch": global_batch, "grad_acc": 1, "lr": LR})
-        _references[key] = run(raw)
+        _references[key] = run_parallel(raw, timeout=120)
     return _references[key]
 
 
@@ -179,7 +152,7 @@ def test_pipeline_matches_single_process(corpus, cache_dir, tmp_path, pp, name, 
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model,
                       parallel={"pp": pp, "pp_schedule": name, "pp_virtual": virtual},
                       train={"micro_batch": 1, "grad_acc": m, "lr": LR})
-    results, written = run(raw)
+    results, written = run_parallel(raw, trace=True, timeout=120)
     assert_matches(results, written, reference(corpus, cache_dir, tmp_path, global_batch=m, model=model))
     assert_schedule_ran(results, name, pp=pp, virtual=virtual, micro_batches=m)
 
@@ -189,7 +162,7 @@ def test_uneven_split(corpus, cache_dir, tmp_path, layers, split):
     model = {"num_hidden_layers": layers}
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model,
                       parallel={"pp": 2, "pp_split": split}, train={"micro_batch": 1, "grad_acc": 4, "lr": LR})
-    results, written = run(raw)
+    results, written = run_parallel(raw, trace=True, timeout=120)
     assert_matches(results, written, reference(corpus, cache_dir, tmp_path, global_batch=4, model=model))
     expected = [[0, 1, 2], [3, 4]] if split is None else [[0], [1, 2, 3]]
     for rank, result in enumerate(results):
@@ -204,7 +177,7 @@ def test_tied_embeddings(corpus, cache_dir, tmp_path, pp, name):
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model,
                       parallel={"pp": pp, "pp_schedule": name, "pp_virtual": virtual},
                       train={"micro_batch": 1, "grad_acc": pp, "lr": LR})
-    results, written = run(raw)
+    results, written = run_parallel(raw, trace=True, timeout=120)
     assert_matches(results, written, reference(corpus, cache_dir, tmp_path, global_batch=pp, model=model))
     first, last = results[0]["state"], results[-1]["state"]
     assert "lm_head.weight" not in first and "model.embed_tokens.weight" not in last
@@ -222,7 +195,7 @@ def test_dp_and_pp(corpus, cache_dir, tmp_path, impl, name, tied):
                       parallel={"pp": 2, "dp": 2, "dp_impl": impl, "bucket_mb": 0.01, "pp_schedule": name,
                                 "pp_virtual": virtual},
                       train={"micro_batch": 1, "grad_acc": 2, "lr": LR})
-    results, written = run(raw)
+    results, written = run_parallel(raw, trace=True, timeout=120)
     assert_matches(results, written, reference(corpus, cache_dir, tmp_path, global_batch=4, model=model))
     assert_schedule_ran(results, name, pp=2, virtual=virtual, micro_batches=2)
     if impl == "naive":  # one all-reduce per parameter per step (each chunk's last backward), not per micro-batch
@@ -237,7 +210,7 @@ def test_tp_and_pp(corpus, cache_dir, tmp_path, sp, name):
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model,
                       parallel={"pp": 2, "tp": 2, "sp": sp, "pp_schedule": name, "pp_virtual": virtual},
                       train={"micro_batch": 1, "grad_acc": 2, "lr": LR})
-    results, written = run(raw)
+    results, written = run_parallel(raw, trace=True, timeout=120)
     assert_matches(results, written, reference(corpus, cache_dir, tmp_path, global_batch=2, model=model))
     assert_schedule_ran(results, name, pp=2, virtual=virtual, micro_batches=2)
 
@@ -249,7 +222,7 @@ def test_bfloat16_pipeline(corpus, cache_dir, tmp_path):
     for dtype in ("float32", "bfloat16"):
         raw = tiny_config(corpus, cache_dir, tmp_path / dtype, model=model, parallel={"pp": 2},
                           train={"micro_batch": 1, "grad_acc": 2, "steps": 2, "dtype": dtype})
-        runs[dtype] = run(raw)[0][0]["losses"]
+        runs[dtype] = run_parallel(raw, timeout=120)[0][0]["losses"]
     assert all(math.isfinite(x) for x in runs["bfloat16"])
     assert runs["bfloat16"][0] == pytest.approx(runs["float32"][0], rel=BF16_LOSS_RTOL)
     assert runs["bfloat16"][0] != runs["float32"][0]

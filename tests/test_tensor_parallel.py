@@ -7,37 +7,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import tiny_config
-from harness import run_ranks, saved_bytes
-from tetron.checkpoint import gather_full_state
 from tetron.config import from_dict
-from tetron.validate import validate
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
+from tetron.parallel.parallelize import make_loss_fn, parallelize
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
     padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
-from tetron.train import build_model, make_loss_fn, prepare_data, train
+
+from conftest import run_parallel, tiny_config
+from harness import run_ranks, saved_bytes
 
 LOSS_RTOL = 1e-5  # per-step loss, relative (issue 3)
 WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
-
-
-def _train_rank(raw: dict) -> dict:
-    cfg = from_dict(raw)
-    p = cfg.parallel
-    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
-    result = train(cfg, mesh)
-    return {"losses": result.losses, "state": gather_full_state(result.model, mesh.group("tp"))}
-
-
-def run(raw: dict) -> list[dict]:
-    cfg = from_dict(raw)
-    validate(cfg)
-    prepare_data(cfg)
-    return run_ranks(cfg.world_size, _train_rank, raw)
 
 
 def check_parity(corpus, cache_dir, tmp_path, *, model: dict, parallel: dict, train_cfg: dict) -> None:
@@ -45,8 +29,8 @@ def check_parity(corpus, cache_dir, tmp_path, *, model: dict, parallel: dict, tr
     cfg = from_dict(raw)
     ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
                           train={**train_cfg, "micro_batch": cfg.global_batch, "grad_acc": 1})
-    ref = run(ref_raw)[0]
-    results = run(raw)
+    ref = run_parallel(ref_raw)[0][0]
+    results, _ = run_parallel(raw)
     for result in results:
         losses = torch.tensor(result["losses"])
         assert len(losses) == 10
@@ -126,7 +110,7 @@ def _head_and_loss_saved_bytes(raw: dict) -> int:
     logits and loss add to a training step's peak."""
     cfg = from_dict(raw)
     mesh = Mesh(tp=cfg.parallel.tp)
-    model = build_model(cfg, torch.device("cpu"), tp_group=mesh.group("tp"))
+    model = parallelize(cfg, mesh, torch.device("cpu")).chunks[0]
     loss_fn = make_loss_fn(cfg, mesh)
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (4, cfg.data.seq_len))
@@ -165,7 +149,8 @@ def _layers_match_rank(sp: bool) -> dict:
         sharded = Llama(config)
     tp = dist.group.WORLD
     apply_tensor_parallel(sharded, tp, sequence_parallel=sp)
-    from tetron.init import local_slice, materialize_
+    from tetron.init import materialize_
+    from tetron.parallel.layout import local_slice
 
     materialize_(sharded, torch.device("cpu"))
     full = plain.state_dict()

@@ -16,15 +16,20 @@ from torch import nn
 
 import tetron.checkpoint
 import tetron.train
+from tetron.checkpoint import save_model
+from tetron.checkpoint_load import load_model
+from tetron.config import TrainConfig, from_dict
+from tetron.data import prepare_data
+from tetron.generate import sample
+from tetron.init import full_tensor, init_weights_, seeded_model
+from tetron.mesh import Mesh
+from tetron.parallel.grads import clip_grad_norm_
+from tetron.parallel.layout import Shard, set_layout
+from tetron.tokenizer import Tokenizer, load_tokenizer
+from tetron.train import lr_at, train
+
 from conftest import tiny_config
 from harness import run_ranks
-from tetron.checkpoint import load_model, save_model
-from tetron.config import TrainConfig, from_dict
-from tetron.tokenizer import Tokenizer, load_tokenizer
-from tetron.generate import sample
-from tetron.init import full_tensor, init_weights_
-from tetron.mesh import Mesh
-from tetron.train import build_model, clip_grad_norm_, lr_at, prepare_data, train
 
 LOGITS_ATOL = 1e-5  # fp32 logits, saved/loaded/HF model vs the in-memory one
 CLIP_ATOL = 1e-6  # norm and clipped grads vs torch.nn.utils.clip_grad_norm_
@@ -88,7 +93,8 @@ def _clip_rank(max_norm: float) -> dict:
     params = [nn.Parameter(torch.randn(shape, generator=g)) for shape in [(7, 5), (13,), (3, 4, 2)]]
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 3
-    params[1].shard = (0, 0, 1)  # a "sharded" parameter on a one-rank tp axis counts once, like any other
+    # a "sharded" parameter on a one-rank tp axis counts once, like any other
+    set_layout(params[1], tp=Shard("tp", dim=0, index=0, count=1))
     params.append(nn.Parameter(torch.randn(4)))  # no grad: skipped
     copies = [nn.Parameter(p.detach().clone()) for p in params]
     for c, p in zip(copies, params):
@@ -125,10 +131,14 @@ def _cfg(corpus, cache_dir, tmp_path, **sections):
     return from_dict(tiny_config(corpus, cache_dir, tmp_path / "run", **sections))
 
 
+def _seeded(cfg):
+    return seeded_model(cfg.model, seed=cfg.train.seed, device=torch.device("cpu"))
+
+
 def test_build_model_is_deterministic_and_seeded(corpus, cache_dir, tmp_path):
-    a = build_model(_cfg(corpus, cache_dir, tmp_path), torch.device("cpu")).state_dict()
-    b = build_model(_cfg(corpus, cache_dir, tmp_path), torch.device("cpu")).state_dict()
-    c = build_model(_cfg(corpus, cache_dir, tmp_path, train={"seed": 2}), torch.device("cpu")).state_dict()
+    a = _seeded(_cfg(corpus, cache_dir, tmp_path)).state_dict()
+    b = _seeded(_cfg(corpus, cache_dir, tmp_path)).state_dict()
+    c = _seeded(_cfg(corpus, cache_dir, tmp_path, train={"seed": 2})).state_dict()
     assert a.keys() == b.keys() == c.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -145,7 +155,7 @@ def test_init_std_and_tied(corpus, cache_dir, tmp_path):
     cfg = _cfg(corpus, cache_dir, tmp_path, model={"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 64,
                                                    "num_attention_heads": 4, "initializer_range": 0.05,
                                                    "tie_word_embeddings": True})
-    model = build_model(cfg, torch.device("cpu"))
+    model = _seeded(cfg)
     w = model.model.embed_tokens.weight.detach()  # 1M samples: the std of the sample std is ~0.07%
     assert float(w.std()) == pytest.approx(0.05, rel=0.01)
     assert abs(float(w.mean())) < 0.05 * 0.01
@@ -156,10 +166,10 @@ def test_init_sharded_parameter_gets_its_slice():
     module = nn.Module()
     module.proj = nn.Linear(6, 8, bias=False)  # full weight [8, 6]
     module.proj.weight = nn.Parameter(torch.empty(4, 6))  # this rank's half along dim 0
-    module.proj.weight.shard = (0, 1, 2)
+    set_layout(module.proj.weight, tp=Shard("tp", dim=0, index=1, count=2))
     module.proj2 = nn.Linear(6, 8, bias=False)
     module.proj2.weight = nn.Parameter(torch.empty(8, 2))  # a third along dim 1 of a full [8, 6]
-    module.proj2.weight.shard = (1, 0, 3)
+    set_layout(module.proj2.weight, tp=Shard("tp", dim=1, index=0, count=3))
     init_weights_(module, seed=5, std=0.02)
     full = full_tensor("proj.weight", (8, 6), seed=5, std=0.02)
     assert torch.equal(module.proj.weight, full[4:])
@@ -273,8 +283,8 @@ def test_saved_bpe_tokenizer_loads_in_transformers(tied_bpe_run, tmp_path):
 
 
 def test_save_model_replaces_atomically(corpus, cache_dir, tmp_path, monkeypatch):
-    a = build_model(_cfg(corpus, cache_dir, tmp_path), torch.device("cpu"))
-    b = build_model(_cfg(corpus, cache_dir, tmp_path, train={"seed": 7}), torch.device("cpu"))
+    a = _seeded(_cfg(corpus, cache_dir, tmp_path))
+    b = _seeded(_cfg(corpus, cache_dir, tmp_path, train={"seed": 7}))
     parent = tmp_path / "save"
     folder = parent / "model"
     save_model(a, folder)
@@ -297,9 +307,10 @@ def test_save_model_replaces_atomically(corpus, cache_dir, tmp_path, monkeypatch
     for name, value in b.state_dict().items():
         assert torch.equal(loaded[name], value), name
 
-    # the next save clears what the crash left in model.tmp, so none of it reaches the model folder
+    # the next save clears what the crash left in its temporary folder, so none of it reaches the model folder
     monkeypatch.undo()
-    (parent / "model.tmp" / "junk.bin").write_bytes(b"partial")
+    (leftover,) = parent.glob("model.tmp-*")
+    (leftover / "junk.bin").write_bytes(b"partial")
     save_model(a, folder)
     assert sorted(p.name for p in parent.iterdir()) == ["model"]
     assert not (folder / "junk.bin").exists()
@@ -310,7 +321,7 @@ def test_save_model_replaces_atomically(corpus, cache_dir, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("drop", ["model.layers.1.mlp.up_proj.weight", "lm_head.weight"])
 def test_load_model_names_missing_tensor(corpus, cache_dir, tmp_path, drop):
-    model = build_model(_cfg(corpus, cache_dir, tmp_path), torch.device("cpu"))
+    model = _seeded(_cfg(corpus, cache_dir, tmp_path))
     folder = tmp_path / "model"
     save_model(model, folder)
     state = load_file(folder / "model.safetensors")
@@ -371,15 +382,15 @@ def test_nan_loss_stops_training(corpus, cache_dir, tmp_path, monkeypatch):
     """A NaN put into the weights by the 2nd optimizer step makes step 3's loss NaN: the run stops there."""
     real = tetron.train.build_optimizer
 
-    def poisoned(model, t):
-        optimizer = real(model, t)
+    def poisoned(params, t):
+        optimizer = real(params, t)
         calls = []
 
         def after_step(opt, args, kwargs):
             calls.append(1)
             if len(calls) == 2:
                 with torch.no_grad():
-                    model.model.norm.weight[0] = float("nan")
+                    params[-1].view(-1)[0] = float("nan")  # the head (untied): every position's logits
 
         optimizer.register_step_post_hook(after_step)
         return optimizer
