@@ -5,6 +5,7 @@ Everything else in tetron runs the same lines on cpu+gloo and cuda+nccl.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 
@@ -49,15 +50,67 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reset_peak_memory(device: torch.device) -> None:
+# Linux: the kernel's high-water mark of this process's resident set (VmHWM), and the file that resets it.
+_PROC_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start `peak_memory_mb`'s peak again from the memory in use now (e.g. before each step).
+
+    GPU: resets the caching allocator's peak. CPU: writes "5" to /proc/self/clear_refs, which sets
+    the kernel's VmHWM to the current resident set (Linux 4.0 and later; a process may write its own
+    file, root or not). Returns False where that cannot be done (no /proc, as on macOS, or a sandbox
+    refusing the write): the CPU peak is then the peak since the process started.
+    """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        fd = os.open(_CLEAR_REFS, os.O_WRONLY)  # never created: only the kernel's file means anything
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"5")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _vm_hwm_kib() -> int | None:
+    """VmHWM ("VmHWM:   123456 kB") from /proc/self/status, in KiB; None without /proc."""
+    try:
+        with open(_PROC_STATUS) as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak allocated tensor memory on a GPU; on the CPU the process's peak resident set."""
+    """This rank's peak memory in MiB since the last `reset_peak_memory` (or the process's start).
+
+    GPU: the most bytes the caching allocator had handed to tensors at once on `device`
+    (max_memory_allocated: live tensors, each rounded up to the allocator's blocks). Not included:
+    memory it keeps reserved for reuse, the CUDA context, and workspaces allocated outside it (NCCL).
+
+    CPU: the peak resident set of the whole process (VmHWM): every page of it in RAM, that is the
+    Python interpreter and its objects, torch's libraries, the model, gradients, optimizer state,
+    activations, allocator caches, and the pages of memory-mapped files it has touched (the data
+    loader's token files). Pages shared with other processes (a forked rank's pages still shared with
+    its parent, shared libraries) count in each of them, so ranks' values do not add up to the
+    machine's use; swapped-out pages do not count. Without /proc (macOS) this is ru_maxrss: the peak
+    since the process started, which no reset lowers.
+    """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    hwm_kib = _vm_hwm_kib()
+    if hwm_kib is not None:
+        return hwm_kib / 2**10
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
