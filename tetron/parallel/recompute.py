@@ -1,0 +1,119 @@
+"""Activation recomputation: keep less of each decoder layer's forward, redo it in the backward pass.
+
+Between a layer's forward and its backward, autograd holds what the backward needs: for a Llama layer
+well over a dozen tensors the size of its input (norms in fp32, q/k/v before and after RoPE, the MLP's
+gate, up and their product). Recomputation trades compute for that memory, one decoder layer at a time:
+- "full": a layer keeps only its input; its whole forward runs again when its backward begins
+  (about one more forward pass per step, the least memory).
+- "selective": a layer keeps the outputs of its matmuls and attention kernels, the expensive part,
+  and redoes only the element-wise work between them (RMSNorm, SiLU * up, RoPE, casts): the memory of
+  the element-wise tensors for a few percent more compute (torchtitan's op-level policy). Inside ring
+  attention's autograd Function it keeps the fused block kernels' outputs, never [Tq, Tk] scores.
+Both use torch.utils.checkpoint without reentrance, so the backward runs on the original graph: the
+parameters, their names and the data-parallel gradient hooks are untouched. Collectives inside a layer
+(tensor parallelism's f/g, ring attention's P2P) run again during recomputation, in the same order on
+every rank, because every rank recomputes the same layers in the same backward order (selective skips
+an all-reduce whose result it already keeps).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from tetron.config import Recompute
+from tetron.model import Llama
+
+aten = torch.ops.aten
+
+
+def _ops(names: list[str]) -> frozenset:
+    """The `.default` overloads of these aten ops; those a build lacks (CUDA, cuDNN or XPU kernels on a
+    CPU build, say) are simply left out."""
+    return frozenset(getattr(aten, name).default for name in names
+                     if hasattr(aten, name) and hasattr(getattr(aten, name), "default"))
+
+
+# Matmuls as they reach the dispatcher: F.linear arrives as mm (addmm with a bias), attention's math
+# path as bmm; linear itself only where a backend keeps it whole.
+MATMUL_OPS = _ops(["mm", "addmm", "bmm", "baddbmm", "linear"])
+# Fused attention kernels: their outputs (attention output, log-sum-exp) are O(T), not O(T^2).
+ATTENTION_OPS = _ops([
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward", "_efficient_attention_forward",
+])
+
+
+def _storages(tree: Any) -> set[int]:
+    """The storages (by address) of the tensors in an op's arguments or outputs."""
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()}
+
+
+class _KeepMatmuls:
+    """The selective policy of one call of one layer: keep what matmuls and attention kernels return,
+    recompute the rest. One instance per call, as it tracks that call's kept storages."""
+
+    def __init__(self) -> None:
+        self.kept: set[int] = set()  # storages of the outputs kept so far
+        self.read: set[int] = set()  # kept storages that a recomputed op has read into new memory
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        overwritten = self._overwritten(op, args)
+        if overwritten & self.read:
+            raise RuntimeError(f"recompute='selective': {op} overwrites a kept matmul output that an earlier "
+                               "op read; recomputing that op would read the overwritten value")
+        # A matmul costs O(hidden) FLOPs per output element, about a forward pass to redo; the rest is
+        # O(1) per element, cheaper to redo than to keep. Not kept: matmuls inside a custom autograd
+        # Function's forward (grad mode is off there), which saves what its backward needs itself; ring
+        # attention's math blocks would otherwise keep [Tq, Tk] scores that no other mode holds. An
+        # in-place collective on a kept output is kept too: the kept tensor already holds its result,
+        # so running it again would apply it twice.
+        if op in ATTENTION_OPS or (op in MATMUL_OPS and torch.is_grad_enabled()) or overwritten:
+            self.kept |= _storages(ctx.op_output)
+            return CheckpointPolicy.MUST_SAVE
+        self.read |= (_storages(args) & self.kept) - _storages(ctx.op_output)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _overwritten(self, op: Any, args: tuple) -> set[int]:
+        """Kept storages that `op` writes in place. c10d's in-place collectives (allreduce_, recv_, ...)
+        write their first argument without declaring it in their schema, so torch's own check that kept
+        tensors stay unmodified misses them; tensor parallelism all-reduces row-parallel matmul outputs
+        in place."""
+        if op.namespace != "c10d" or not op._opname.endswith("_") or not args:
+            return set()
+        return _storages(args[0]) & self.kept
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    # A fresh pair per layer call: it holds that call's kept outputs until its backward.
+    return create_selective_checkpoint_contexts(_KeepMatmuls())
+
+
+def _recomputed(forward: Callable[..., torch.Tensor], context_fn: Callable[[], tuple[Any, Any]] | None,
+                *args: Any) -> torch.Tensor:
+    """`forward(*args)` under non-reentrant checkpointing: the backward runs on the original graph, so
+    gradients reach the parameters through their usual AccumulateGrad nodes and hooks."""
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
+
+
+def apply_recompute(model: Llama, mode: Recompute) -> Llama:
+    """Make every decoder layer this chunk holds recompute its activations in the backward pass, in place.
+
+    Each layer's `forward` is replaced on the instance, not wrapped in a new module, so parameter names
+    and state-dict keys stay Hugging Face's. Layers a pipeline stage dropped are simply not there."""
+    if mode == "none":
+        return model
+    if mode not in ("selective", "full"):
+        raise ValueError(f"recompute={mode!r} must be 'none', 'selective' or 'full'")
+    context_fn = _selective_contexts if mode == "selective" else None
+    for layer in model.model.layers.values():
+        layer.forward = functools.partial(_recomputed, layer.forward, context_fn)
+    return model
