@@ -32,6 +32,9 @@ ERROR_TIMEOUT = 90  # s, one child that fails during config checks
 LOSS_RTOL = 1e-5  # per-step loss against the single-process run, relative, fp32
 WEIGHT_ATOL = 1e-5  # final weights against the single-process run, absolute, fp32
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "peak_mem_mb", "mfu"}
+# measured once, on the first step of each launch
+MEMORY_KEYS = {"mem_params_mb", "mem_grads_mb", "mem_optimizer_mb", "mem_buffers_mb", "mem_total_mb",
+               "mem_activations_mb"}
 STEPS, MICRO_BATCH, SEQ_LEN, SAMPLE_TOKENS = 4, 2, 32, 20
 
 
@@ -163,7 +166,8 @@ def test_train_launches_2_ranks(elastic_run, reference):
 
     records = read_metrics(out)
     assert len(records) == STEPS
-    assert all(set(r) == METRIC_KEYS for r in records), records[0]
+    assert set(records[0]) == METRIC_KEYS | MEMORY_KEYS, records[0]
+    assert all(set(r) == METRIC_KEYS for r in records[1:]), records[1]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     t = TrainConfig(steps=STEPS, lr=1e-2, warmup_steps=2)
     assert [r["lr"] for r in records] == pytest.approx([lr_at(s, t) for s in range(STEPS)], rel=1e-12)

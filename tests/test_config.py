@@ -62,9 +62,9 @@ def test_yaml_sections_become_typed_dataclasses(tmp_path):
     path = write_yaml(tmp_path / "run.yaml", {
         "model": {"vocab_size": 300, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 3,
                   "num_attention_heads": 6, "num_key_value_heads": 2, "tie_word_embeddings": True},
-        "parallel": {"dp": 2, "dp_impl": "naive", "bucket_mb": 4},
+        "parallel": {"dp": 2, "dp_impl": "bucket", "bucket_mb": 4, "zero": 1, "reduce_dtype": "bfloat16"},
         "data": {"path": "stdlib", "tokenizer": "bpe:300", "seq_len": 16, "max_bytes": 5000},
-        "train": {"steps": 7, "lr": 0.002, "grad_clip": 0, "dtype": "bfloat16"},
+        "train": {"steps": 7, "lr": 0.002, "grad_clip": 0, "dtype": "bfloat16", "recompute": "selective"},
         "logging": {"progress": False, "peak_tflops": None, "sample_prompt": "class "},
         "out": str(tmp_path / "o"),
     })
@@ -72,9 +72,9 @@ def test_yaml_sections_become_typed_dataclasses(tmp_path):
     expected = Config(
         model=LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                           num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),
-        parallel=ParallelConfig(dp=2, dp_impl="naive", bucket_mb=4.0),
+        parallel=ParallelConfig(dp=2, dp_impl="bucket", bucket_mb=4.0, zero=1, reduce_dtype="bfloat16"),
         data=DataConfig(path="stdlib", tokenizer="bpe:300", seq_len=16, max_bytes=5000),
-        train=TrainConfig(steps=7, lr=0.002, grad_clip=0.0, dtype="bfloat16"),
+        train=TrainConfig(steps=7, lr=0.002, grad_clip=0.0, dtype="bfloat16", recompute="selective"),
         logging=LoggingConfig(progress=False, peak_tflops=None, sample_prompt="class "),
         out=str(tmp_path / "o"),
     )
@@ -144,6 +144,8 @@ SHORT_FLAG_CASES = {
     "resume": ("auto", lambda c: c.checkpoint.resume, "auto"),
     "init-from": ("org/name", lambda c: c.checkpoint.init_from, "org/name"),
     "max-restarts": ("2", lambda c: c.parallel.max_restarts, 2),
+    "zero": ("2", lambda c: c.parallel.zero, 2),
+    "recompute": ("full", lambda c: c.train.recompute, "full"),
 }
 
 
@@ -294,6 +296,13 @@ BAD_VALUES = [
      ["tp=4", "intermediate_size=66"]),
     (["--data", "/no/such/corpus.txt"], ["data.path=/no/such/corpus.txt", "does not exist"]),
     (["--dp-impl", "ring"], ["parallel.dp_impl='ring'", "naive", "bucket"]),
+    (["--zero", "5"], ["parallel.zero=5", "use 0"]),
+    (["--zero", "1", "--dp-impl", "naive"], ["parallel.zero=1", "needs parallel.dp_impl=bucket"]),
+    (["--train.dtype=bfloat16", "--dp-impl", "naive"], ["train.dtype=bfloat16", "needs parallel.dp_impl=bucket"]),
+    (["--parallel.reduce_dtype=bfloat16", "--dp-impl", "naive"],
+     ["parallel.reduce_dtype=bfloat16", "needs parallel.dp_impl=bucket"]),
+    (["--recompute", "most"], ["train.recompute='most'", "none, selective or full"]),
+    (["--train.dtype=float16"], ["train.dtype='float16'", "float32 or bfloat16"]),
     (["--tokenizer", "bpe:1024"], ["data.tokenizer=bpe:1024", "model.vocab_size=256"]),
     (["--tokenizer", "bpe:100"], ["data.tokenizer=bpe:100", "257"]),
     (["--seq-len", "65"], ["data.seq_len=65", "max_position_embeddings=64"]),

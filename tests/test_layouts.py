@@ -12,35 +12,11 @@ from tetron.config import from_dict
 from tetron.init import seeded_model
 from tetron.mesh import Mesh
 
-from conftest import run_parallel, tiny_config
+from conftest import check_layout as check
+from conftest import tiny_config
 from harness import run_ranks, saved_bytes
 
-LOSS_RTOL = 1e-5  # per-step loss, relative, on every rank and in metrics.jsonl
-WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
-# AdamW turns rounding differences in near-zero gradients into weight steps of up to ~lr/2; at 1e-3
-# every layout stays well inside WEIGHT_ATOL after 10 steps (see test_pipeline_parallel.py).
-LR = 1e-3
 GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
-
-
-def check(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
-          grad_acc: int = 2) -> None:
-    model = {**GQA, "num_hidden_layers": 4, **(model or {})}
-    train_cfg = {"micro_batch": micro_batch, "grad_acc": grad_acc, "lr": LR}
-    raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model, parallel=parallel, train=train_cfg)
-    cfg = from_dict(raw)
-    ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
-                          train={**train_cfg, "micro_batch": cfg.global_batch, "grad_acc": 1})
-    (ref,), ref_written = run_parallel(ref_raw, timeout=600)
-    results, written = run_parallel(raw, timeout=600)
-    ref_state, state = ref_written["model"], written["model"]
-    expected = torch.tensor(ref["losses"])
-    assert len(expected) == 10
-    for losses in [*(r["losses"] for r in results), [m["loss"] for m in written["metrics"]]]:
-        torch.testing.assert_close(torch.tensor(losses), expected, rtol=LOSS_RTOL, atol=0)
-    assert state.keys() == ref_state.keys()
-    for name, value in state.items():
-        torch.testing.assert_close(value, ref_state[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
 # ----------------------------------------------------------------------------- context parallelism

@@ -29,7 +29,7 @@ LOSS_RTOL = 1e-5  # per-step loss (every rank's, and metrics.jsonl's), relative
 GRAD_NORM_RTOL_FIRST = 1e-5
 GRAD_NORM_RTOL = 1e-3
 WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
-BF16_LOSS_RTOL = 5e-3  # bf16 autocast's first loss vs fp32's (as in test_train.py)
+BF16_LOSS_RTOL = 5e-3  # bf16 parameters' first loss vs fp32's (as in test_train.py)
 # AdamW moves a weight whose gradient is near zero (below eps) by up to about lr/2 on a rounding
 # difference, so at the fixture's lr=1e-2 gradient accumulation alone (pp=1, grad_acc=4, 5 layers)
 # or tp=2 alone ends 3e-5 from the single-process run after 10 steps. At 1e-3 every layout here
@@ -216,7 +216,7 @@ def test_tp_and_pp(corpus, cache_dir, tmp_path, sp, name):
 
 
 def test_bfloat16_pipeline(corpus, cache_dir, tmp_path):
-    """Under autocast the residual stream crossing stages stays fp32 (embedding output plus bf16 blocks)."""
+    """With bf16 parameters the residual stream crossing the stages is bf16 too (the P2P buffers follow)."""
     model = {"num_hidden_layers": 4}
     runs = {}
     for dtype in ("float32", "bfloat16"):

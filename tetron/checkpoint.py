@@ -33,6 +33,7 @@ from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.comm import all_gather_dim
 from tetron.parallel.layout import layout_of
+from tetron.parallel.zero import ShardedAdamW
 from tetron.safetensors_stream import SafetensorsWriter
 from tetron.tokenizer import Tokenizer
 
@@ -100,11 +101,11 @@ def stage_of(name: str, layer_ranks: list[int], pp: int) -> int:
     return 0 if name.startswith("model.embed_tokens.") else pp - 1
 
 
-def model_specs(config: LlamaConfig) -> list[Spec]:
+def model_specs(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> list[Spec]:
     """Every tensor of the HF model folder in the plain model's order; a tied head is not stored."""
     with torch.device("meta"):
         whole = Llama(config)  # names and full shapes, no storage
-    return [(name, name, p.dtype, tuple(p.shape)) for name, p in whole.named_parameters(remove_duplicate=False)
+    return [(name, name, dtype, tuple(p.shape)) for name, p in whole.named_parameters(remove_duplicate=False)
             if not (config.tie_word_embeddings and name == "lm_head.weight")]
 
 
@@ -198,19 +199,22 @@ def _gather_rng(mesh: Mesh, device: torch.device) -> dict[str, Tensor]:
 
 
 def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, config: LlamaConfig,
-                       layer_ranks: list[int], tokenizer: Tokenizer | None, shard_mb: int) -> None:
-    """OUT/model: the model as a HF folder (model.safetensors when it fits one shard), replaced atomically.
-    Every rank calls this; rank 0 writes."""
+                       weights: Callable[[nn.Parameter], Tensor], dtype: torch.dtype, layer_ranks: list[int],
+                       tokenizer: Tokenizer | None, shard_mb: int) -> None:
+    """OUT/model: the model as a HF folder in `dtype` (model.safetensors when it fits one shard), replaced
+    atomically. `weights(param)` is this rank's fp32 part of a parameter (its master weights). Every
+    rank calls this; rank 0 writes."""
     tmp = None
     if mesh.rank == 0:
         recover_temps(folder.parent, folder.name)  # what an earlier save killed mid-way left
         tmp = temp_name(folder)
         tmp.mkdir(parents=True)
-    specs = model_specs(config)
-    stream = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks, local=lambda p, k: p.detach())
+    specs = model_specs(config, dtype)
+    stream = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks, local=lambda p, k: weights(p).to(dtype))
     write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True)
     if tmp is not None:
-        (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config.to_hf(dtype=str(dtype).removeprefix("torch.")),
+                                                    indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)
         replace_folder(tmp, folder)
@@ -255,7 +259,7 @@ def clean_stale(out: Path) -> None:
     recover_temps(checkpoints_dir(out))
 
 
-def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, optimizer: torch.optim.Optimizer,
+def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, optimizer: ShardedAdamW,
                     trainer_state: dict[str, Any], layer_ranks: list[int], tokenizer: Tokenizer | None) -> Path:
     """Write OUT/checkpoints/step_N (N = trainer_state["step"]) atomically, point `latest` at it and keep
     the newest `cfg.checkpoint.keep`. Every rank calls this; rank 0 writes."""
@@ -269,14 +273,14 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
     rng = _gather_rng(mesh, device)
     shard_bytes = cfg.checkpoint.shard_mb << 20
     specs = model_specs(cfg.model)
-    write_tensors(tmp, "model", specs, gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks,
-                                                      local=lambda p, k: p.detach()), shard_bytes=shard_bytes)
-    # Every rank has stepped (or none has): a fresh optimizer has no state to save.
-    has_moments = bool(optimizer.state)
-    steps = {float(s["step"]) for s in optimizer.state.values()}
+    # The fp32 master weights (the parameters themselves in fp32 without ZeRO), so resuming is exact.
+    masters = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks,
+                             local=lambda p, k: optimizer.full_tensor(p, "master"))
+    write_tensors(tmp, "model", specs, masters, shard_bytes=shard_bytes)
+    has_moments = optimizer.has_state()  # a fresh optimizer has no state to save
     if has_moments:
         ospecs = optimizer_specs(cfg.model)
-        local = lambda p, key: optimizer.state[p][key.rsplit(".", 1)[1]]  # noqa: E731
+        local = lambda p, key: optimizer.full_tensor(p, key.rsplit(".", 1)[1])  # noqa: E731
         write_tensors(tmp, "optimizer", ospecs, gather_tensors(chunks, mesh, ospecs, layer_ranks=layer_ranks,
                                                                local=local), shard_bytes=shard_bytes)
     if tmp is not None:
@@ -285,7 +289,7 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
         if tokenizer is not None:
             tokenizer.save(tmp)
         state = {"format": FORMAT, **trainer_state,
-                 "optimizer": {"present": has_moments, "step": max(steps) if steps else 0.0},
+                 "optimizer": {"present": has_moments, "step": optimizer.steps},
                  "files": {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}}
         write_json(tmp / STATE_FILE, seal(state))  # last: its presence marks the folder complete
         # The same step saved again (a resumed run ending where it began) replaces the old folder.

@@ -28,6 +28,7 @@ from tetron.fs import sha256
 from tetron.init import name_seed
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.layout import full_shape, layout_of
+from tetron.parallel.zero import ShardedAdamW
 from tetron.safetensors_stream import DTYPES
 
 _FLOATS = {"F32", "F16", "BF16", "F64"}
@@ -171,8 +172,9 @@ class TensorReader:
             raise CheckpointError(f"{self.folder / f}: cannot read tensor {name} ({err})") from None
 
 
-def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
-    """A plain Llama from a HF model folder (config.json + model.safetensors, or shards + index)."""
+def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Llama:
+    """A plain Llama from a HF model folder (config.json + model.safetensors, or shards + index), its
+    weights in `dtype` whatever the folder stores (fp32 by default: bf16 matmuls are slow on CPUs)."""
     folder = Path(folder)
     config = LlamaConfig.from_hf(folder)
     with torch.device("meta"):
@@ -187,6 +189,7 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu") -> Llama:
         where = folder / "model.safetensors.index.json"
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    state = {k: v.to(dtype) for k, v in state.items()}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
         name = sorted(missing or unexpected)[0]
@@ -294,16 +297,16 @@ def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, requir
 
 
 def _read_local(reader: TensorReader, key: str, param: nn.Parameter) -> Tensor:
-    """This rank's part of tensor `key` for `param`: its slice along the tp dim, vocab padding as zeros."""
+    """This rank's part of tensor `key` for `param`, in fp32: its slice along the tp dim, vocab padding as zeros."""
     reader.check(key, full_shape(param), dtypes=_FLOATS)
     shard = layout_of(param).tp
     if shard is None:
-        return reader.read(key).to(param.dtype)
+        return reader.read(key).to(torch.float32)
     dim, index = shard.dim, shard.index
     local = param.shape[dim]
     logical = full_shape(param)[dim]
     start, stop = min(index * local, logical), min((index + 1) * local, logical)
-    part = reader.read(key, dim, start, stop).to(param.dtype)
+    part = reader.read(key, dim, start, stop).to(torch.float32)
     if stop - start < local:  # padded vocabulary rows start at zero, as at init
         pad = [0, 0] * (param.dim() - 1 - dim) + [0, local - (stop - start)]
         part = torch.nn.functional.pad(part, pad)
@@ -320,26 +323,28 @@ def _source_name(name: str, param: nn.Parameter, reader: TensorReader) -> str:
 
 
 @torch.no_grad()
-def load_weights(chunks: list[nn.Module], folder: Path) -> None:
-    """Fill this rank's parameters from a checkpoint or HF model folder, reading only its slices."""
+def load_weights(chunks: list[nn.Module], folder: Path, optimizer: ShardedAdamW) -> None:
+    """Fill this rank's parameters, and the optimizer's fp32 master weights, from a checkpoint or HF
+    model folder, reading only this rank's slices."""
     with TensorReader(folder, "model") as reader:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
-                param.copy_(_read_local(reader, _source_name(name, param, reader), param))
+                weights = _read_local(reader, _source_name(name, param, reader), param)
+                if optimizer.sharding is None:  # under ZeRO-3 only the slices exist, which load fills
+                    param.copy_(weights)
+                optimizer.load(param, master=weights)
 
 
 @torch.no_grad()
-def load_optimizer(optimizer: torch.optim.Optimizer, chunks: list[nn.Module], folder: Path, *, step: float) -> None:
-    """AdamW's moments for this rank's parameters (their slices), and its step count."""
+def load_optimizer(optimizer: ShardedAdamW, chunks: list[nn.Module], folder: Path, *, step: float) -> None:
+    """AdamW's moments for this rank's parameters (their slices, and its ZeRO pieces of those), and its
+    step count."""
     with TensorReader(folder, "model") as model_reader, TensorReader(folder, "optimizer") as reader:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 src = _source_name(name, param, model_reader)
-                optimizer.state[param] = {
-                    "step": torch.tensor(float(step), dtype=torch.float32),
-                    "exp_avg": _read_local(reader, f"{src}.exp_avg", param),
-                    "exp_avg_sq": _read_local(reader, f"{src}.exp_avg_sq", param),
-                }
+                optimizer.load(param, exp_avg=_read_local(reader, f"{src}.exp_avg", param),
+                               exp_avg_sq=_read_local(reader, f"{src}.exp_avg_sq", param), step=step)
 
 
 def same_layout(state: dict[str, Any], cfg: Any) -> bool:
@@ -347,14 +352,14 @@ def same_layout(state: dict[str, Any], cfg: Any) -> bool:
     return layout is not None and all(layout[k] == getattr(p, k) for k in ("dp", "tp", "pp", "cp", "pp_virtual"))
 
 
-def load_checkpoint(folder: Path, *, chunks: list[nn.Module], optimizer: torch.optim.Optimizer, loader: Any,
+def load_checkpoint(folder: Path, *, chunks: list[nn.Module], optimizer: ShardedAdamW, loader: Any,
                     mesh: Any, cfg: Any) -> dict[str, Any]:
     """Resume from a checkpoint folder on every rank: weights, optimizer, loader position and RNG.
 
     RNG: with the same layout each rank gets back its own generator state; with another, the states
     cannot correspond, so each rank is reseeded from (seed, step, rank), deterministically."""
     state = read_json(Path(folder) / STATE_FILE)
-    load_weights(chunks, folder)
+    load_weights(chunks, folder, optimizer)
     if state["optimizer"]["present"]:
         load_optimizer(optimizer, chunks, folder, step=state["optimizer"]["step"])
     if state["loader"] is not None:

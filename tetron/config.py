@@ -29,6 +29,7 @@ DpImpl = Literal["naive", "bucket"]
 CpLayout = Literal["zigzag", "contiguous"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
+Recompute = Literal["none", "selective", "full"]
 OnNonfinite = Literal["stop", "skip"]
 
 
@@ -46,6 +47,8 @@ class ParallelConfig:
     vocab_pad_multiple: int = 1  # pad the vocabulary to a multiple of tp * this (64 or 128 speeds up GPU matmuls)
     dp_impl: DpImpl = "bucket"  # "naive": an all-reduce hook per parameter; "bucket": fp32 buckets, overlapped
     bucket_mb: float = 25.0  # gradient bucket size for dp_impl=bucket, in MB of fp32
+    zero: int = 0  # ZeRO stage over dp*cp: 1 shards optimizer state, 2 also gradients, 3 also parameters
+    reduce_dtype: Dtype = "float32"  # dtype gradients are averaged in over dp*cp (bfloat16 halves the traffic)
     device: DeviceKind = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     timeout_s: float = 600.0  # a collective that takes longer fails the run with an error
     max_restarts: int = 0  # the launcher restarts all ranks this many times after a failure (they resume "auto")
@@ -75,7 +78,8 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     seed: int = 0  # seeds the weights, the data order and the sampler
-    dtype: Dtype = "float32"  # compute dtype: "float32" or "bfloat16" (autocast; weights stay fp32)
+    dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads)
+    recompute: Recompute = "none"  # activation recomputation per decoder layer: "none", "selective" or "full"
     on_nonfinite: OnNonfinite = "stop"  # a NaN/inf loss: "stop" the run naming the step, or "skip" the step's update
 
 
@@ -145,6 +149,8 @@ SHORT_FLAGS = {
     "resume": "checkpoint.resume",
     "init-from": "checkpoint.init_from",
     "max-restarts": "parallel.max_restarts",
+    "zero": "parallel.zero",
+    "recompute": "train.recompute",
 }
 # Flags that may stand alone, meaning true: `--sp`.
 BOOL_FLAGS = {"sp"}

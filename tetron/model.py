@@ -105,15 +105,15 @@ class LlamaConfig:
             kwargs["rope_scaling"] = hf.get("rope_scaling")
         return cls(**kwargs)
 
-    def to_hf(self) -> dict:
-        """A config dict that transformers (4.x and 5.x) loads as a LlamaForCausalLM."""
+    def to_hf(self, dtype: str = "float32") -> dict:
+        """A config dict that transformers (4.x and 5.x) loads as a LlamaForCausalLM, its weights in `dtype`."""
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         return {
             **dataclasses.asdict(self),  # asdict deep-copies, so transformers can't mutate our dicts
             "rope_parameters": rope_parameters,  # transformers 5 reads this; 4.x reads rope_theta/scaling
             "model_type": "llama",
             "architectures": ["LlamaForCausalLM"],
-            "dtype": "float32",
+            "dtype": dtype,
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,

@@ -15,29 +15,32 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from tetron import device as dev
 from tetron.checkpoint import clean_stale, find_latest, save_checkpoint, write_model_folder
 from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_from
 from tetron.config import Config, TrainConfig
 from tetron.data import DataLoader, load_tokens, prepare_data
+from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
 from tetron.metrics import MetricsLog, ProgressBar, mfu, trim_after
 from tetron.model import Llama
-from tetron.parallel.grads import clip_grad_norm_
+from tetron.parallel.grads import clip_grads_
 from tetron.parallel.parallelize import (
     ParallelModel,
+    build_optimizer,
     finish_gradients,
     make_loss_fn,
     parallelize,
     sequence_positions,
 )
 from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activation_shape, layer_ranks
+from tetron.parallel.zero import ShardedAdamW
 from tetron.tokenizer import Tokenizer
 
 
@@ -48,15 +51,6 @@ def lr_at(step: int, t: TrainConfig) -> float:
     progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
     low = t.lr * t.min_lr_ratio
     return low + 0.5 * (t.lr - low) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def build_optimizer(params: list[nn.Parameter], t: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (norm weights are scales, decaying them hurts)."""
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
 
 # ------------------------------------------------------------------------------------ building the run
@@ -72,11 +66,11 @@ class Run:
     tokenizer: Tokenizer
     loader: DataLoader  # this dp rank's micro-batches of each step; its position is the run's step
     model: ParallelModel  # this rank's chunks, bare and wrapped for data parallelism
-    optimizer: torch.optim.AdamW
+    optimizer: ShardedAdamW  # AdamW over the fp32 master weights (this rank's pieces under ZeRO)
+    dtype: torch.dtype  # the parameters' and activations' dtype
     loss_fn: Callable[[Tensor, Tensor], Tensor]  # summed over tokens, divided by this rank's tokens per step
     positions: Tensor  # [T/cp] the positions of each sequence this rank holds (indexes the loader's CPU batches)
     device_positions: Tensor  # the same on the device: the RoPE position ids
-    autocast: ContextManager
     pipeline: Pipeline | None  # the schedule runner under pp, else None
     layer_ranks: list[int]  # the pipeline rank of each decoder layer, for checkpoints
 
@@ -113,7 +107,7 @@ def restore(run: Run) -> None:
         rank0 = run.mesh.rank == 0
         if not rank0:
             dist.barrier()  # rank 0 downloads a hub model first, the others find it cached
-        load_weights(run.model.chunks, resolve_init_from(ck.init_from))
+        load_weights(run.model.chunks, resolve_init_from(ck.init_from), run.optimizer)
         if rank0:
             dist.barrier()
 
@@ -128,19 +122,18 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
     # gradient is that of the mean over every target token of the global batch.
     local_tokens = t.micro_batch * t.grad_acc * cfg.data.seq_len // mesh.size("cp")
     token_loss = make_loss_fn(cfg, mesh)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.dtype == "bfloat16"
-                else contextlib.nullcontext())
     positions = sequence_positions(cfg, mesh)
     run = Run(cfg=cfg, mesh=mesh, device=device, tokenizer=tokenizer, loader=loader, model=model,
-              optimizer=build_optimizer(model.params, t),
+              optimizer=build_optimizer(model, cfg, mesh),
+              dtype=torch.bfloat16 if t.dtype == "bfloat16" else torch.float32,
               loss_fn=lambda logits, targets: token_loss(logits, targets) / local_tokens,
-              positions=positions, device_positions=positions.to(device), autocast=autocast, pipeline=None,
+              positions=positions, device_positions=positions.to(device), pipeline=None,
               layer_ranks=layer_ranks(cfg))
     restore(run)
     if mesh.size("pp") > 1:
         run.pipeline = Pipeline(model.dp_chunks, mesh, schedule_name=cfg.parallel.pp_schedule,
                                 micro_batches=t.grad_acc, shape=activation_shape(cfg),
-                                positions=run.device_positions, device=device, autocast=autocast,
+                                positions=run.device_positions, dtype=run.dtype, device=device,
                                 loss_fn=run.loss_fn, trace=trace)
     return run
 
@@ -157,6 +150,7 @@ class StepFigures:
     lr: float
     skipped: bool  # a non-finite loss under on_nonfinite=skip: no update
     time_s: float
+    memory: dict[str, float] | None = None  # MiB this rank holds, by kind (measured on a launch's first step)
 
 
 def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
@@ -173,8 +167,7 @@ def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Te
         inputs, targets = inputs.to(run.device), targets.to(run.device)
         last = k == len(micro_batches) - 1
         with contextlib.nullcontext() if last else wrapped.no_sync():
-            with run.autocast:
-                logits = wrapped(inputs, positions)  # [B, T/cp, vocab(/tp)]
+            logits = wrapped(inputs, positions)  # [B, T/cp, vocab(/tp)]
             loss = run.loss_fn(logits, targets)
             loss.backward()
         loss_sum += loss.detach()
@@ -193,7 +186,24 @@ def global_loss(run: Run, loss_sum: Tensor) -> float:
     return float(loss_sum)
 
 
-def train_step(run: Run, step: int) -> StepFigures:
+def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
+    """MiB this rank holds: parameters, gradients (bucket buffers, ZeRO slices), optimizer state
+    (fp32 masters unless they are the parameters, AdamW moments), buffers, and the peak of the
+    activations saved for the backward pass during the step `meter` watched."""
+    buckets = [b for chunk in run.model.dp_chunks for b in getattr(chunk, "buckets", [])]
+    # ZeRO: a rank's slice of the parameters is a parameter (under ZeRO-3 the only copy between uses)
+    slices = [getattr(b, "params_slice", None) for b in buckets]
+    state = state_bytes(params=[*run.model.params, *(s for s in slices if s is not None)],
+                        grads=[p.grad for p in run.model.params] + [b.buffer for b in buckets]
+                        + [b.shard_grad for b in buckets],
+                        optimizer_tensors=optimizer_tensors(run.optimizer.inner),
+                        buffers=[b for chunk in run.model.chunks for b in chunk.buffers()])
+    figures = {f"mem_{kind}_mb": n / 2**20 for kind, n in state.as_dict().items()}
+    figures["mem_activations_mb"] = meter.peak_bytes / 2**20
+    return figures
+
+
+def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigures:
     """Optimizer step `step` (0-based): the loader's next batch through the model, the update."""
     t = run.cfg.train
     dev.reset_peak_memory(run.device)
@@ -203,8 +213,10 @@ def train_step(run: Run, step: int) -> StepFigures:
         group["lr"] = lr
     mine = run.positions
     micro_batches = [(inputs[:, mine], targets[:, mine]) for inputs, targets in run.loader.next_batch()]
-    loss_sum = forward_backward(run, micro_batches)
-    finish_gradients(run.model, run.mesh)
+    meter = ActivationMeter(run.model.params) if measure_memory else None
+    with meter or contextlib.nullcontext():
+        loss_sum = forward_backward(run, micro_batches)
+    finish_gradients(run.model, run.mesh, run.optimizer)
     loss = global_loss(run, loss_sum)  # the same on every rank, so every rank takes the same branch below
     skipped = not math.isfinite(loss)
     if skipped and t.on_nonfinite == "stop":
@@ -212,11 +224,14 @@ def train_step(run: Run, step: int) -> StepFigures:
                                  f"(train.on_nonfinite=skip skips such steps)")
     grad_norm = float("nan")
     if not skipped:
-        grad_norm = clip_grad_norm_(run.model.params, t.grad_clip, run.mesh)
+        grad_norm = clip_grads_(run.optimizer.grads(), t.grad_clip, run.mesh,
+                                sharded_over_dp=run.cfg.parallel.zero >= 1)
         run.optimizer.step()
+    memory = memory_figures(run, meter) if meter is not None else None  # after the step: moments exist
     run.model.zero_grad()
     dev.synchronize(run.device)
-    return StepFigures(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped, time_s=time.perf_counter() - start)
+    return StepFigures(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped, time_s=time.perf_counter() - start,
+                       memory=memory)
 
 
 # ------------------------------------------------------------------------------------ report and save
@@ -253,6 +268,8 @@ class Reporter:
         }
         if f.skipped:
             record["skipped"] = True
+        if f.memory is not None:
+            record.update(f.memory)
         self.log.write(record)
         if self.bar:
             self.bar.update(step + 1, {"loss": f"{f.loss:.4f}", "lr": f"{f.lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"})
@@ -270,6 +287,14 @@ def save(run: Run, step: int) -> None:
              "config": cfg.to_dict(), "layout": layout}
     save_checkpoint(Path(cfg.out), run.model.chunks, mesh, cfg=cfg, optimizer=run.optimizer, trainer_state=state,
                     layer_ranks=run.layer_ranks, tokenizer=run.tokenizer)
+
+
+def write_model(run: Run) -> None:
+    """OUT/model: the trained model alone, in the compute dtype, for `tetron generate` and transformers."""
+    cfg = run.cfg
+    write_model_folder(Path(cfg.out) / "model", run.model.chunks, run.mesh, config=cfg.model,
+                       weights=lambda p: run.optimizer.full_tensor(p, "master"), dtype=run.dtype,
+                       layer_ranks=run.layer_ranks, tokenizer=run.tokenizer, shard_mb=cfg.checkpoint.shard_mb)
 
 
 # ------------------------------------------------------------------------------------ the loop
@@ -294,8 +319,9 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace:
     reporter = Reporter(run) if mesh.rank == 0 else None
     result = TrainResult(chunks=run.model.chunks)
     t, save_every = cfg.train, cfg.checkpoint.save_every
-    for step in range(run.loader.step, t.steps):
-        figures = train_step(run, step)
+    first = run.loader.step
+    for step in range(first, t.steps):
+        figures = train_step(run, step, measure_memory=step == first)
         result.losses.append(figures.loss)
         if reporter:
             reporter.step(step, figures)
@@ -306,8 +332,7 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace:
     if trace:
         result.dp_collectives = sum(chunk.num_collectives for chunk in run.model.dp_chunks)
         result.pipeline_trace = run.pipeline.trace if run.pipeline is not None else None
-    # The final checkpoint, and OUT/model (the model alone, for `tetron generate`): both streamed to rank 0.
+    # The final checkpoint, and OUT/model: both streamed to rank 0.
     save(run, t.steps)
-    write_model_folder(Path(cfg.out) / "model", run.model.chunks, mesh, config=cfg.model,
-                       layer_ranks=run.layer_ranks, tokenizer=run.tokenizer, shard_mb=cfg.checkpoint.shard_mb)
+    write_model(run)
     return result

@@ -45,6 +45,17 @@ def _validate_pipeline(cfg: Config) -> None:
                f"parallel.pp_split={split} sums to {sum(split)}; it must sum to model.num_hidden_layers={layers}")
 
 
+def _validate_memory(cfg: Config) -> None:
+    """ZeRO and mixed precision: both live in the fp32 gradient buckets of dp_impl=bucket."""
+    p, t = cfg.parallel, cfg.train
+    _check(p.zero in (0, 1, 2, 3),
+           f"parallel.zero={p.zero}: use 0 (off), 1 (optimizer state), 2 (and gradients) or 3 (and parameters)")
+    for needs, what in ((p.zero >= 1, f"parallel.zero={p.zero} (it shards the gradient buckets)"),
+                        (t.dtype == "bfloat16", "train.dtype=bfloat16 (gradients accumulate in its fp32 buckets)"),
+                        (p.reduce_dtype == "bfloat16", "parallel.reduce_dtype=bfloat16 (it reduces the buckets)")):
+        _check(not needs or p.dp_impl == "bucket", f"{what} needs parallel.dp_impl=bucket, not {p.dp_impl}")
+
+
 def _validate_checkpoint(cfg: Config) -> None:
     """The checkpoint section, and any checkpoint it names: read (JSON, headers, hashes), never written."""
     c = cfg.checkpoint
@@ -156,6 +167,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _validate_layout(cfg, world_size)
     _validate_data(cfg)
     _validate_train(cfg)
+    _validate_memory(cfg)
     _validate_checkpoint(cfg)
     lg = cfg.logging
     _check(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be at least 1")

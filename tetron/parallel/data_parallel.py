@@ -15,7 +15,7 @@ before the last only accumulate locally and the sync happens once per optimizer 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -76,59 +76,128 @@ class DataParallelNaive(DataParallel):
 
 
 class _Bucket:
-    """A flat fp32 buffer holding the gradients of some parameters, reduced as one message."""
+    """A flat fp32 buffer holding the gradients of some parameters, reduced as one message.
 
-    def __init__(self, params: list[nn.Parameter], device: torch.device) -> None:
-        self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+    The buffer is padded to a multiple of `shards`; with more than one shard (ZeRO), rank r's
+    reduced gradients are its slice r, received by an in-place reduce-scatter, and kept in a
+    `shard_grad` of their own when the full buffer is released after the reduction (ZeRO-2/3). A
+    bucket made from a unit (ZeRO-3: a decoder layer, or the rest of the chunk) knows its `module`."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device, *, shards: int, rank: int = 0,
+                 separate_shard: bool = False, module: nn.Module | None = None, allocate: bool = True) -> None:
+        self.params, self.module = params, module
+        self.offsets: dict[nn.Parameter, int] = {}  # where each parameter starts in the buffer
+        numel = 0
+        for p in params:
+            self.offsets[p] = numel
+            numel += p.numel()
+        self.padded = -(-numel // shards) * shards
+        self.slice_size = self.padded // shards
+        self.mine = slice(rank * self.slice_size, (rank + 1) * self.slice_size)  # this rank's slice
+        self.device = device
+        self.buffer: torch.Tensor | None = (torch.zeros(self.padded, dtype=torch.float32, device=device)
+                                            if allocate else None)
+        self.shard_grad = (torch.zeros(self.slice_size, dtype=torch.float32, device=device)
+                           if shards > 1 and separate_shard else None)
+        self.sharded = shards > 1
         self.pending: set[nn.Parameter] = set(params)
         self.handle: dist.Work | None = None
+        self.after_wait: Callable[[], None] | None = None  # copies a lower-precision reduction back
+
+    def reduced_grad(self) -> torch.Tensor:
+        """The averaged gradients this rank keeps: its slice (ZeRO), else the whole buffer."""
+        if self.shard_grad is not None:
+            return self.shard_grad
+        return self.buffer[self.mine] if self.sharded else self.buffer
 
 
 class DataParallelBucket(DataParallel):
-    """Gradients in fp32 buckets whose asynchronous all-reduce overlaps the backward pass."""
+    """Gradients in fp32 buckets whose asynchronous reduction overlaps the backward pass.
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0,
+    `zero` >= 1 reduce-scatters each bucket instead of all-reducing it (each rank keeps its slice of
+    the averaged gradients, for the sharded optimizer in zero.py); `zero` >= 2 also releases each full
+    buffer once reduced, and allocates it again at the next forward. `units` (ZeRO-3) makes one bucket
+    per (module, parameters) pair, whose buffer is allocated only when its backward begins
+    (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32)."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
+                 reduce_dtype: torch.dtype = torch.float32,
+                 units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
                  count_collectives: bool = False) -> None:
         super().__init__(module, group, count_collectives=count_collectives)
         params = self._params()
         device = params[0].device
+        self.shards = self.world if zero >= 1 else 1
+        self.free_after_reduce = zero >= 2 and self.world > 1
+        shard = {"shards": self.shards, "rank": dist.get_rank(group) if self.shards > 1 else 0,
+                 "separate_shard": self.free_after_reduce}
+        # ZeRO-3: buffers appear unit by unit, when the unit's backward begins (parameter sharding attaches them)
+        self.lazy = units is not None and self.world > 1
+        self.reduce_dtype = reduce_dtype
+        if units is not None:
+            # Backward visits the units in reverse order: so are the buckets.
+            self.buckets = [_Bucket(ps, device, module=m, allocate=False, **shard) for m, ps in reversed(units) if ps]
+        else:
+            self.buckets = self._size_buckets(params, device, bucket_mb, shard)
+        self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
+        # each parameter's fp32 gradient: a view into its bucket's buffer (Megatron's main_grad)
+        self.main_grads: dict[nn.Parameter, torch.Tensor] = {}
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._hook)
+        self._callback_queued = False
+        self._in_flight: _Bucket | None = None  # the last bucket whose reduction was started
+        if not self.lazy:
+            self._attach_grads()
+
+    def _size_buckets(self, params: list[nn.Parameter], device: torch.device, bucket_mb: float,
+                      shard: dict) -> list[_Bucket]:
         # Backward visits parameters roughly in reverse order of definition: fill buckets that way,
-        # so the first bucket is complete early and its all-reduce overlaps most of the backward.
+        # so the first bucket is complete early and its reduction overlaps most of the backward.
         limit = max(1, int(bucket_mb * 2**20 / 4))
-        self.buckets: list[_Bucket] = []
+        buckets: list[_Bucket] = []
         group_params: list[nn.Parameter] = []
         for p in reversed(params):
             group_params.append(p)
             if sum(q.numel() for q in group_params) >= limit:
-                self.buckets.append(_Bucket(group_params, device))
+                buckets.append(_Bucket(group_params, device, **shard))
                 group_params = []
         if group_params:
-            self.buckets.append(_Bucket(group_params, device))
-        self.bucket_of: dict[nn.Parameter, _Bucket] = {}
-        # each parameter's fp32 gradient: a view into its bucket's buffer (Megatron's main_grad)
-        self.main_grads: dict[nn.Parameter, torch.Tensor] = {}
-        for bucket in self.buckets:
-            offset = 0
-            for p in bucket.params:
-                self.main_grads[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-                self.bucket_of[p] = bucket
-                p.register_post_accumulate_grad_hook(self._hook)
-        self._callback_queued = False
-        self._attach_grads()
+            buckets.append(_Bucket(group_params, device, **shard))
+        return buckets
+
+    def forward(self, *args, **kwargs):
+        if not self.lazy and self.buckets[0].buffer is None:  # ZeRO-2 released the buffers after the last step
+            self._attach_grads()
+        return self.module(*args, **kwargs)
+
+    def attach(self, bucket: _Bucket) -> None:
+        """Give `bucket` a zeroed buffer if it has none, and point its parameters' gradients into it."""
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(bucket.padded, dtype=torch.float32, device=bucket.device)
+        for p in bucket.params:
+            offset = bucket.offsets[p]
+            self.main_grads[p] = bucket.buffer[offset:offset + p.numel()].view_as(p)
+            # fp32 parameters: autograd accumulates in place; lower-precision ones are added in by the hook
+            p.grad = self.main_grads[p] if p.dtype == torch.float32 else None
 
     def _attach_grads(self) -> None:
-        """Point fp32 parameters' .grad at their bucket views, so autograd accumulates in place."""
-        for p, main_grad in self.main_grads.items():
-            p.grad = main_grad if p.dtype == torch.float32 else None
+        for bucket in self.buckets:
+            self.attach(bucket)
+
+    def _release(self, bucket: _Bucket) -> None:
+        """ZeRO-2/3: drop a reduced bucket's full buffer; only its slice (`shard_grad`) remains."""
+        bucket.buffer = None
+        for p in bucket.params:
+            p.grad = None
+            self.main_grads.pop(p, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the buckets (the gradients' storage); `set_to_none` is ignored, the views stay attached."""
         for bucket in self.buckets:
-            bucket.buffer.zero_()
+            if bucket.buffer is not None:
+                bucket.buffer.zero_()
+                self.attach(bucket)
             bucket.pending = set(bucket.params)
-        self._attach_grads()
 
     def _hook(self, param: nn.Parameter) -> None:
         main_grad = self.main_grads[param]
@@ -146,26 +215,62 @@ class DataParallelBucket(DataParallel):
         bucket = self.bucket_of[param]
         bucket.pending.discard(param)
         if not bucket.pending:
-            bucket.handle = self._all_reduce(bucket.buffer, async_op=True)
+            if self.free_after_reduce and self._in_flight is not None:
+                self._complete(self._in_flight)  # at most two full buffers in flight
+            bucket.handle = self._reduce(bucket, async_op=True)
+            self._in_flight = bucket
+
+    def _reduce(self, bucket: _Bucket, *, async_op: bool) -> dist.Work | None:
+        """Average the bucket over the group: all-reduce in place, or reduce-scatter into its slice."""
+        if self.num_collectives is not None:
+            self.num_collectives += 1
+        if bucket.buffer is None:  # a lazily allocated bucket whose parameters got no gradient
+            self.attach(bucket)
+        wire = bucket.buffer if self.reduce_dtype == torch.float32 else bucket.buffer.to(self.reduce_dtype)
+        if self.shards == 1:
+            work = dist.all_reduce(wire, op=AVG, group=self.group, async_op=async_op)
+            target = bucket.buffer
+        else:
+            # In place: this rank's slice of the wire receives the average (NCCL and gloo allow it).
+            target, full = bucket.reduced_grad(), wire
+            wire = full[bucket.mine]
+            work = dist.reduce_scatter_tensor(wire, full, op=AVG, group=self.group, async_op=async_op)
+        same = wire.data_ptr() == target.data_ptr()
+        bucket.after_wait = None if same else (lambda: target.copy_(wire))
+        bucket.handle = work if async_op else None
+        if not async_op:
+            self._complete(bucket)
+        return work
+
+    def _complete(self, bucket: _Bucket) -> None:
+        """Wait for the bucket's reduction, finish it, and under ZeRO-2/3 release its full buffer."""
+        if bucket.handle is not None:
+            bucket.handle.wait()
+            bucket.handle = None
+        if bucket.after_wait is not None:
+            bucket.after_wait()
+            bucket.after_wait = None
+        if self.free_after_reduce and bucket.buffer is not None:
+            self._release(bucket)
 
     def _finish(self) -> None:
         for bucket in self.buckets:
-            if bucket.handle is None:
+            if bucket.pending:
                 # Parameters unused in this backward never fire their hook: reduce what is there.
-                self._all_reduce(bucket.buffer)
+                self._reduce(bucket, async_op=False)
             else:
-                bucket.handle.wait()
-            bucket.handle = None
+                self._complete(bucket)
             bucket.pending = set(bucket.params)
         self._callback_queued = False
-        for p, main_grad in self.main_grads.items():
-            if p.dtype != torch.float32:
-                p.grad = main_grad.to(p.dtype)
+        self._in_flight = None
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, *, impl: DpImpl = "bucket",
-                        bucket_mb: float = 25.0, count_collectives: bool = False) -> DataParallel:
-    """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket")."""
+                        bucket_mb: float = 25.0, zero: int = 0, reduce_dtype: torch.dtype = torch.float32,
+                        units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
+                        count_collectives: bool = False) -> DataParallel:
+    """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket"; ZeRO needs buckets)."""
     if impl == "naive":
         return DataParallelNaive(model, group, count_collectives=count_collectives)
-    return DataParallelBucket(model, group, bucket_mb=bucket_mb, count_collectives=count_collectives)
+    return DataParallelBucket(model, group, bucket_mb=bucket_mb, zero=zero, reduce_dtype=reduce_dtype,
+                              units=units, count_collectives=count_collectives)

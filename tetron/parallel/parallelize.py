@@ -1,12 +1,15 @@
 """The recipe: what is done to the plain model, in order, so that this rank trains its part of it.
 
-    build on meta -> pipeline split -> tensor parallel -> materialize + init -> context parallel -> data parallel
+    build on meta -> pipeline split -> tensor parallel -> materialize + init -> context parallel -> recompute
+    -> data parallel
 
 `parallelize` is the only caller of the axes' `apply_*` functions; each axis lives in its own file.
 The order matters: the pipeline split decides which modules exist on this rank, tensor parallelism
 then swaps those for sharded ones (still on meta, so nothing is allocated twice), storage and initial
 values come only then, each rank filling its own slices; context parallelism swaps the attention
-function, and data parallelism wraps the finished chunk to average its gradients.
+function; recompute then wraps each decoder layer's forward, once the layer holds its final
+(sharded, ring-attention) code, since that is what must run again in the backward pass; and data
+parallelism wraps the finished chunk to average its gradients.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -24,13 +28,16 @@ from tetron.mesh import Mesh
 from tetron.model import Llama
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
-from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, sync_tied_embedding_grads
+from tetron.parallel.layout import layout_of
+from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embedding
+from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
     padded_vocab_size,
     sync_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
+from tetron.parallel.zero import ShardedAdamW, units_of
 
 
 @dataclass
@@ -65,18 +72,36 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
         apply_context_parallel(chunk, mesh, layout=p.cp_layout)
+        apply_recompute(chunk, cfg.train.recompute)
         chunks.append(chunk)
-    dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb,
-                                     count_collectives=count_collectives) for chunk in chunks]
+    reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
+    dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
+                                     reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
+                                     count_collectives=count_collectives)
+                 for chunk in chunks]
     return ParallelModel(chunks, dp_chunks)
 
 
-def finish_gradients(model: ParallelModel, mesh: Mesh) -> None:
-    """What each axis adds to the gradients after the backward pass (data parallelism averaged them
-    during it): tied embedding copies summed over the pipeline's ends, sequence-parallel norm
-    weights summed over tp."""
-    sync_tied_embedding_grads(model.chunks, mesh)
-    sync_sequence_parallel_grads(model.params, mesh.group("tp"))
+def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedAdamW:
+    """AdamW over fp32 master weights, sharded over dp*cp under ZeRO (zero.py); it also casts the
+    parameters to the compute dtype, so it comes after data parallelism has laid out the buckets."""
+    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+    return ShardedAdamW(model.params, model.dp_chunks, cfg.train, zero=cfg.parallel.zero, dtype=dtype,
+                        group=mesh.group("dp_cp"))
+
+
+@torch.no_grad()
+def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedAdamW) -> None:
+    """What each axis adds to the averaged gradients (data parallelism averaged them during the
+    backward pass), wherever they are (whole, or this rank's ZeRO pieces): tied embedding copies
+    summed over the pipeline's ends, sequence-parallel norm weights summed over tp."""
+    tied = tied_embedding(model.chunks, mesh)
+    if tied is not None:
+        grad = optimizer.full_grad(tied)
+        dist.all_reduce(grad, group=mesh.group("embed"))
+        optimizer.set_full_grad(tied, grad)
+    sync_sequence_parallel_grads([g for g, p in optimizer.grads() if layout_of(p).sequence_parallel],
+                                 mesh.group("tp"))
 
 
 def make_loss_fn(cfg: Config, mesh: Mesh) -> Callable[[Tensor, Tensor], Tensor]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -95,15 +95,13 @@ def activation_shape(cfg: Config) -> tuple[int, int, int]:
     return (cfg.train.micro_batch, seq, cfg.model.hidden_size)
 
 
-@torch.no_grad()
-def sync_tied_embedding_grads(chunks: list[Llama], mesh: Mesh) -> None:
-    """With tied embeddings under pp, sum the gradients of the two copies (the first stage's embedding,
-    the last stage's head) so both take the same step; a no-op elsewhere."""
-    group = mesh.group("embed")
-    if group is None or not chunks[0].config.tie_word_embeddings:
-        return
-    weight = chunks[0].model.embed_tokens.weight if mesh.is_first_stage else chunks[-1].lm_head.weight
-    dist.all_reduce(weight.grad, group=group)
+def tied_embedding(chunks: list[Llama], mesh: Mesh) -> nn.Parameter | None:
+    """With tied embeddings under pp, this rank's copy of the shared tensor (the first stage's embedding,
+    the last stage's head): its gradient is summed with the other copy's over the "embed" group before
+    each step, so both take the same step. None elsewhere."""
+    if mesh.group("embed") is None or not chunks[0].config.tie_word_embeddings:
+        return None
+    return chunks[0].model.embed_tokens.weight if mesh.is_first_stage else chunks[-1].lm_head.weight
 
 
 # ---------------------------------------------------------------------------------- the schedule
@@ -145,7 +143,7 @@ class Pipeline:
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, schedule_name: str, micro_batches: int,
                  shape: tuple[int, ...], loss_fn: Callable[[Tensor, Tensor], Tensor],
                  positions: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 autocast: Any = None, trace: bool = False) -> None:
+                 trace: bool = False) -> None:
         self.chunks, self.mesh = chunks, mesh
         self.p, self.rank, self.v = mesh.size("pp"), mesh.local_rank("pp"), len(chunks)
         self.stages = self.p * self.v
@@ -156,7 +154,6 @@ class Pipeline:
         self.device = device or torch.device("cpu")
         self.loss_fn = loss_fn
         self.positions = positions.to(self.device)  # [T/cp] this rank's RoPE positions (all of them without cp)
-        self.autocast = autocast if autocast is not None else contextlib.nullcontext()
         self.group = mesh.group("pp")
         # With NCCL the first operation on a group must involve all its ranks, which P2P does not.
         dist.barrier(group=self.group)
@@ -214,8 +211,7 @@ class Pipeline:
             x = batch[0].to(self.device)  # [B, T] token ids
         else:
             x = received.requires_grad_()  # [B, T', hidden], a leaf: its .grad is what goes back
-        with self.autocast:
-            out = self.chunks[action.chunk](x, self.positions)  # [B, T', hidden], or [B, T', vocab] logits
+        out = self.chunks[action.chunk](x, self.positions)  # [B, T', hidden], or [B, T', vocab] logits
         if s == self.stages - 1:
             loss = self.loss_fn(out, batch[1].to(self.device))
             self.loss += loss.detach()

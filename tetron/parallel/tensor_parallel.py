@@ -32,7 +32,7 @@ from tetron.parallel.comm import (
     reduce_from_group,
     reduce_scatter_to_sequence,
 )
-from tetron.parallel.layout import Shard, layout_of, set_layout
+from tetron.parallel.layout import Shard, set_layout
 
 
 def _shard_param(old: nn.Parameter, shape: tuple[int, ...], *, dim: int, group: dist.ProcessGroup,
@@ -215,10 +215,9 @@ def _gather_input(group: dist.ProcessGroup):
 
 
 @torch.no_grad()
-def sync_sequence_parallel_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+def sync_sequence_parallel_grads(grads: list[Tensor], group: dist.ProcessGroup) -> None:
     """Sum over tp the gradients of replicated weights that saw only this rank's tokens (RMSNorm
-    under sequence parallelism), in one flat all-reduce."""
-    grads = [p.grad for p in params if layout_of(p).sequence_parallel and p.grad is not None]
+    under sequence parallelism: the caller picks them by layout), in one flat all-reduce."""
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.flatten() for g in grads])

@@ -1,0 +1,336 @@
+"""ZeRO and mixed precision: AdamW over fp32 master weights, sharded over the dp*cp group.
+
+Megatron's distributed optimizer in ordinary PyTorch, on top of the gradient buckets of
+data_parallel.py (every gradient lives in an fp32 bucket buffer, padded to a multiple of N = dp*cp).
+
+Master weights. AdamW updates fp32 master copies, which are then cast into the parameters that the
+forward pass uses. With fp32 parameters and no ZeRO the masters *are* the parameters (plain AdamW,
+nothing copied). With bf16 parameters (`train.dtype: bfloat16`) they keep the fp32 precision that
+bf16 would round small updates away with; gradients are accumulated and averaged in fp32.
+
+ZeRO-1 (`parallel.zero: 1`). Each bucket is cut into N equal slices and rank r owns slice r: the
+reduce-scatter in data_parallel.py hands it the averaged gradients of its slice only; it keeps the
+masters and both AdamW moments of that slice only (1/N of the optimizer state), updates them, and
+the updated slices are all-gathered into every rank's parameters, which live in one flat buffer per
+bucket for that. ZeRO-2 (`zero: 2`) also releases the full gradient buffers once reduced, so only
+the slices outlive the backward pass.
+
+A parameter can straddle two ranks' slices: what a rank holds of one parameter is a `Piece`, and
+pieces, not parameters, are what AdamW sees (weight decay on pieces of matrices, as on matrices).
+Gradient finishing (sequence-parallel and tied-embedding sums) and clipping work on the pieces,
+where the reduced gradients are; checkpoints stay full logical tensors by name: `full_tensor`
+assembles one from every rank's pieces and `load` takes this rank's pieces back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tetron.config import TrainConfig
+from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
+
+Kind = Literal["master", "exp_avg", "exp_avg_sq"]
+
+
+@dataclass
+class Piece:
+    """The elements [start, start + master.numel()) of a flattened parameter that this rank updates."""
+
+    param: nn.Parameter
+    start: int  # offset in the parameter's flattened elements
+    bucket: _Bucket | None  # None: the plain case, the piece is the whole parameter and its own master
+    slice_offset: int  # offset in the bucket's reduced gradients (this rank's slice, or the whole buffer)
+    master: nn.Parameter  # fp32 [numel] (or the parameter itself in the plain case): what AdamW updates
+
+    @property
+    def grad(self) -> Tensor | None:
+        """The averaged fp32 gradient of the piece, where the data-parallel reduction left it."""
+        if self.bucket is None:
+            return self.param.grad
+        n = self.master.numel()
+        return self.bucket.reduced_grad()[self.slice_offset:self.slice_offset + n]
+
+
+class ShardedAdamW:
+    """AdamW (decoupled weight decay on matrices only) over this rank's pieces of the parameters."""
+
+    def __init__(self, params: list[nn.Parameter], dp_chunks: list[DataParallel], t: TrainConfig, *,
+                 zero: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+        self.zero, self.group = zero, group
+        self.shards = dist.get_world_size(group) if zero >= 1 else 1
+        self.rank = dist.get_rank(group) if zero >= 1 else 0
+        self.plain = zero == 0 and dtype == torch.float32  # the masters are the parameters
+        self.masters_in_slices = dtype == torch.float32 and self.shards > 1  # ... or views of their slices
+        self.buckets: list[_Bucket] = []
+        if self.plain:
+            self.pieces = [Piece(p, 0, None, 0, p) for p in params]
+        else:
+            for chunk in dp_chunks:
+                if not isinstance(chunk, DataParallelBucket):
+                    raise ValueError("fp32 master weights and ZeRO need parallel.dp_impl=bucket")
+                self.buckets += chunk.buckets
+            self.pieces = [piece for bucket in self.buckets for piece in self._pieces(bucket)]
+            self._to_compute_dtype(dtype)
+            for chunk in dp_chunks:
+                chunk.zero_grad()  # re-attach the gradient views to parameters of the new dtype
+            if self.masters_in_slices:
+                for piece in self.pieces:
+                    # fp32 under ZeRO: the master *is* this rank's slice of the parameters, updated in place
+                    piece.master = nn.Parameter(piece.bucket.params_slice[piece.slice_offset:
+                                                                          piece.slice_offset + piece.master.numel()])
+        # ZeRO-3: parameters sharded too, gathered unit by unit as the forward and backward passes need them
+        self.sharding = ParameterSharding(dp_chunks, group) if zero == 3 and self.shards > 1 else None
+        self.piece_of = {id(piece.param): [] for piece in self.pieces}
+        for piece in self.pieces:
+            self.piece_of[id(piece.param)].append(piece)
+        masters = [piece.master for piece in self.pieces]
+        decay = [piece.master for piece in self.pieces if piece.param.ndim >= 2]
+        keep = [piece.master for piece in self.pieces if piece.param.ndim < 2]
+        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                                        {"params": keep, "weight_decay": 0.0}],
+                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        self.param_groups = self.inner.param_groups
+        self.masters = masters
+        # Optimizer steps taken (or loaded): the same on every rank, even one whose slices hold only padding.
+        self.steps = 0.0
+
+    def _pieces(self, bucket: _Bucket) -> list[Piece]:
+        """This rank's pieces of the bucket's parameters: their overlap with slice `rank`."""
+        lo, hi = self.rank * bucket.slice_size, (self.rank + 1) * bucket.slice_size
+        pieces = []
+        for p in bucket.params:
+            begin, end = bucket.offsets[p], bucket.offsets[p] + p.numel()
+            a, b = max(begin, lo), min(end, hi)
+            if a < b:
+                master = nn.Parameter(p.detach().reshape(-1)[a - begin:b - begin].float().clone())
+                pieces.append(Piece(p, a - begin, bucket, a - lo if self.shards > 1 else a, master))
+        return pieces
+
+    def _to_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Parameters in the compute dtype; under ZeRO as views into one flat buffer per bucket, which
+        the all-gather after each step fills, and this rank's slice of it kept apart."""
+        for p in {id(p): p for bucket in self.buckets for p in bucket.params}.values():
+            p.grad = None
+        for bucket in self.buckets:
+            if self.shards == 1:
+                for p in bucket.params:
+                    p.data = p.data.to(dtype)
+                continue
+            flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.device)
+            for p in bucket.params:
+                view = flat[bucket.offsets[p]:bucket.offsets[p] + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+            bucket.params_flat = flat
+            # this rank's slice: where the all-gather after each step starts from (in place), or under
+            # ZeRO-3 the parameters' only copy between uses
+            bucket.params_slice = flat[bucket.mine].clone() if self.zero == 3 else flat[bucket.mine]
+
+    # ------------------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the masters (their .grad: the pieces' averaged gradients), then the parameters
+        from the masters: cast in place, or all-gathered from every rank's slice under ZeRO."""
+        if not self.plain:
+            for piece in self.pieces:
+                piece.master.grad = piece.grad
+        self.inner.step()
+        self.steps += 1
+        if self.plain:
+            return
+        for piece in self.pieces:
+            piece.master.grad = None
+        if self.shards == 1:
+            for piece in self.pieces:
+                piece.param.view(-1)[piece.start:piece.start + piece.master.numel()].copy_(piece.master)
+            return
+        if self.sharding is not None:
+            self.sharding.free_all()  # nothing gathered may outlive the update of its slices
+        for piece in self.pieces if not self.masters_in_slices else []:
+            piece.bucket.params_slice[piece.slice_offset:piece.slice_offset + piece.master.numel()].copy_(piece.master)
+        if self.sharding is not None:
+            return  # ZeRO-3: each unit's forward gathers the slices it needs
+        for bucket in self.buckets:
+            dist.all_gather_into_tensor(bucket.params_flat, bucket.params_slice, group=self.group)
+
+    def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
+        """Every averaged gradient this rank holds, with its parameter: whole parameters' without ZeRO,
+        this rank's pieces with it (each element on exactly one rank of dp*cp)."""
+        return [(piece.grad, piece.param) for piece in self.pieces if piece.grad is not None]
+
+    # ------------------------------------------------------------------------------ whole tensors
+
+    def _assemble(self, param: nn.Parameter, parts: list[tuple[Piece, Tensor]]) -> Tensor:
+        """The parameter-shaped fp32 tensor whose pieces are `parts` on their ranks (the others zero)."""
+        full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        for piece, values in parts:
+            full[piece.start:piece.start + values.numel()] = values.reshape(-1)
+        if self.shards > 1:
+            dist.all_reduce(full, group=self.group)  # each element is nonzero on one rank at most: exact
+        return full.view_as(param)
+
+    def full_tensor(self, param: nn.Parameter, kind: Kind) -> Tensor:
+        """The fp32 master weights or an AdamW moment of `param` as a whole (this rank's tp part).
+        Under ZeRO every rank of dp*cp calls this for the same parameters in the same order."""
+        pieces = self.piece_of.get(id(param), [])
+        if kind == "master":
+            if self.plain:
+                return param.detach()
+            return self._assemble(param, [(piece, piece.master.detach()) for piece in pieces])
+        parts = [(piece, self.inner.state[piece.master][kind]) for piece in pieces]
+        if self.plain:
+            return parts[0][1]
+        return self._assemble(param, parts)
+
+    def full_grad(self, param: nn.Parameter) -> Tensor:
+        return self._assemble(param, [(piece, piece.grad) for piece in self.piece_of.get(id(param), [])])
+
+    def set_full_grad(self, param: nn.Parameter, grad: Tensor) -> None:
+        """Write this rank's pieces of a parameter-shaped gradient back where the reduction left them."""
+        flat = grad.reshape(-1)
+        for piece in self.piece_of.get(id(param), []):
+            piece.grad.view(-1).copy_(flat[piece.start:piece.start + piece.master.numel()])
+
+    def has_state(self) -> bool:
+        """Whether AdamW has moments to save (not before its first step). The same on every rank."""
+        return self.steps > 0
+
+    @torch.no_grad()
+    def load(self, param: nn.Parameter, *, master: Tensor | None = None, exp_avg: Tensor | None = None,
+             exp_avg_sq: Tensor | None = None, step: float | None = None) -> None:
+        """Take this rank's pieces of whole (tp-local, fp32) tensors: master weights and/or moments.
+        The parameters themselves are the caller's to fill, except under ZeRO-3, where only their
+        slices exist between uses: those are filled here."""
+        if step is not None:
+            self.steps = float(step)
+        for piece in self.piece_of.get(id(param), []):
+            n = piece.master.numel()
+            part = slice(piece.start, piece.start + n)
+            if master is not None and not self.plain:
+                piece.master.copy_(master.reshape(-1)[part])
+            if master is not None and self.sharding is not None:
+                piece.bucket.params_slice[piece.slice_offset:piece.slice_offset + n].copy_(master.reshape(-1)[part])
+            if exp_avg is not None:
+                self.inner.state[piece.master] = {
+                    "step": torch.tensor(float(step), dtype=torch.float32),
+                    "exp_avg": exp_avg.reshape(-1)[part].clone().view_as(piece.master),
+                    "exp_avg_sq": exp_avg_sq.reshape(-1)[part].clone().view_as(piece.master),
+                }
+
+
+# ------------------------------------------------------------------------------------ ZeRO-3
+
+
+def units_of(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """ZeRO-3's units of one model chunk, in forward order: the chunk itself with the parameters
+    outside its decoder layers (embedding, final norm, head: used first and last), then each decoder
+    layer with its own. A unit's parameters are gathered whole only while it runs (FSDP2's choice
+    of one unit per transformer block)."""
+    layers = list(chunk.model.layers.values())
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in in_layers]
+    return [(chunk, root)] + [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]
+
+
+class _Unit:
+    """One ZeRO-3 unit: its bucket (gradients, the flat parameter buffer, this rank's slice of it)."""
+
+    def __init__(self, bucket: _Bucket, dp: DataParallelBucket) -> None:
+        self.bucket, self.dp = bucket, dp
+        self.flat: Tensor = bucket.params_flat  # its storage is empty except while gathered
+        self.nbytes = self.flat.numel() * self.flat.element_size()
+        self.gathered = False
+        self.work: dist.Work | None = None  # a prefetch in flight
+        self.waiting = 0  # parameters whose gradient this backward has not produced yet
+
+
+class ParameterSharding:
+    """ZeRO-3: between uses a rank keeps only its slice of each unit's parameters.
+
+    Forward: a unit's pre-hook gathers its parameters (all-gather of the slices into the flat buffer
+    the parameters view) and starts gathering the next unit's, so that transfer overlaps this unit's
+    compute; its post-hook frees them (the buffer's storage is resized to nothing: the parameters
+    keep their shapes, autograd keeps its references) and hooks the unit's output. Backward: that
+    hook gathers the unit again (and prefetches the unit before it) just before its backward begins,
+    and gives it its gradient buffer; once every parameter of the unit has its gradient, the
+    parameters are freed again, and data parallelism reduce-scatters the gradients."""
+
+    def __init__(self, dp_chunks: list[DataParallelBucket], group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.order: list[list[_Unit]] = []  # per chunk, the units in forward order
+        for dp in dp_chunks:
+            units = [_Unit(bucket, dp) for bucket in reversed(dp.buckets)]  # buckets are in backward order
+            self.order.append(units)
+            for i, unit in enumerate(units):
+                after = units[i + 1] if i + 1 < len(units) else None
+                # Backward prefetches the unit before, but never the chunk's own (units[0]): the hook
+                # on the chunk's output gathers it first thing, and a pipeline stage's last use of it
+                # (its head) comes first, so a prefetch then would outlive the step.
+                before = units[i - 1] if i > 1 else None
+                unit.bucket.module.register_forward_pre_hook(self._pre_forward(unit, after))
+                unit.bucket.module.register_forward_hook(self._post_forward(unit, before))
+                for p in unit.bucket.params:
+                    p.register_post_accumulate_grad_hook(self._post_accumulate(unit))
+                self.free(unit)
+
+    def gather(self, unit: _Unit, *, async_op: bool = False) -> None:
+        if unit.gathered or unit.work is not None:
+            if unit.work is not None and not async_op:
+                unit.work.wait()
+                unit.work, unit.gathered = None, True
+            return
+        unit.flat.untyped_storage().resize_(unit.nbytes)
+        work = dist.all_gather_into_tensor(unit.flat, unit.bucket.params_slice, group=self.group, async_op=async_op)
+        if async_op:
+            unit.work = work
+        else:
+            unit.gathered = True
+
+    def free_all(self) -> None:
+        """Every unit back to its slice (before the optimizer updates the slices)."""
+        for units in self.order:
+            for unit in units:
+                self.free(unit)
+
+    def free(self, unit: _Unit) -> None:
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+        unit.flat.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def _pre_forward(self, unit: _Unit, after: _Unit | None):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.gather(unit)
+            if after is not None:
+                self.gather(after, async_op=True)
+        return hook
+
+    def _post_forward(self, unit: _Unit, before: _Unit | None):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            if isinstance(output, Tensor) and output.requires_grad:
+                output.register_hook(self._pre_backward(unit, before))
+            self.free(unit)
+        return hook
+
+    def _pre_backward(self, unit: _Unit, before: _Unit | None):
+        def hook(grad: Tensor) -> None:
+            self.gather(unit)
+            unit.dp.attach(unit.bucket)
+            unit.waiting = len(unit.bucket.params)
+            if before is not None:
+                self.gather(before, async_op=True)
+        return hook
+
+    def _post_accumulate(self, unit: _Unit):
+        def hook(param: nn.Parameter) -> None:
+            unit.waiting -= 1
+            if unit.waiting == 0:
+                self.free(unit)
+        return hook
