@@ -33,6 +33,7 @@ LAYOUTS = {
     "dp2-pp2-zero3-interleaved-tied": ({"dp": 2, "pp": 2, "zero": 3, "pp_schedule": "interleaved",
                                         "pp_virtual": 2}, {"tie_word_embeddings": True}, {}),
     "cp2-zero2": ({"cp": 2, "zero": 2}, {}, {}),  # ZeRO shards over dp*cp: 2 ranks even at dp=1
+    "tp2-zero3-nothing-to-shard": ({"tp": 2, "zero": 3}, {}, {}),  # dp*cp = 1: plain AdamW, whole parameters
     "cp2-zero3": ({"cp": 2, "zero": 3}, {}, {}),
     "dp2-zero3-recompute-full": ({"dp": 2, "zero": 3}, {}, {"recompute": "full"}),
     "dp2-tp2-zero3-recompute-selective": ({"dp": 2, "tp": 2, "zero": 3}, {}, {"recompute": "selective"}),

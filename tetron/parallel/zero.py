@@ -64,7 +64,8 @@ class ShardedAdamW:
         self.zero, self.group = zero, group
         self.shards = dist.get_world_size(group) if zero >= 1 else 1
         self.rank = dist.get_rank(group) if zero >= 1 else 0
-        self.plain = zero == 0 and dtype == torch.float32  # the masters are the parameters
+        # fp32 with nothing to shard (no ZeRO, or dp*cp = 1): the masters are the parameters themselves
+        self.plain = self.shards == 1 and dtype == torch.float32
         self.masters_in_slices = dtype == torch.float32 and self.shards > 1  # ... or views of their slices
         self.buckets: list[_Bucket] = []
         if self.plain:
