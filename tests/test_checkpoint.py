@@ -213,3 +213,33 @@ def test_checkpoints_are_ordered_by_write_time_and_stale_saves_recovered(tmp_pat
     clean_stale(tmp_path)
     assert (root / "step_12" / STATE_FILE).is_file() and not moved.exists()
     assert not (root / "step_14.tmp-0123").exists()
+
+
+# ----------------------------------------------------------------------------- extending a run
+
+
+def test_a_run_extended_past_its_horizon_is_the_longer_run(corpus, cache_dir, tmp_path):
+    """6 steps planned with decay_steps=12, then resumed to 12: the learning rates and losses of the
+    12-step run, bit for bit. Resuming the same 6 steps without a horizon (decay_steps = steps = 12
+    now, 6 then) would change the rates of the steps already taken: the command line says so."""
+    from tetron.cli import _schedule_note
+
+    def cfg(out, steps, **train):
+        return tiny_config(corpus, cache_dir, tmp_path / out, train={"steps": steps, "warmup_steps": 2, **train},
+                           **({"checkpoint": {"resume": str(tmp_path / "a" / "checkpoints" / "step_6")}}
+                              if out == "b" else {}))
+
+    whole = run(cfg("whole", 12, decay_steps=12))
+    run(cfg("a", 6, decay_steps=12))
+    assert run(cfg("b", 12, decay_steps=12)) == whole[6:]
+    lrs = {out: [json.loads(line)["lr"] for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+           for out in ("whole", "b")}
+    assert lrs["b"] == lrs["whole"][6:]  # steps 7-12, in their own run folder
+    step6 = str(tmp_path / "a" / "checkpoints" / "step_6")
+    same = from_dict(tiny_config(corpus, cache_dir, tmp_path / "c", train={"steps": 12, "warmup_steps": 2,
+                                 "decay_steps": 12}, checkpoint={"resume": step6}))
+    assert _schedule_note(same) is None
+    changed = from_dict(tiny_config(corpus, cache_dir, tmp_path / "d", train={"steps": 24, "warmup_steps": 2},
+                                    checkpoint={"resume": step6}))
+    note = _schedule_note(changed)
+    assert note is not None and "step 4" in note and "decay_steps=12" in note, note  # step 3 is the peak in both

@@ -22,7 +22,8 @@ from tetron.config import TrainConfig, from_dict
 from tetron.generate import sample_from_run
 from tetron.mesh import Mesh
 from tetron.sources import iter_texts
-from tetron.train import lr_at, train
+from tetron.schedule import lr_at
+from tetron.train import train
 
 from harness import run_ranks
 

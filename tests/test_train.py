@@ -27,7 +27,8 @@ from tetron.parallel.grads import clip_grad_norm_
 from tetron.parallel.layout import Shard, set_layout
 from tetron.parallel.zero import ShardedAdamW
 from tetron.tokenizer import Tokenizer, load_tokenizer
-from tetron.train import lr_at, train
+from tetron.schedule import lr_at
+from tetron.train import train
 
 from conftest import tiny_config
 from harness import run_ranks
@@ -86,6 +87,24 @@ def test_lr_schedule_literal_values():
     assert lr_at(4, t) == pytest.approx(1.0, rel=1e-12)
     assert lr_at(8, t) == pytest.approx(0.55, rel=1e-12)  # half-way through the decay: (1 + 0.1) / 2
     assert lr_at(6, t) == pytest.approx(0.1 + 0.45 * (1 + math.sqrt(0.5)), rel=1e-12)
+
+
+def test_decay_horizon_is_not_the_run_length():
+    """With decay_steps set, a shorter run is the start of the longer one, step for step."""
+    short = TrainConfig(lr=1.0, warmup_steps=2, steps=10, decay_steps=30)
+    long = TrainConfig(lr=1.0, warmup_steps=2, steps=40, decay_steps=30)
+    assert [lr_at(s, short) for s in range(10)] == [lr_at(s, long) for s in range(10)]
+    assert lr_at(29, long) > lr_at(30, long) == lr_at(39, long) == pytest.approx(0.1, rel=1e-12)  # then the floor
+    assert lr_at(9, TrainConfig(lr=1.0, warmup_steps=2, steps=10)) < lr_at(9, short)  # the default horizon: steps
+
+
+def test_wsd_and_constant_schedules():
+    wsd = TrainConfig(lr=1.0, warmup_steps=2, steps=20, schedule="wsd", decay_fraction=0.25, min_lr_ratio=0.0)
+    lrs = [lr_at(s, wsd) for s in range(20)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[2:15] == [1.0] * 13  # warm-up, then stable until the last quarter
+    assert lrs[15:] == pytest.approx([0.8, 0.6, 0.4, 0.2, 0.0], abs=1e-12)  # linear to the floor at the horizon
+    constant = TrainConfig(lr=2.0, warmup_steps=4, steps=10, schedule="constant")
+    assert [lr_at(s, constant) for s in range(10)] == [0.5, 1.0, 1.5] + [2.0] * 7
 
 
 # ----------------------------------------------------------------------------- clip_grad_norm_

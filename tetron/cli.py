@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from tetron.config import Config, load_config
+from tetron.checkpoint import STATE_FILE, find_latest
+from tetron.checkpoint_load import read_json
+from tetron.config import Config, from_dict, load_config
 from tetron.data import prepare_data
 from tetron.errors import ConfigError, UserError
 from tetron.launch import launch
+from tetron.schedule import schedule_change
 from tetron.validate import validate
 
 USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [--model M] [--data D] [--tokenizer T]
@@ -48,9 +52,24 @@ def train_command(args: list[str]) -> int:
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
         if not inside_launch or os.environ.get("RANK") == "0":
             _check_data(cfg)
+        note = _schedule_note(cfg)
     except UserError as err:
         return _fail(str(err))
+    if note and os.environ.get("RANK", "0") == "0":
+        print(f"tetron: note: {note}", flush=True)
     return launch(cfg)
+
+
+def _schedule_note(cfg: Config) -> str | None:
+    """When resuming: whether this run's schedule changes the learning rate of steps already taken."""
+    ck = cfg.checkpoint
+    if ck.resume is None:
+        return None
+    folder = find_latest(Path(cfg.out)) if ck.resume == "auto" else Path(ck.resume).expanduser()
+    state = read_json(folder / STATE_FILE) if folder is not None else None
+    if not state or not state.get("config"):
+        return None  # nothing saved yet, or a converted model folder: no schedule to continue
+    return schedule_change(from_dict(state["config"]).train, cfg.train, state["step"])
 
 
 def convert_command(args: list[str]) -> int:

@@ -30,6 +30,7 @@ CpLayout = Literal["zigzag", "contiguous"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
 Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["cosine", "wsd", "constant"]
 OnNonfinite = Literal["stop", "skip"]
 
 
@@ -70,8 +71,11 @@ class TrainConfig:
     micro_batch: int = 8  # sequences per micro-batch per data-parallel rank
     grad_acc: int = 1  # micro-batches accumulated per optimizer step
     lr: float = 3e-4  # peak learning rate
-    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # the decay ends at lr * min_lr_ratio
     warmup_steps: int = 10  # linear warm-up from 0 to lr
+    schedule: Schedule = "cosine"  # after warm-up: "cosine" decay, "wsd" (warmup-stable-decay) or "constant"
+    decay_steps: int | None = None  # the step the decay ends at (its horizon); None: train.steps
+    decay_fraction: float = 0.2  # wsd: the last fraction of decay_steps over which the lr decays
     weight_decay: float = 0.1  # AdamW decay, applied to matrices only
     beta1: float = 0.9
     beta2: float = 0.95

@@ -24,7 +24,7 @@ from torch import Tensor
 from tetron import device as dev
 from tetron.checkpoint import clean_stale, find_latest, save_checkpoint, write_model_folder
 from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_from
-from tetron.config import Config, TrainConfig
+from tetron.config import Config
 from tetron.data import DataLoader, load_tokens, prepare_data
 from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
@@ -41,17 +41,8 @@ from tetron.parallel.parallelize import (
 )
 from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activation_shape, layer_ranks
 from tetron.parallel.zero import ShardedAdamW
+from tetron.schedule import lr_at
 from tetron.tokenizer import Tokenizer
-
-
-def lr_at(step: int, t: TrainConfig) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warm-up, then cosine decay to lr*min_lr_ratio."""
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
-    low = t.lr * t.min_lr_ratio
-    return low + 0.5 * (t.lr - low) * (1 + math.cos(math.pi * min(1.0, progress)))
-
 
 # ------------------------------------------------------------------------------------ building the run
 

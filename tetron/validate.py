@@ -156,6 +156,9 @@ def _validate_train(cfg: Config) -> None:
     _check(t.lr > 0, f"train.lr={t.lr} must be positive")
     _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _check(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    _check(t.decay_steps is None or t.decay_steps >= 1,
+           f"train.decay_steps={t.decay_steps} must be at least 1 (or null: train.steps)")
+    _check(0 < t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2 must be in [0, 1)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
