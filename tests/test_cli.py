@@ -21,8 +21,8 @@ from tetron.checkpoint_load import load_model
 from tetron.config import TrainConfig, from_dict
 from tetron.generate import sample_from_run
 from tetron.mesh import Mesh
-from tetron.sources import iter_texts
 from tetron.schedule import lr_at
+from tetron.sources import iter_texts
 from tetron.train import train
 
 from harness import run_ranks
@@ -95,6 +95,8 @@ BAD_INPUT = {
     "missing data": (["train", "tiny.yaml", "--data", "no/such/corpus.txt"], ["data.path=no/such/corpus.txt"]),
     "unknown model": (["train", "tiny.yaml", "--model", "no-such-model"], ["model=no-such-model", "unknown model"]),
     "missing config": (["train", "missing.yaml", "--dp", "2"], ["missing.yaml", "no such file"]),
+    # no model given: a run must not start with some default (transformers' is Llama-7B)
+    "no model": (["train", "--data", "corpus.txt", "--out", "out"], ["model: none given", "--model", "demo"]),
 }
 
 

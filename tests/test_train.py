@@ -26,8 +26,8 @@ from tetron.mesh import Mesh
 from tetron.parallel.grads import clip_grad_norm_
 from tetron.parallel.layout import Shard, set_layout
 from tetron.parallel.zero import ShardedAdamW
-from tetron.tokenizer import Tokenizer, load_tokenizer
 from tetron.schedule import lr_at
+from tetron.tokenizer import Tokenizer, load_tokenizer
 from tetron.train import train
 
 from conftest import tiny_config

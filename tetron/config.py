@@ -107,7 +107,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    model: LlamaConfig = field(default_factory=LlamaConfig)
+    model: LlamaConfig | None = None  # None: none given (validate refuses to train without one)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -327,13 +327,13 @@ def from_dict(raw: dict[str, Any]) -> Config:
     sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig,
                 "checkpoint": CheckpointConfig}
     kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name) for name, cls in sections.items()}
-    init_from = kwargs["checkpoint"].init_from
-    if "model" in raw:
-        kwargs["model"] = resolve_model(raw.get("model"))
-    elif init_from and (Path(init_from).expanduser() / "config.json").is_file():
-        kwargs["model"] = resolve_model(str(Path(init_from).expanduser()))  # the model is the one loaded
-    else:
-        kwargs["model"] = LlamaConfig()
+    ck = kwargs["checkpoint"]
+    # Without a model section, the model is the one a checkpoint or model folder to start from holds.
+    source = ck.init_from if ck.resume in (None, "auto") else ck.resume
+    if raw.get("model") is not None:
+        kwargs["model"] = resolve_model(raw["model"])
+    elif source and (Path(source).expanduser() / "config.json").is_file():
+        kwargs["model"] = resolve_model(str(Path(source).expanduser()))
     if "out" in raw:
         kwargs["out"] = _coerce(raw["out"], str, "out")
     return Config(**kwargs)

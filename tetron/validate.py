@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tetron.checkpoint import find_latest
 from tetron.checkpoint_load import inspect_checkpoint, read_model_config
-from tetron.config import Config
+from tetron.config import CONFIGS_DIR, Config
 from tetron.errors import CheckpointError, ConfigError, DataError
 from tetron.errors import check as _check
 from tetron.sources import resolve_files
@@ -167,6 +167,9 @@ def _validate_train(cfg: Config) -> None:
 
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Every check that needs no process group; raises ConfigError with one line naming the field."""
+    names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+    _check(cfg.model is not None, f"model: none given; pass --model with one of {names}, a Hugging Face config.json "
+                                  f"or model folder, or a config file with a model section")
     _validate_layout(cfg, world_size)
     _validate_data(cfg)
     _validate_train(cfg)
