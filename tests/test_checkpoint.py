@@ -243,3 +243,33 @@ def test_a_run_extended_past_its_horizon_is_the_longer_run(corpus, cache_dir, tm
                                     checkpoint={"resume": step6}))
     note = _schedule_note(changed)
     assert note is not None and "step 4" in note and "decay_steps=12" in note, note  # step 3 is the peak in both
+
+
+def test_weights_come_with_their_tokenizer(corpus, cache_dir, tmp_path):
+    """--init-from a folder that ships a tokenizer trains with that tokenizer unless told otherwise; an
+    explicit different one is refused in one line (its ids would not mean what the weights learned),
+    unless checkpoint.new_tokenizer says so."""
+    from tetron.cli import _check_data
+    from tetron.errors import ConfigError
+
+    model = {"vocab_size": 300}
+    run(tiny_config(corpus, cache_dir, tmp_path / "a", model=model, data={"tokenizer": "bpe:300"},
+                    train={"steps": 2}))
+    src = tmp_path / "a" / "model"
+
+    def cfg(**data):
+        raw = tiny_config(corpus, cache_dir, tmp_path / "b", model=model, data=data,
+                          checkpoint={"init_from": str(src)})
+        raw["data"] = {k: v for k, v in raw["data"].items() if k != "tokenizer" or v is not None}
+        return from_dict(raw)
+
+    theirs = prepare_data(from_dict(tiny_config(corpus, cache_dir, tmp_path / "a", model=model,
+                                                data={"tokenizer": "bpe:300"})))[0]
+    assert prepare_data(cfg(tokenizer=None))[0].fingerprint() == theirs.fingerprint()
+    _check_data(cfg(tokenizer=None))
+    _check_data(cfg(tokenizer="bpe:300"))  # the same tokenizer, named: fine
+    with pytest.raises(ConfigError, match=r"data.tokenizer=bytes is not the tokenizer of .*new_tokenizer=true"):
+        _check_data(cfg(tokenizer="bytes"))
+    with_override = cfg(tokenizer="bytes")
+    with_override.checkpoint.new_tokenizer = True
+    _check_data(with_override)

@@ -15,7 +15,7 @@ from pathlib import Path
 from tetron.checkpoint import STATE_FILE, find_latest
 from tetron.checkpoint_load import read_json
 from tetron.config import Config, from_dict, load_config
-from tetron.data import prepare_data
+from tetron.data import check_tokenizer_pairing, prepare_data, tokenizer_spec
 from tetron.errors import ConfigError, UserError
 from tetron.launch import launch
 from tetron.schedule import schedule_change
@@ -37,8 +37,9 @@ def _fail(message: str) -> int:
 def _check_data(cfg: Config) -> None:
     """Tokenize (or find the cache) before any rank starts, and check the vocabulary fits the model."""
     tokenizer, _ = prepare_data(cfg)
+    check_tokenizer_pairing(cfg, tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, more than "
+        raise ConfigError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
                           f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
 
 

@@ -58,7 +58,8 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     path: str = "stdlib"  # file, folder, glob of .txt/.jsonl/.parquet, "stdlib", or hf:NAME[:SPLIT]
-    tokenizer: str = "bytes"  # "bytes", "bpe:N", or a Hugging Face tokenizer folder or hub name
+    tokenizer: str | None = None  # "bytes", "bpe:N", a HF tokenizer folder or hub name; None: the tokenizer of
+    # the checkpoint or model folder the run starts from, else "bytes"
     text_field: str = "text"  # the text column of .jsonl/.parquet/hf datasets
     max_bytes: int | None = None  # use only about this many bytes of text (a fixed prefix)
     seq_len: int = 256  # training sequence length in tokens
@@ -94,6 +95,7 @@ class CheckpointConfig:
     resume: str | None = None  # a checkpoint folder to continue from, or "auto": OUT's latest, if any
     init_from: str | None = None  # start from these weights: a Hugging Face model folder or hub name
     shard_mb: int = 2000  # largest safetensors shard in MB; a larger tensor gets a shard of its own
+    new_tokenizer: bool = False  # start from weights with another tokenizer than the one they ship (ids change meaning)
 
 
 @dataclass

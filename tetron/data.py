@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tetron.checkpoint import find_latest
 from tetron.config import Config
-from tetron.errors import DataError
+from tetron.errors import ConfigError, DataError
 from tetron.fs import fsync_file, temp_name, write_json
 from tetron.sources import data_fingerprint, iter_texts
 from tetron.tokenizer import Tokenizer, load_tokenizer
@@ -36,11 +37,48 @@ def default_cache_dir() -> Path:
     return Path(base) / "tetron"
 
 
+def start_folder(cfg: Config) -> Path | None:
+    """The checkpoint or local model folder the run starts from, if any."""
+    ck = cfg.checkpoint
+    if ck.resume == "auto":
+        return find_latest(Path(cfg.out))
+    if ck.resume is not None:
+        return Path(ck.resume).expanduser()
+    if ck.init_from is not None and Path(ck.init_from).expanduser().is_dir():
+        return Path(ck.init_from).expanduser()
+    return None
+
+
+def _ships_tokenizer(folder: Path | None) -> bool:
+    return folder is not None and any((folder / f).is_file() for f in ("tetron_tokenizer.json", "tokenizer.json"))
+
+
+def tokenizer_spec(cfg: Config) -> str:
+    """data.tokenizer, or when unset the tokenizer of the folder the run starts from, else bytes: the
+    weights' token ids mean what that tokenizer says."""
+    if cfg.data.tokenizer is not None:
+        return cfg.data.tokenizer
+    folder = start_folder(cfg)
+    return str(folder) if _ships_tokenizer(folder) else "bytes"
+
+
+def check_tokenizer_pairing(cfg: Config, tokenizer: Tokenizer) -> None:
+    """Refuse an explicit tokenizer that differs from the one the starting weights were trained with."""
+    folder = start_folder(cfg)
+    if cfg.data.tokenizer is None or cfg.checkpoint.new_tokenizer or not _ships_tokenizer(folder):
+        return
+    theirs = load_tokenizer(str(folder), data_spec=None, cache_dir=folder)
+    if theirs.fingerprint() != tokenizer.fingerprint():
+        raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} is not the tokenizer of {folder}, whose weights "
+                          f"learned that one's token ids: leave data.tokenizer unset to use it, or set "
+                          f"checkpoint.new_tokenizer=true to train with another")
+
+
 def prepare_data(cfg: Config) -> tuple[Tokenizer, Path]:
     """Tokenizer and flat token file for this config; both cached, so only the first call does work."""
     d = cfg.data
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
-    tokenizer = load_tokenizer(d.tokenizer, data_spec=d.path, cache_dir=cache, text_field=d.text_field,
+    tokenizer = load_tokenizer(tokenizer_spec(cfg), data_spec=d.path, cache_dir=cache, text_field=d.text_field,
                                max_bytes=d.max_bytes)
     tokens = prepare_tokens(d.path, tokenizer, cache_dir=cache, text_field=d.text_field, max_bytes=d.max_bytes)
     return tokenizer, tokens

@@ -25,7 +25,7 @@ from tetron import device as dev
 from tetron.checkpoint import clean_stale, find_latest, save_checkpoint, write_model_folder
 from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_from
 from tetron.config import Config
-from tetron.data import DataLoader, load_tokens, prepare_data
+from tetron.data import DataLoader, load_tokens, prepare_data, tokenizer_spec
 from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
 from tetron.metrics import MetricsLog, ProgressBar, mfu, trim_after
@@ -76,7 +76,7 @@ def load_data(cfg: Config, mesh: Mesh) -> tuple[Tokenizer, DataLoader]:
     dist.barrier()
     tokenizer, token_path = prepare_data(cfg)
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"data.tokenizer={cfg.data.tokenizer} has {tokenizer.vocab_size} tokens, more than "
+        raise ValueError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
                          f"model.vocab_size={cfg.model.vocab_size}")
     t = cfg.train
     loader = DataLoader(load_tokens(token_path), cfg.data.seq_len, micro_batch=t.micro_batch, grad_acc=t.grad_acc,

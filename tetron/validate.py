@@ -10,6 +10,7 @@ from pathlib import Path
 from tetron.checkpoint import find_latest
 from tetron.checkpoint_load import inspect_checkpoint, read_model_config
 from tetron.config import CONFIGS_DIR, Config
+from tetron.data import tokenizer_spec
 from tetron.errors import CheckpointError, ConfigError, DataError
 from tetron.errors import check as _check
 from tetron.sources import resolve_files
@@ -136,7 +137,7 @@ def _validate_data(cfg: Config) -> None:
             resolve_files(d.path)
         except DataError as err:
             raise ConfigError(f"data.path={d.path}: {err}") from None
-    tok = d.tokenizer
+    tok = tokenizer_spec(cfg)
     if tok.startswith("bpe:"):
         n = tok[4:]
         _check(n.isdigit() and int(n) >= 257,
