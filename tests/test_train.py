@@ -395,6 +395,46 @@ def test_greedy_sample_matches_argmax_by_hand(trained):
     assert sample(model, tok, prompt, max_new_tokens=6, temperature=1.0, seed=3) == hot
 
 
+def test_kv_cache_gives_the_recomputed_tokens(trained):
+    """With the KV cache each step runs one token; the tokens are those of recomputing the whole
+    prefix every step (greedy, 60 tokens, and a window that slides past the context length)."""
+    model, tok = trained
+    for prompt, context in (("def ", None), ("class ", 12)):
+        cached = sample(model, tok, prompt, max_new_tokens=60, temperature=0, context=context)
+        full = sample(model, tok, prompt, max_new_tokens=60, temperature=0, context=context, use_cache=False)
+        assert cached == full and len(cached) > len(prompt) + 30
+    from tetron.generate import kv_cache
+
+    ids = torch.tensor([tok.encode("import os\n")])  # [1, T]: the last position's logits, cached or not
+    with torch.no_grad(), kv_cache(model):
+        model(ids[:, :-1])
+        step = model(ids[:, -1:], torch.tensor([ids.shape[1] - 1]))[0, -1]
+    torch.testing.assert_close(step, model(ids)[0, -1], rtol=0, atol=1e-5)
+
+
+def test_exported_folder_stops_transformers_generate(tied_bpe_run):
+    """OUT/model names the tokenizer's end-of-text id in config.json and generation_config.json, so
+    transformers' generate stops there (forced at the 3rd new token here) instead of running on."""
+    folder = tied_bpe_run["out"] / "model"
+    eos = load_tokenizer(str(folder), data_spec=None, cache_dir=folder).eos_id
+    assert eos is not None
+    assert json.loads((folder / "config.json").read_text())["eos_token_id"] == eos
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == eos == generation["pad_token_id"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+
+    class EosAtThird(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] == 4 + 2:  # 4 prompt tokens + 2 generated
+                scores[:] = float("-inf")
+                scores[:, eos] = 0.0
+            return scores
+
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    out = hf.generate(prompt, max_new_tokens=20, do_sample=False, logits_processor=[EosAtThird()])
+    assert out.shape[1] == 4 + 3 and int(out[0, -1]) == eos
+
+
 def test_sample_stops_at_eos(trained):
     model, tok = trained
     prompt = "import "

@@ -52,6 +52,22 @@ def seal(state: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- whole model folders
 
 
+def write_configs(folder: Path, config: LlamaConfig, tokenizer: Tokenizer | None, *, dtype: str = "float32") -> None:
+    """config.json, generation_config.json and the tokenizer's files of a model folder being written.
+    The end-of-text id comes from the tokenizer where the model config has none, so that generation
+    (tetron's and transformers') stops at the end of a document; padding uses it too."""
+    hf = config.to_hf(dtype=dtype)
+    if hf["eos_token_id"] is None and tokenizer is not None:
+        hf["eos_token_id"] = tokenizer.eos_id
+    eos = hf["eos_token_id"]
+    hf["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": eos, "pad_token_id": hf["pad_token_id"]}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(folder)
+
+
 def save_model(model: Llama, folder: Path, *, tokenizer: Tokenizer | None = None) -> None:
     """Write a whole, plain Llama as a HF model folder at `folder`, replacing any old one."""
     save_state(model.state_dict(), model.config, folder, tokenizer=tokenizer)
@@ -68,9 +84,7 @@ def save_state(state: dict[str, Tensor], config: LlamaConfig, folder: Path, *,
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as the embedding; HF ties it back on load
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save(tmp)
+    write_configs(tmp, config, tokenizer)
     replace_folder(tmp, folder)
 
 
@@ -213,10 +227,7 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
     stream = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks, local=lambda p, k: weights(p).to(dtype))
     write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True)
     if tmp is not None:
-        (tmp / "config.json").write_text(json.dumps(config.to_hf(dtype=str(dtype).removeprefix("torch.")),
-                                                    indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizer.save(tmp)
+        write_configs(tmp, config, tokenizer, dtype=str(dtype).removeprefix("torch."))
         replace_folder(tmp, folder)
     dist.barrier()
 
@@ -285,9 +296,7 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
                                                                local=local), shard_bytes=shard_bytes)
     if tmp is not None:
         save_file(rng, tmp / "rng.safetensors")
-        (tmp / "config.json").write_text(json.dumps(cfg.model.to_hf(), indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizer.save(tmp)
+        write_configs(tmp, cfg.model, tokenizer)
         state = {"format": FORMAT, **trainer_state,
                  "optimizer": {"present": has_moments, "step": optimizer.steps},
                  "files": {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}}

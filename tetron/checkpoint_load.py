@@ -34,7 +34,9 @@ from tetron.safetensors_stream import DTYPES
 _FLOATS = {"F32", "F16", "BF16", "F64"}
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "tie_word_embeddings")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tetron_tokenizer.json", "special_tokens_map.json")
+# what travels with the weights when a folder is converted: the tokenizer, and when generation stops
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tetron_tokenizer.json", "special_tokens_map.json",
+                   "generation_config.json")
 
 
 _need = functools.partial(check, error=CheckpointError)

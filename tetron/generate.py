@@ -2,22 +2,73 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from tetron.checkpoint_load import load_model
-from tetron.model import Llama
+from tetron.model import Llama, sdpa_attention
 from tetron.tokenizer import Tokenizer, load_tokenizer
+
+
+class KVCache:
+    """An attention function that remembers keys and values: installed as each attention module's
+    `attn_fn` (the model's one seam for attention), a step then runs only the new token through the
+    model, attending over every earlier token's cached key and value."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None  # [B, kv_heads, T so far, head_dim], RoPE applied
+        self.v: Tensor | None = None
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        if q.shape[2] == k.shape[2]:
+            return sdpa_attention(q, k, v)  # the prompt: causal over itself
+        # one new query, after every cached key: nothing to mask
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, heads, T, head_dim]
+        return F.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)
+
+
+@contextlib.contextmanager
+def kv_cache(model: Llama) -> Iterator[None]:
+    """Every attention module of `model` caches its keys and values inside the block."""
+    modules = [m for m in model.modules() if hasattr(m, "attn_fn")]
+    saved = [m.attn_fn for m in modules]
+    for m in modules:
+        m.attn_fn = KVCache()
+    try:
+        yield
+    finally:
+        for m, fn in zip(modules, saved):
+            m.attn_fn = fn
+
+
+def _next_id(logits: Tensor, vocab: int, temperature: float, top_k: int, generator: torch.Generator) -> int:
+    """Greedy (temperature 0) or top-k sampling from one position's logits [vocab]."""
+    logits = logits.float()[:vocab]  # rows past the tokenizer's vocabulary are never data
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
 @torch.no_grad()
 def sample(model: Llama, tokenizer: Tokenizer, prompt: str, *, max_new_tokens: int = 200,
-           temperature: float = 0.8, top_k: int = 50, context: int | None = None, seed: int = 0) -> str:
-    """The prompt followed by `max_new_tokens` sampled tokens (stops early at EOS).
-
-    No KV cache: each token re-runs the (cropped) context, which is plenty for the small models
-    sampled here and keeps the model file free of inference-only state."""
+           temperature: float = 0.8, top_k: int = 50, context: int | None = None, seed: int = 0,
+           use_cache: bool = True) -> str:
+    """The prompt followed by `max_new_tokens` sampled tokens (stops early at EOS). With `use_cache`
+    each new token costs one position's forward pass; past the context length, the window of the last
+    `context` tokens is recomputed each step (as without the cache)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     context = context or model.config.max_position_embeddings
@@ -25,21 +76,20 @@ def sample(model: Llama, tokenizer: Tokenizer, prompt: str, *, max_new_tokens: i
     tokens = torch.tensor([ids], device=device)  # [1, T]
     model.eval()
     new: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(tokens[:, -context:])[0, -1].float()  # [vocab]
-        logits = logits[: tokenizer.vocab_size]  # rows past the tokenizer's vocabulary are never data
-        if temperature <= 0:
-            next_id = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if 0 < top_k < logits.numel():
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
-        if next_id == tokenizer.eos_id:
-            break
-        new.append(next_id)
-        tokens = torch.cat([tokens, torch.tensor([[next_id]], device=device)], dim=1)
+    with kv_cache(model) if use_cache else contextlib.nullcontext():
+        logits = model(tokens[:, -context:])[0, -1]  # [vocab]
+        for _ in range(max_new_tokens):
+            next_id = _next_id(logits, tokenizer.vocab_size, temperature, top_k, generator)
+            if next_id == tokenizer.eos_id:
+                break
+            new.append(next_id)
+            tokens = torch.cat([tokens, torch.tensor([[next_id]], device=device)], dim=1)
+            if use_cache and tokens.shape[1] <= context:
+                position = torch.tensor([tokens.shape[1] - 1], device=device)
+                logits = model(tokens[:, -1:], position)[0, -1]
+            else:
+                with contextlib.nullcontext() if not use_cache else kv_cache(model):  # a fresh, shifted window
+                    logits = model(tokens[:, -context:])[0, -1]
     return prompt + tokenizer.decode(new)
 
 
