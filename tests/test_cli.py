@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,6 +192,13 @@ def test_train_launches_2_ranks(elastic_run, reference):
 
     assert f"starting 2 ranks (dp=2 tp=1 pp=1 cp=1), run folder {out}" in result.stdout
     assert "step 4/4" in result.stdout and "step 1/4" in result.stdout  # the progress bar, plain lines off a tty
+    # the story on rank 0, one line each: size, data, the final save
+    n = from_dict(tiny_raw(out.parent)).model.num_params()
+    assert re.search(rf"^tetron: model: {n:,} parameters, {n:,} on rank 0$", result.stdout, re.M), result.stdout
+    assert re.search(r"^tetron: data: [\d,]+ tokens; 128 tokens per step; 4 steps = 512 tokens, [\d.]+ epochs$",
+                     result.stdout, re.M), result.stdout
+    assert re.search(rf"^tetron: saved {re.escape(str(out))}/checkpoints/step_4 \([\d.]+ MiB, [\d.]+ s\)$",
+                     result.stdout, re.M), result.stdout
     marker = f"--- sample from {out}/model ---\n"
     assert marker in result.stdout
     sample = result.stdout.split(marker, 1)[1].rsplit("\n---", 1)[0]

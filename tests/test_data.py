@@ -359,3 +359,18 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert default_cache_dir() == tmp_path / "tetron"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_cache_dir() == Path.home() / ".cache" / "tetron"
+
+
+def test_preparing_data_says_what_it_does(corpus, tmp_path):
+    """Training a BPE and tokenizing take seconds to minutes: each says so once, and a cached
+    call says nothing."""
+    from tetron.config import from_dict
+    from tetron.data import prepare_data
+
+    raw = {"model": "demo", "data": {"path": str(corpus), "tokenizer": "bpe:300", "cache_dir": str(tmp_path)}}
+    lines: list[str] = []
+    prepare_data(from_dict(raw), say=lines.append)
+    assert len(lines) == 2 and lines[0].startswith("training a 300-token byte-level BPE on ")
+    assert lines[1].startswith(f"tokenizing {corpus}")
+    prepare_data(from_dict(raw), say=lines.append)
+    assert len(lines) == 2

@@ -18,6 +18,7 @@ from tetron.config import Config, from_dict, load_config
 from tetron.data import check_tokenizer_pairing, prepare_data, tokenizer_spec
 from tetron.errors import ConfigError, UserError
 from tetron.launch import launch
+from tetron.metrics import say
 from tetron.schedule import schedule_change
 from tetron.validate import validate
 
@@ -36,7 +37,7 @@ def _fail(message: str) -> int:
 
 def _check_data(cfg: Config) -> None:
     """Tokenize (or find the cache) before any rank starts, and check the vocabulary fits the model."""
-    tokenizer, _ = prepare_data(cfg)
+    tokenizer, _ = prepare_data(cfg, say=say)
     check_tokenizer_pairing(cfg, tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "

@@ -14,7 +14,7 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -74,13 +74,15 @@ def check_tokenizer_pairing(cfg: Config, tokenizer: Tokenizer) -> None:
                           f"checkpoint.new_tokenizer=true to train with another")
 
 
-def prepare_data(cfg: Config) -> tuple[Tokenizer, Path]:
-    """Tokenizer and flat token file for this config; both cached, so only the first call does work."""
+def prepare_data(cfg: Config, *, say: Callable[[str], None] | None = None) -> tuple[Tokenizer, Path]:
+    """Tokenizer and flat token file for this config; both cached, so only the first call does work
+    (and tells `say` about it)."""
     d = cfg.data
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
     tokenizer = load_tokenizer(tokenizer_spec(cfg), data_spec=d.path, cache_dir=cache, text_field=d.text_field,
-                               max_bytes=d.max_bytes)
-    tokens = prepare_tokens(d.path, tokenizer, cache_dir=cache, text_field=d.text_field, max_bytes=d.max_bytes)
+                               max_bytes=d.max_bytes, say=say)
+    tokens = prepare_tokens(d.path, tokenizer, cache_dir=cache, text_field=d.text_field, max_bytes=d.max_bytes,
+                            say=say)
     return tokenizer, tokens
 
 
@@ -98,14 +100,18 @@ def prepare_tokens(
     cache_dir: Path,
     text_field: str = "text",
     max_bytes: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Path:
-    """Tokenize the data once into a flat token file (EOS after each document); cached by content."""
+    """Tokenize the data once into a flat token file (EOS after each document); cached by content.
+    `say` is told when the tokenizing starts and ends."""
     data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
     key = hashlib.sha256(f"{_CACHE_VERSION}:{tokenizer.fingerprint()}:{data_fp}".encode()).hexdigest()
     folder = Path(cache_dir) / "tokens"
     path = folder / f"{key[:24]}.bin"
     if path.exists() and path.with_suffix(".json").exists():
         return path
+    if say is not None:
+        say(f"tokenizing {data_spec} (once; cached in {folder})")
     folder.mkdir(parents=True, exist_ok=True)
     dtype = _token_dtype(tokenizer.vocab_size)
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]  # separates documents

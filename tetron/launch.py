@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tetron import device as dev
 from tetron.config import Config, from_dict
 from tetron.mesh import Mesh
+from tetron.metrics import say
 from tetron.train import train
 
 
@@ -82,6 +83,9 @@ def run_rank(raw_config: dict[str, Any]) -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restart > 0 and cfg.checkpoint.resume is None:
         cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
+    if restart > 0 and os.environ.get("RANK", "0") == "0":
+        say(f"restart {restart} of {cfg.parallel.max_restarts} after a rank failed: resuming from the latest "
+            f"checkpoint in {cfg.out}")
     device = dev.pick_device(cfg.parallel.device, int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cpu":
         # Ranks share the cores: more threads than cores per rank only adds contention.

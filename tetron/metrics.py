@@ -12,6 +12,11 @@ from typing import Any, TextIO
 from tetron.fs import write_text
 
 
+def say(message: str) -> None:
+    """One line of the run's story on the console (rank 0 or the launching process): `tetron: ...`."""
+    print(f"tetron: {message}", flush=True)
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, *, peak_tflops: float | None, world_size: int) -> float | None:
     """Model FLOP utilisation: achieved training FLOP/s over the peak of all ranks, None when unknown."""
     if not peak_tflops:

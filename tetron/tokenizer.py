@@ -8,7 +8,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tetron.errors import DataError
 from tetron.fs import replace_folder, temp_name, write_json
@@ -156,8 +156,10 @@ def load_tokenizer(
     cache_dir: Path,
     text_field: str = "text",
     max_bytes: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Tokenizer:
-    """`bytes`, `bpe:N` (trained on the data once, then cached), or a Hugging Face tokenizer."""
+    """`bytes`, `bpe:N` (trained on the data once, then cached), or a Hugging Face tokenizer. `say`
+    is told when a tokenizer is trained (seconds to minutes)."""
     if spec == "bytes":
         return Tokenizer(None, None)
     if spec.startswith("bpe:"):
@@ -169,6 +171,8 @@ def load_tokenizer(
         folder = Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key[:20]}"
         if (folder / "tetron_tokenizer.json").exists():
             return _load_saved(folder)
+        if say is not None:
+            say(f"training a {vocab_size}-token byte-level BPE on {data_spec} (once; cached in {folder.parent})")
         tok = _train_bpe(vocab_size, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes))
         # Save under a temporary name and rename, so a crash never leaves a partial cache entry.
         tmp = temp_name(folder)

@@ -28,7 +28,7 @@ from tetron.config import Config
 from tetron.data import DataLoader, load_tokens, prepare_data, tokenizer_spec
 from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
-from tetron.metrics import MetricsLog, ProgressBar, mfu, trim_after
+from tetron.metrics import MetricsLog, ProgressBar, mfu, say, trim_after
 from tetron.model import Llama
 from tetron.parallel.grads import clip_grads_
 from tetron.parallel.parallelize import (
@@ -91,16 +91,32 @@ def restore(run: Run) -> None:
     resume_from = None
     if ck.resume is not None:
         resume_from = find_latest(Path(cfg.out)) if ck.resume == "auto" else Path(ck.resume)
+    rank0 = run.mesh.rank == 0
     if resume_from is not None:
         load_checkpoint(resume_from, chunks=run.model.chunks, optimizer=run.optimizer, loader=run.loader,
                         mesh=run.mesh, cfg=cfg)
+        if rank0:
+            say(f"resumed from {resume_from} at step {run.loader.step}")
     elif ck.init_from is not None:
-        rank0 = run.mesh.rank == 0
         if not rank0:
             dist.barrier()  # rank 0 downloads a hub model first, the others find it cached
         load_weights(run.model.chunks, resolve_init_from(ck.init_from), run.optimizer)
         if rank0:
             dist.barrier()
+            say(f"initialised from {ck.init_from}")
+
+
+def describe(run: Run) -> None:
+    """Rank 0's opening lines: the model's size and this rank's part of it, the data and the plan."""
+    cfg, t = run.cfg, run.cfg.train
+    total, mine = cfg.model.num_params(), sum(p.numel() for p in run.model.params)
+    dp_cp = run.mesh.size("dp_cp")
+    sharded = f" (ZeRO-3: a 1/{dp_cp} slice of it between uses)" if cfg.parallel.zero == 3 and dp_cp > 1 else ""
+    say(f"model: {total:,} parameters, {mine:,} on rank 0{sharded}")
+    tokens_per_step = cfg.global_batch * cfg.data.seq_len
+    epochs = t.steps * cfg.global_batch / run.loader.sampler.num_windows
+    say(f"data: {len(run.loader.tokens):,} tokens; {tokens_per_step:,} tokens per step; {t.steps} steps = "
+        f"{t.steps * tokens_per_step:,} tokens, {epochs:.2f} epochs")
 
 
 def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = False) -> Run:
@@ -121,6 +137,8 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
               positions=positions, device_positions=positions.to(device), pipeline=None,
               layer_ranks=layer_ranks(cfg))
     restore(run)
+    if mesh.rank == 0:
+        describe(run)
     if mesh.size("pp") > 1:
         run.pipeline = Pipeline(model.dp_chunks, mesh, schedule_name=cfg.parallel.pp_schedule,
                                 micro_batches=t.grad_acc, shape=activation_shape(cfg),
@@ -276,8 +294,12 @@ def save(run: Run, step: int) -> None:
               "world_size": mesh.world_size}
     state = {"step": step, "tokens": step * cfg.global_batch * cfg.data.seq_len, "loader": run.loader.state_dict(),
              "config": cfg.to_dict(), "layout": layout}
-    save_checkpoint(Path(cfg.out), run.model.chunks, mesh, cfg=cfg, optimizer=run.optimizer, trainer_state=state,
-                    layer_ranks=run.layer_ranks, tokenizer=run.tokenizer)
+    start = time.perf_counter()
+    folder = save_checkpoint(Path(cfg.out), run.model.chunks, mesh, cfg=cfg, optimizer=run.optimizer,
+                             trainer_state=state, layer_ranks=run.layer_ranks, tokenizer=run.tokenizer)
+    if mesh.rank == 0:
+        size = sum(f.stat().st_size for f in folder.iterdir())
+        say(f"saved {folder} ({size / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f} s)")
 
 
 def write_model(run: Run) -> None:
