@@ -351,3 +351,31 @@ def test_bad_hf_config(tmp_path):
     assert "gpt2.json" in message and "model_type='gpt2'" in message
     (tmp_path / "empty").mkdir()
     assert "no config.json" in config_error(None, ["--model", str(tmp_path / "empty")])
+
+
+# --- help, the resolved config, the version ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["train", "--help"], ["train", "configs/demo.yaml", "--dp", "2", "-h"]])
+def test_train_help_lists_every_field_and_flag(capsys, args):
+    from tetron.cli import main
+    from tetron.config import SECTIONS, field_docs
+
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    for section, cls in SECTIONS.items():
+        for name, _, default, doc in field_docs(cls):
+            assert f"--{section}.{name} " in text and f"[{default}]" in text, (section, name)
+            assert doc, f"{section}.{name} has no doc line"  # every field says what it is
+    for flag in SHORT_FLAGS:
+        assert f"(--{flag})" in text, flag
+
+
+def test_print_config_is_the_resolved_config(capsys, tiny_yaml):
+    from tetron.cli import main
+
+    assert main(["train", str(tiny_yaml), "--print-config", "--dp", "2", "--zero", "1"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert from_dict(printed) == load_config(tiny_yaml, ["--dp", "2", "--zero", "1"])
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("tetron 0.")

@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib.metadata import version
 from pathlib import Path
+
+import yaml
 
 from tetron.checkpoint import STATE_FILE, find_latest
 from tetron.checkpoint_load import read_json
-from tetron.config import Config, from_dict, load_config
+from tetron.config import SECTIONS, SHORT_FLAGS, Config, field_docs, from_dict, load_config
 from tetron.data import check_tokenizer_pairing, prepare_data, tokenizer_spec
 from tetron.errors import ConfigError, UserError
 from tetron.launch import launch
@@ -22,12 +25,11 @@ from tetron.metrics import say
 from tetron.schedule import schedule_change
 from tetron.validate import validate
 
-USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [--model M] [--data D] [--tokenizer T]
-                    [--out DIR] [--dp N] [--tp N] [--pp N] [--cp N] [--steps N] [--seed N]
-                    [--seq-len N] [--micro-batch N] [--grad-acc N] [--lr X] [--dp-impl naive|bucket]
-                    [--save-every N] [--resume PATH|auto] [--init-from PATH_OR_HUB_NAME] [--max-restarts N]
+USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] [--print-config]
+                    (tetron train --help lists every field and short flag)
        tetron convert SRC DST   (a checkpoint to a Hugging Face folder, or a HF folder to a checkpoint)
-       tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]"""
+       tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]
+       tetron --version"""
 
 
 def _fail(message: str) -> int:
@@ -107,16 +109,55 @@ def generate_command(args: list[str]) -> int:
     return 0
 
 
+def train_help() -> str:
+    """`tetron train --help`: the usage, then every config field with its type, default and doc line,
+    generated from the config dataclasses (so it cannot miss one), then the short flags."""
+    short = {key: flag for flag, key in SHORT_FLAGS.items()}
+    lines = ["usage: tetron train [CONFIG] [--section.key=value ...] [short flags] [--print-config]",
+             "", "Train on dp*tp*pp*cp ranks. Every field below can be set in the YAML file's section or",
+             "overridden as --section.key=VALUE (or --section.key VALUE); defaults in brackets.", ""]
+    for section, cls in SECTIONS.items():
+        title = {"model": "model (--model): a name from configs/, a HF config.json or model folder, or these fields"}
+        lines.append(title.get(section, f"{section}:"))
+        for name, kind, default, doc in field_docs(cls):
+            key = f"{section}.{name}"
+            flag = f" (--{short[key]})" if key in short else ""
+            lines.append(f"  --{key} {kind} [{default}]{flag}")
+            lines.append(f"      {doc}")
+    lines += ["out:", f"  --out str [{Config().out!r}] (--out)",
+              "      the run folder: metrics.jsonl, checkpoints/, model/", "",
+              "--print-config prints the resolved config as YAML and exits.", "",
+              "Also: tetron convert SRC DST; tetron generate RUN [options] (tetron generate --help)."]
+    return "\n".join(lines)
+
+
+def print_config(config_path: str | None, args: list[str]) -> int:
+    """The config that these arguments resolve to, as YAML: what a run would train."""
+    try:
+        cfg = load_config(config_path, args)
+    except UserError as err:
+        return _fail(str(err))
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"tetron {version('tetron')}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
-        if rest and rest[0] in ("-h", "--help"):
-            print(USAGE)
+        if "-h" in rest or "--help" in rest:
+            print(train_help())
             return 0
+        if "--print-config" in rest:
+            rest = [a for a in rest if a != "--print-config"]
+            config_path = rest.pop(0) if rest and not rest[0].startswith("--") else None
+            return print_config(config_path, rest)
         return train_command(rest)
     if command == "generate":
         return generate_command(rest)

@@ -9,7 +9,9 @@ before a process group starts; each problem is one `ConfigError` line naming the
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -78,9 +80,9 @@ class TrainConfig:
     decay_steps: int | None = None  # the step the decay ends at (its horizon); None: train.steps
     decay_fraction: float = 0.2  # wsd: the last fraction of decay_steps over which the lr decays
     weight_decay: float = 0.1  # AdamW decay, applied to matrices only
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon, added to the root of the second moment
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     seed: int = 0  # seeds the weights, the data order and the sampler
     dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads)
@@ -339,6 +341,37 @@ def from_dict(raw: dict[str, Any]) -> Config:
     if "out" in raw:
         kwargs["out"] = _coerce(raw["out"], str, "out")
     return Config(**kwargs)
+
+
+SECTIONS: dict[str, type] = {"model": LlamaConfig, "parallel": ParallelConfig, "data": DataConfig,
+                             "train": TrainConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+def field_docs(cls: type) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, doc line) of each field of a config dataclass, the doc being the comment
+    that follows the field in its source (continued on comment-only lines below it)."""
+    docs: dict[str, str] = {}
+    last = None
+    for line in inspect.getsource(cls).splitlines():
+        field_line = re.match(r"\s+(\w+): [^=]+=[^#]*(?:#\s*(.*))?$", line)
+        if field_line and field_line.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            last = field_line.group(1)
+            docs[last] = field_line.group(2) or ""
+        elif last and re.match(r"\s+#", line):
+            docs[last] += " " + line.strip().lstrip("#").strip()
+        else:
+            last = None
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is Literal:
+            kind = "|".join(typing.get_args(hint))
+        else:
+            kind = re.sub(r"typing\.|<class '(\w+)'>", r"\1", str(hint))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append((f.name, kind, repr(default), docs.get(f.name, "")))
+    return out
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
