@@ -23,13 +23,14 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from tetron.checkpoint import FORMAT, STATE_FILE, STEP_DIR, model_specs, optimizer_specs, seal
-from tetron.errors import CheckpointError, check
+from tetron.errors import CheckpointError, DataError, check
 from tetron.fs import sha256
 from tetron.init import name_seed
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.layout import full_shape, layout_of
 from tetron.parallel.zero import ShardedAdamW
 from tetron.safetensors_stream import DTYPES
+from tetron.tokenizer import load_tokenizer
 
 _FLOATS = {"F32", "F16", "BF16", "F64"}
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -261,6 +262,24 @@ def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
     return s
 
 
+def _is_ids(value: Any) -> bool:
+    return value is None or type(value) is int or (isinstance(value, list) and all(type(v) is int for v in value))
+
+
+def _check_side_files(folder: Path) -> None:
+    """The tokenizer a run may train with, and the ids generation stops at: readable and well typed."""
+    if (folder / "tetron_tokenizer.json").is_file():
+        try:
+            load_tokenizer(str(folder), data_spec=None, cache_dir=folder)
+        except DataError as err:
+            raise CheckpointError(str(err)) from None
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        g = read_json(generation)
+        _need(isinstance(g, dict) and all(_is_ids(g.get(k)) for k in ("bos_token_id", "eos_token_id", "pad_token_id")),
+              f"{generation}: bos/eos/pad_token_id must be integers, lists of integers or null")
+
+
 def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, require_state: bool = True,
                        verify_data: bool = True) -> dict[str, Any] | None:
     """Check a checkpoint (or, with require_state=False, any HF model folder) without loading it: JSON,
@@ -272,6 +291,7 @@ def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, requir
     if (folder / STATE_FILE).exists() or require_state:
         _need((folder / STATE_FILE).exists(), f"{folder / STATE_FILE}: missing (not a complete tetron checkpoint)")
         state = _check_trainer_state(folder, verify_data=verify_data)
+    _check_side_files(folder)
     config = read_model_config(folder)
     if model is not None:
         compare_models(config, model, folder / "config.json")

@@ -14,7 +14,7 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -93,32 +93,12 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
 
 
-def prepare_tokens(
-    data_spec: str,
-    tokenizer: Tokenizer,
-    *,
-    cache_dir: Path,
-    text_field: str = "text",
-    max_bytes: int | None = None,
-    say: Callable[[str], None] | None = None,
-) -> Path:
-    """Tokenize the data once into a flat token file (EOS after each document); cached by content.
-    `say` is told when the tokenizing starts and ends."""
-    data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
-    key = hashlib.sha256(f"{_CACHE_VERSION}:{tokenizer.fingerprint()}:{data_fp}".encode()).hexdigest()
-    folder = Path(cache_dir) / "tokens"
-    path = folder / f"{key[:24]}.bin"
-    if path.exists() and path.with_suffix(".json").exists():
-        return path
-    if say is not None:
-        say(f"tokenizing {data_spec} (once; cached in {folder})")
-    folder.mkdir(parents=True, exist_ok=True)
-    dtype = _token_dtype(tokenizer.vocab_size)
+def _encode_to(f: Any, tokenizer: Tokenizer, docs: Iterator[str], dtype: np.dtype) -> int:
+    """Append the token ids of `docs` (EOS after each, where the tokenizer has one) to the open file
+    `f`, in batches; returns how many were written."""
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]  # separates documents
-    tmp = temp_name(path)
-    num_tokens = 0
 
-    def flush(f: Any, batch: list[str]) -> int:
+    def flush(batch: list[str]) -> int:
         if tokenizer.backend is None:  # bytes: skip the Python lists
             arr = np.frombuffer("".join(batch).encode("utf-8"), dtype=np.uint8).astype(dtype)
         else:
@@ -129,16 +109,41 @@ def prepare_tokens(
         arr.tofile(f)
         return arr.size
 
+    num_tokens, batch = 0, []
+    for doc in docs:
+        batch.append(doc)
+        if len(batch) == _ENCODE_BATCH:
+            num_tokens += flush(batch)
+            batch = []
+    return num_tokens + (flush(batch) if batch else 0)
+
+
+def prepare_tokens(
+    data_spec: str,
+    tokenizer: Tokenizer,
+    *,
+    cache_dir: Path,
+    text_field: str = "text",
+    max_bytes: int | None = None,
+    say: Callable[[str], None] | None = None,
+) -> Path:
+    """Tokenize the data once into a flat token file (EOS after each document); cached by content.
+    `say` is told when tokenizing starts."""
+    data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
+    key = hashlib.sha256(f"{_CACHE_VERSION}:{tokenizer.fingerprint()}:{data_fp}".encode()).hexdigest()
+    folder = Path(cache_dir) / "tokens"
+    path = folder / f"{key[:24]}.bin"
+    if path.exists() and path.with_suffix(".json").exists():
+        return path
+    if say is not None:
+        say(f"tokenizing {data_spec} (once; cached in {folder})")
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = _token_dtype(tokenizer.vocab_size)
+    tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
-            batch: list[str] = []
-            for doc in iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes):
-                batch.append(doc)
-                if len(batch) == _ENCODE_BATCH:
-                    num_tokens += flush(f, batch)
-                    batch = []
-            if batch:
-                num_tokens += flush(f, batch)
+            num_tokens = _encode_to(f, tokenizer, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes),
+                                    dtype)
         if num_tokens == 0:
             raise DataError(f"data: {data_spec} gave no tokens (is it empty, or is text_field={text_field!r} empty?)")
         # Sidecar first, token file renamed last: the .bin existing means both are complete.

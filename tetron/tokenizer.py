@@ -115,14 +115,27 @@ def _train_bpe(vocab_size: int, texts: Iterator[str]) -> Tokenizer:
 
 
 def _load_saved(folder: Path) -> Tokenizer:
-    """A folder written by Tokenizer.save."""
-    meta = json.loads((folder / "tetron_tokenizer.json").read_text())
-    if meta["type"] == "bytes":
+    """A folder written by Tokenizer.save; a damaged one is a DataError naming the file."""
+    path = folder / "tetron_tokenizer.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path}: not a readable tokenizer description ({type(err).__name__})") from None
+    kind = meta.get("type") if isinstance(meta, dict) else None
+    if kind == "bytes" and meta.get("vocab_size") == 256 and meta.get("eos_id") is None:
         return Tokenizer(None, None)
+    vocab, eos = meta.get("vocab_size") if kind == "hf" else None, meta.get("eos_id")
+    good_eos = eos is None or (type(eos) is int and type(vocab) is int and 0 <= eos < vocab)
+    if kind != "hf" or type(vocab) is not int or vocab < 1 or not good_eos:
+        raise DataError(f"{path}: expected type bytes (vocab_size 256, no eos_id), or type hf with an integer "
+                        f"vocab_size and eos_id below it")
     from tokenizers import Tokenizer as HFTokenizer
 
-    backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    return Tokenizer(backend, meta["eos_id"], vocab_size=meta["vocab_size"])
+    try:
+        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as err:  # tokenizers raises its own exception types for a bad file
+        raise DataError(f"{folder / 'tokenizer.json'}: not a readable tokenizer ({type(err).__name__})") from None
+    return Tokenizer(backend, eos, vocab_size=vocab)
 
 
 def _load_pretrained(spec: str) -> Tokenizer:
