@@ -42,7 +42,8 @@ def _storages(t: Tensor) -> list[tuple[StorageKey, int]]:
     wrapper subclass (DTensor: its local shard), none for meta tensors or layouts without one storage."""
     if is_traceable_wrapper_subclass(t):
         inner, _ = t.__tensor_flatten__()
-        return [s for name in inner for s in _storages(getattr(t, name))]
+        parts = [getattr(t, name) for name in inner]  # DTensor also lists its device mesh: not a tensor
+        return [s for part in parts if isinstance(part, Tensor) for s in _storages(part)]
     if t.is_meta:
         return []  # no memory behind it
     try:
@@ -187,6 +188,8 @@ class ActivationMeter:
         # Parameter addresses are read on entry, not at construction: materialising or loading
         # weights may have moved them in between.
         self._excluded = {key for p in self._params for key, _ in _storages(p)}
+        # ... and by identity: a parameter sharded between uses (ZeRO-3) is gathered at another address
+        self._param_ids = {id(p) for p in self._params}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -203,7 +206,9 @@ class ActivationMeter:
             self.peak_bytes = self.live_bytes
 
     def _pack(self, tensor: Tensor) -> _Saved:
-        keys = [(key, n) for key, n in _storages(tensor) if n > 0 and key not in self._excluded]
+        base = tensor._base if tensor._base is not None else tensor
+        is_param = id(tensor) in self._param_ids or id(base) in self._param_ids
+        keys = [] if is_param else [(key, n) for key, n in _storages(tensor) if n > 0 and key not in self._excluded]
         if keys:
             with self._lock:
                 for key, nbytes in keys:

@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# One collective into (or from) a flat tensor cut into equal parts; torch 2.13 renamed them and
+# deprecated the old names, which older versions (2.11 on the GPU machines) still need.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tetron.config import DpImpl
+from tetron.parallel.comm import reduce_scatter_flat
 
 # Gloo and NCCL both average natively; a sum followed by a division would cost an extra pass.
 AVG = dist.ReduceOp.AVG
@@ -116,7 +117,7 @@ class DataParallelBucket(DataParallel):
 
     `zero` >= 1 reduce-scatters each bucket instead of all-reducing it (each rank keeps its slice of
     the averaged gradients, for the sharded optimizer in zero.py); `zero` >= 2 also releases each full
-    buffer once reduced, and allocates it again at the next forward. `units` (ZeRO-3) makes one bucket
+    buffer once reduced, and allocates it again when its first gradient of the next step arrives. `units` (ZeRO-3) makes one bucket
     per (module, parameters) pair, whose buffer is allocated only when its backward begins
     (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32)."""
 
@@ -131,8 +132,9 @@ class DataParallelBucket(DataParallel):
         self.free_after_reduce = zero >= 2 and self.world > 1
         shard = {"shards": self.shards, "rank": dist.get_rank(group) if self.shards > 1 else 0,
                  "separate_shard": self.free_after_reduce}
-        # ZeRO-3: buffers appear unit by unit, when the unit's backward begins (parameter sharding attaches them)
-        self.lazy = units is not None and self.world > 1
+        # ZeRO-2/3: a bucket's full buffer exists only from its first gradient of the step (or, ZeRO-3, from
+        # its unit's backward) until its reduction, not through the forward pass
+        self.lazy = self.free_after_reduce
         self.reduce_dtype = reduce_dtype
         if units is not None:
             # Backward visits the units in reverse order: so are the buckets.
@@ -165,11 +167,6 @@ class DataParallelBucket(DataParallel):
             buckets.append(_Bucket(group_params, device, **shard))
         return buckets
 
-    def forward(self, *args, **kwargs):
-        if not self.lazy and self.buckets[0].buffer is None:  # ZeRO-2 released the buffers after the last step
-            self._attach_grads()
-        return self.module(*args, **kwargs)
-
     def attach(self, bucket: _Bucket) -> None:
         """Give `bucket` a zeroed buffer if it has none, and point its parameters' gradients into it."""
         if bucket.buffer is None:
@@ -200,6 +197,10 @@ class DataParallelBucket(DataParallel):
             bucket.pending = set(bucket.params)
 
     def _hook(self, param: nn.Parameter) -> None:
+        if param not in self.main_grads:  # the bucket's first gradient of the step (ZeRO-2): its buffer now
+            grad = param.grad
+            self.attach(self.bucket_of[param])
+            param.grad = grad  # added in below, like a lower-precision gradient
         main_grad = self.main_grads[param]
         if param.grad is not main_grad:
             # Lower-precision parameters (or a .grad reset by someone else): accumulate into the
@@ -215,8 +216,10 @@ class DataParallelBucket(DataParallel):
         bucket = self.bucket_of[param]
         bucket.pending.discard(param)
         if not bucket.pending:
-            if self.free_after_reduce and self._in_flight is not None:
-                self._complete(self._in_flight)  # at most two full buffers in flight
+            if self.shards > 1 and self._in_flight is not None:
+                # at most two reductions in flight: a released buffer can go (ZeRO-2/3), and gloo's
+                # reduce-scatter holds a copy of its input until it is waited on
+                self._complete(self._in_flight)
             bucket.handle = self._reduce(bucket, async_op=True)
             self._in_flight = bucket
 
@@ -234,7 +237,7 @@ class DataParallelBucket(DataParallel):
             # In place: this rank's slice of the wire receives the average (NCCL and gloo allow it).
             target, full = bucket.reduced_grad(), wire
             wire = full[bucket.mine]
-            work = dist.reduce_scatter_tensor(wire, full, op=AVG, group=self.group, async_op=async_op)
+            work = reduce_scatter_flat(wire, full, op=AVG, group=self.group, async_op=async_op)
         same = wire.data_ptr() == target.data_ptr()
         bucket.after_wait = None if same else (lambda: target.copy_(wire))
         bucket.handle = work if async_op else None

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.config import TrainConfig
+from tetron.parallel.comm import all_gather_flat
 from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
 
 Kind = Literal["master", "exp_avg", "exp_avg_sq"]
@@ -158,7 +159,7 @@ class ShardedAdamW:
         if self.sharding is not None:
             return  # ZeRO-3: each unit's forward gathers the slices it needs
         for bucket in self.buckets:
-            dist.all_gather_into_tensor(bucket.params_flat, bucket.params_slice, group=self.group)
+            all_gather_flat(bucket.params_flat, bucket.params_slice, group=self.group)
 
     def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
         """Every averaged gradient this rank holds, with its parameter: whole parameters' without ZeRO,
@@ -287,7 +288,7 @@ class ParameterSharding:
                 unit.work, unit.gathered = None, True
             return
         unit.flat.untyped_storage().resize_(unit.nbytes)
-        work = dist.all_gather_into_tensor(unit.flat, unit.bucket.params_slice, group=self.group, async_op=async_op)
+        work = all_gather_flat(unit.flat, unit.bucket.params_slice, group=self.group, async_op=async_op)
         if async_op:
             unit.work = work
         else:
