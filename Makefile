@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/tensor_parallel.py
 	$(PY) bench/pipeline_parallel.py
 	$(PY) bench/context_parallel.py
+	$(PY) bench/zero.py
 
 clean:
 	rm -rf $(VENV) runs
