@@ -117,9 +117,9 @@ class DataParallelBucket(DataParallel):
 
     `zero` >= 1 reduce-scatters each bucket instead of all-reducing it (each rank keeps its slice of
     the averaged gradients, for the sharded optimizer in zero.py); `zero` >= 2 also releases each full
-    buffer once reduced, and allocates it again when its first gradient of the next step arrives. `units` (ZeRO-3) makes one bucket
-    per (module, parameters) pair, whose buffer is allocated only when its backward begins
-    (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32)."""
+    buffer once reduced, and allocates it again when its first gradient of the next step arrives.
+    `units` (ZeRO-3) makes one bucket per (module, parameters) pair, whose buffer is allocated only
+    when its backward begins (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32)."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32,
