@@ -145,6 +145,10 @@ CLI_CASES = {
     "tokenizer larger than the model": (lambda t, ck: ["--tokenizer", "bpe:300"],
                                         "larger vocabulary than model.vocab_size=256"),
     "resume not a folder": (lambda t, ck: ["--resume", str(t / "nowhere")], "no such folder"),
+    "resume past train.steps": (lambda t, ck: ["--resume", str(t / "pristine"), "--steps", "1"],
+                                "train.steps=1 is below step 2"),
+    "out a folder tetron did not write": (lambda t, ck: ["--out", str(t / "foreign")],
+                                          "neither empty nor a tetron run"),
 }
 
 
@@ -154,6 +158,8 @@ def test_bad_inputs_through_the_cli(good, tmp_path):
     data = (folder / SHARD).read_bytes()
     (folder / SHARD).write_bytes(data[:100])
     (tmp_path / "file.txt").write_text("a file, not a folder")
+    (tmp_path / "foreign" / "model").mkdir(parents=True)
+    (tmp_path / "foreign" / "model" / "notes.txt").write_text("not tetron's: a run must not replace model/")
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump({**raw, "checkpoint": {}}))
     before = hashes(tmp_path)
     procs = {name: subprocess.Popen([sys.executable, "-m", "tetron.cli", "train", str(tmp_path / "tiny.yaml"),

@@ -28,7 +28,18 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from tetron.fs import fsync_dir, recover_temps, replace_folder, sha256, temp_name, write_json, write_text
+from tetron.errors import StorageError
+from tetron.fs import (
+    fsync_dir,
+    read_bounded,
+    recover_temps,
+    replace_folder,
+    sha256,
+    temp_name,
+    write_failure,
+    write_json,
+    write_text,
+)
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.comm import all_gather_dim
@@ -40,6 +51,7 @@ from tetron.tokenizer import Tokenizer
 FORMAT = "tetron-checkpoint/1"
 STATE_FILE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
 STEP_DIR = re.compile(r"^step_(\d+)$")
+RUN_LOCK = "tetron.lock"  # in OUT while a run uses it (fs.FolderLock)
 Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
 
 
@@ -219,16 +231,29 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
     atomically. `weights(param)` is this rank's fp32 part of a parameter (its master weights). Every
     rank calls this; rank 0 writes."""
     tmp = None
-    if mesh.rank == 0:
-        recover_temps(folder.parent, folder.name)  # what an earlier save killed mid-way left
-        tmp = temp_name(folder)
-        tmp.mkdir(parents=True)
-    specs = model_specs(config, dtype)
-    stream = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks, local=lambda p, k: weights(p).to(dtype))
-    write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True)
-    if tmp is not None:
-        write_configs(tmp, config, tokenizer, dtype=str(dtype).removeprefix("torch."))
-        replace_folder(tmp, folder)
+    try:
+        if mesh.rank == 0:
+            recover_temps(folder.parent, folder.name)  # what an earlier save killed mid-way left
+            tmp = temp_name(folder)
+            tmp.mkdir(parents=True)
+        specs = model_specs(config, dtype)
+        stream = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks, local=lambda p, k: weights(p).to(dtype))
+        write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True)
+        if tmp is not None:
+            write_configs(tmp, config, tokenizer, dtype=str(dtype).removeprefix("torch."))
+            replace_folder(tmp, folder)
+    except Exception as err:  # one line naming the file; the checkpoint just saved holds the same weights
+        if mesh.rank != 0:
+            raise
+        needed = sum(torch.Size(shape).numel() for *_, shape in specs) * dtype.itemsize
+        error = storage_error(err, tmp or folder.parent, what=f"{folder} (the final checkpoint holds the same "
+                                                              f"weights: tetron convert makes a model folder of it)",
+                              needed=needed)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
+            raise
+        raise error from None
     dist.barrier()
 
 
@@ -255,13 +280,36 @@ def find_latest(out: Path) -> Path | None:
     """The checkpoint `latest` names if it is complete, else the last complete one written, else None."""
     root = checkpoints_dir(out)
     try:
-        name = (root / "latest").read_text().strip()
+        name = read_bounded(root / "latest", 256).decode("ascii").strip()
     except (OSError, UnicodeDecodeError):
         name = ""
     if STEP_DIR.match(name) and (root / name / STATE_FILE).is_file():
         return root / name
     done = complete_checkpoints(out)
     return done[-1] if done else None
+
+
+def is_run_folder(out: Path) -> bool:
+    """Whether the folder `out` is empty or recognisably a tetron run folder: its log, its lock, a
+    checkpoints/ with `latest` or a step_N, or a model/ with tetron's tokenizer file."""
+    names = {p.name for p in out.iterdir()}
+    if not names or names & {"metrics.jsonl", RUN_LOCK}:
+        return True
+    root = checkpoints_dir(out)
+    if root.is_dir() and any(p.name == "latest" or STEP_DIR.match(p.name.split(".tmp-")[0]) for p in root.iterdir()):
+        return True
+    return (out / "model" / "tetron_tokenizer.json").is_file()
+
+
+def checkpoint_bytes(config: LlamaConfig, *, optimizer: bool = True) -> int:
+    """The bytes of a checkpoint's tensors: fp32 weights, and AdamW's two fp32 moments."""
+    return sum(torch.Size(shape).numel() * 4 for *_, shape in model_specs(config)) * (3 if optimizer else 1)
+
+
+def storage_error(err: BaseException, folder: Path, *, what: str, needed: int | None) -> StorageError | None:
+    """A one-line StorageError for a write that failed into `folder` (None if `err` is no failed write)."""
+    line = write_failure(err, folder, needed=needed)
+    return None if line is None else StorageError(f"{line}, while writing {what}")
 
 
 def clean_stale(out: Path) -> None:
@@ -278,8 +326,35 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
     root = checkpoints_dir(out)
     final = root / f"step_{step}"
     tmp = temp_name(final) if rank0 else None
+    try:
+        if tmp is not None:
+            tmp.mkdir(parents=True)
+        _write_checkpoint(tmp, final, chunks, mesh, cfg=cfg, optimizer=optimizer, trainer_state=trainer_state,
+                          layer_ranks=layer_ranks, tokenizer=tokenizer)
+    except Exception as err:  # a full disk, a folder made read-only: one line; the previous checkpoint stays
+        if tmp is None:
+            raise
+        latest = find_latest(out)
+        kept = f"{latest.name} is intact" if latest else "no earlier checkpoint"
+        error = storage_error(err, tmp, what=f"checkpoint {final.name} ({kept}); free space or fix it, then "
+                                             f"--resume auto", needed=checkpoint_bytes(cfg.model))
+        shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
+            raise
+        raise error from None
     if tmp is not None:
-        tmp.mkdir(parents=True)
+        for stale in complete_checkpoints(out)[:-cfg.checkpoint.keep]:
+            if stale != final:
+                shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _write_checkpoint(tmp: Path | None, final: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
+                      optimizer: ShardedAdamW, trainer_state: dict[str, Any], layer_ranks: list[int],
+                      tokenizer: Tokenizer | None) -> None:
+    """The checkpoint's files, streamed into `tmp` on rank 0 (None elsewhere), then renamed to `final` and
+    named by `latest`."""
     device = next(chunks[0].parameters()).device
     rng = _gather_rng(mesh, device)
     shard_bytes = cfg.checkpoint.shard_mb << 20
@@ -303,10 +378,5 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
         write_json(tmp / STATE_FILE, seal(state))  # last: its presence marks the folder complete
         # The same step saved again (a resumed run ending where it began) replaces the old folder.
         replace_folder(tmp, final)
-        write_text(root / "latest", final.name + "\n")
-        fsync_dir(root)
-        for stale in complete_checkpoints(out)[:-cfg.checkpoint.keep]:
-            if stale != final:
-                shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
-    return final
+        write_text(final.parent / "latest", final.name + "\n")
+        fsync_dir(final.parent)

@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import shutil
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from torch import Tensor, nn
 
 from tetron.checkpoint import FORMAT, STATE_FILE, STEP_DIR, model_specs, optimizer_specs, seal
 from tetron.errors import CheckpointError, DataError, check
-from tetron.fs import sha256
+from tetron.fs import read_bounded, sha256
+from tetron.hub import hub_problem
 from tetron.init import name_seed
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.layout import full_shape, layout_of
@@ -34,7 +36,11 @@ from tetron.tokenizer import load_tokenizer
 
 _FLOATS = {"F32", "F16", "BF16", "F64"}
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "tie_word_embeddings")
+                "num_key_value_heads", "head_dim", "tie_word_embeddings")  # the shapes: always the same
+# what gives trained weights their meaning without changing a shape: the same unless
+# checkpoint.new_model_settings (extending the context changes rope_theta or rope_scaling on purpose)
+SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+MAX_JSON_BYTES = 256 << 20  # the largest JSON file read from a checkpoint or model folder
 # what travels with the weights when a folder is converted: the tokenizer, and when generation stops
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tetron_tokenizer.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -43,14 +49,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tetron_tokenizer.
 _need = functools.partial(check, error=CheckpointError)
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file of at most `limit` bytes, parsed; any problem is a CheckpointError naming it."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_bounded(path, limit).decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as err:  # bad UTF-8, bad JSON, an integer too long to convert
         raise CheckpointError(f"{path}: not valid JSON ({str(err).splitlines()[0]})") from None
 
 
@@ -58,7 +67,9 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{name: (dtype, shape)} of a safetensors file, after checking that the header parses and its byte
     ranges tile the rest of the file exactly (so a truncated or padded file is caught here)."""
     try:
-        size = path.stat().st_size
+        info = path.stat()
+        _need(stat.S_ISREG(info.st_mode), f"{path}: not a regular file")
+        size = info.st_size
         with open(path, "rb") as fh:
             head = fh.read(8)
             _need(len(head) == 8, f"{path}: truncated (shorter than a safetensors header)")
@@ -217,11 +228,16 @@ def read_model_config(folder: Path) -> LlamaConfig:
         raise CheckpointError(f"{path}: {err}") from None
 
 
-def compare_models(found: LlamaConfig, want: LlamaConfig, where: Path) -> None:
+def compare_models(found: LlamaConfig, want: LlamaConfig, where: Path, *, settings: bool = True) -> None:
+    """The same shapes, and with `settings` the same SETTING_FIELDS, or a CheckpointError naming the field."""
     for f in MODEL_FIELDS:
         _need(getattr(found, f) == getattr(want, f),
               f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}; "
               f"use the same model config")
+    for f in SETTING_FIELDS if settings else ():
+        _need(getattr(found, f) == getattr(want, f),
+              f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}: "
+              f"the weights were trained with the first; use it, or set checkpoint.new_model_settings=true")
 
 
 def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
@@ -281,10 +297,11 @@ def _check_side_files(folder: Path) -> None:
 
 
 def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, require_state: bool = True,
-                       verify_data: bool = True) -> dict[str, Any] | None:
+                       verify_data: bool = True, settings: bool = True) -> dict[str, Any] | None:
     """Check a checkpoint (or, with require_state=False, any HF model folder) without loading it: JSON,
     safetensors headers, every tensor the model needs with its shape, file sizes and hashes; and that its
-    model equals `model` where given. Returns the trainer state (None for a plain HF folder). Writes nothing."""
+    model equals `model` where given (its shapes, and with `settings` its rope and norm settings). Returns
+    the trainer state (None for a plain HF folder). Writes nothing."""
     folder = Path(folder)
     _need(folder.is_dir(), f"{folder}: no such checkpoint folder")
     state = None
@@ -294,7 +311,7 @@ def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, requir
     _check_side_files(folder)
     config = read_model_config(folder)
     if model is not None:
-        compare_models(config, model, folder / "config.json")
+        compare_models(config, model, folder / "config.json", settings=settings)
     dtypes = {"F32"} if state is not None else _FLOATS
     reader = TensorReader(folder, "model")
     for name, _, _, shape in model_specs(config):
@@ -405,6 +422,9 @@ def resolve_init_from(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
+    problem = hub_problem(spec, "model")
+    if problem is not None:  # refused at once, not after a minute of retries
+        raise CheckpointError(f"checkpoint.init_from={spec}: {problem}")
     try:
         from huggingface_hub import snapshot_download
 

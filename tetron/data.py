@@ -22,8 +22,8 @@ import torch
 from tetron.checkpoint import find_latest
 from tetron.config import Config
 from tetron.errors import ConfigError, DataError
-from tetron.fs import fsync_file, temp_name, write_json
-from tetron.sources import data_fingerprint, iter_texts
+from tetron.fs import fsync_file, read_bounded, temp_name, write_json
+from tetron.sources import BadRecords, data_fingerprint, iter_texts
 from tetron.tokenizer import Tokenizer, load_tokenizer
 
 # Bump when the token file layout or the tokenization rules change, to invalidate caches.
@@ -79,10 +79,11 @@ def prepare_data(cfg: Config, *, say: Callable[[str], None] | None = None) -> tu
     (and tells `say` about it)."""
     d = cfg.data
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+    skip_bad = d.on_bad_record == "skip"
     tokenizer = load_tokenizer(tokenizer_spec(cfg), data_spec=d.path, cache_dir=cache, text_field=d.text_field,
-                               max_bytes=d.max_bytes, say=say)
+                               max_bytes=d.max_bytes, say=say, skip_bad=skip_bad)
     tokens = prepare_tokens(d.path, tokenizer, cache_dir=cache, text_field=d.text_field, max_bytes=d.max_bytes,
-                            say=say)
+                            say=say, skip_bad=skip_bad)
     return tokenizer, tokens
 
 
@@ -126,24 +127,32 @@ def prepare_tokens(
     text_field: str = "text",
     max_bytes: int | None = None,
     say: Callable[[str], None] | None = None,
+    skip_bad: bool = False,
 ) -> Path:
     """Tokenize the data once into a flat token file (EOS after each document); cached by content.
-    `say` is told when tokenizing starts."""
-    data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
+    `say` is told when tokenizing starts, of a damaged cache entry, and of records skipped (`skip_bad`)."""
+    data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes, skip_bad=skip_bad)
     key = hashlib.sha256(f"{_CACHE_VERSION}:{tokenizer.fingerprint()}:{data_fp}".encode()).hexdigest()
     folder = Path(cache_dir) / "tokens"
     path = folder / f"{key[:24]}.bin"
-    if path.exists() and path.with_suffix(".json").exists():
-        return path
+    if path.exists() or path.with_suffix(".json").exists():
+        problem = token_file_problem(path, vocab_size=tokenizer.vocab_size)
+        if problem is None:
+            return path
+        if say is not None:
+            say(f"the token cache {problem}; tokenizing again")
     if say is not None:
         say(f"tokenizing {data_spec} (once; cached in {folder})")
     folder.mkdir(parents=True, exist_ok=True)
     dtype = _token_dtype(tokenizer.vocab_size)
     tmp = temp_name(path)
+    skip = BadRecords() if skip_bad else None
     try:
         with open(tmp, "wb") as f:
-            num_tokens = _encode_to(f, tokenizer, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes),
-                                    dtype)
+            texts = iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes, skip=skip)
+            num_tokens = _encode_to(f, tokenizer, texts, dtype)
+        if skip is not None and skip.count and say is not None:
+            say(f"skipped {skip.count} bad records (data.on_bad_record=skip), the first at {skip.first}")
         if num_tokens == 0:
             raise DataError(f"data: {data_spec} gave no tokens (is it empty, or is text_field={text_field!r} empty?)")
         # Sidecar first, token file renamed last: the .bin existing means both are complete.
@@ -163,13 +172,42 @@ def prepare_tokens(
     return path
 
 
+def _token_meta(path: Path) -> dict[str, Any]:
+    """The sidecar of token file `path`, checked against the file: a DataError naming what is wrong."""
+    sidecar = path.with_suffix(".json")
+    try:
+        meta = json.loads(read_bounded(sidecar, 1 << 20))
+    except (OSError, ValueError, RecursionError) as err:
+        raise DataError(f"{sidecar} is unreadable ({getattr(err, 'strerror', None) or type(err).__name__})") from None
+    ok = isinstance(meta, dict) and meta.get("dtype") in ("uint16", "uint32") and type(meta.get("num_tokens")) is int \
+        and meta["num_tokens"] > 0 and type(meta.get("vocab_size")) is int
+    if not ok:
+        raise DataError(f"{sidecar} is damaged (needs dtype uint16/uint32, positive num_tokens, vocab_size)")
+    try:
+        size = path.stat().st_size if path.is_file() else None
+    except OSError:
+        size = None
+    want = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+    if size != want:
+        raise DataError(f"{path} is truncated or missing ({size} bytes; its sidecar says {want})")
+    return meta
+
+
+def token_file_problem(path: Path, *, vocab_size: int | None = None) -> str | None:
+    """What is wrong with a cached token file and its sidecar (None: nothing)."""
+    try:
+        meta = _token_meta(Path(path))
+    except DataError as err:
+        return str(err)
+    if vocab_size is not None and meta["vocab_size"] != vocab_size:
+        return f"{path} was made for a vocabulary of {meta['vocab_size']}, not {vocab_size}"
+    return None
+
+
 def load_tokens(path: Path) -> np.ndarray:
     """The token file as a read-only memory map (nothing is loaded until it is indexed)."""
     path = Path(path)
-    sidecar = path.with_suffix(".json")
-    if not path.exists() or not sidecar.exists():
-        raise DataError(f"data: token file {path} or its sidecar {sidecar.name} is missing (run prepare_tokens)")
-    meta = json.loads(sidecar.read_text())
+    meta = _token_meta(path)
     return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["num_tokens"],))
 
 

@@ -40,6 +40,25 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def device_problem(kind: str, ranks_per_node: int | None) -> str | None:
+    """Why parallel.device=`kind` cannot run `ranks_per_node` ranks on this machine (None: unknown, as
+    under torchrun), or None when it can: checked before any rank starts."""
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device is available here; use parallel.device=cpu (or auto)"
+    count = torch.cuda.device_count()
+    if ranks_per_node is not None and ranks_per_node > count:
+        return (f"{ranks_per_node} ranks on this machine but {count} CUDA device(s), and NCCL runs one rank per "
+                f"GPU; use at most {count} ranks here, or parallel.device=cpu")
+    return None
+
+
+def cuda_count() -> int:
+    """How many CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tetron.checkpoint_load import load_model
+from tetron.checkpoint_load import inspect_checkpoint, load_model, read_model_config
+from tetron.errors import CheckpointError
 from tetron.model import Llama, sdpa_attention
 from tetron.tokenizer import Tokenizer, load_tokenizer
 
@@ -93,14 +94,27 @@ def sample(model: Llama, tokenizer: Tokenizer, prompt: str, *, max_new_tokens: i
     return prompt + tokenizer.decode(new)
 
 
-def sample_from_run(run: Path, *, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                    top_k: int = 50, device: torch.device | str = "cpu", seed: int = 0) -> str:
-    """Sample from the model folder a run wrote (RUN/model, or a model folder itself)."""
+def model_folder(run: Path) -> tuple[Path, Tokenizer]:
+    """The model folder of a run (RUN/model, or a model folder itself), checked without loading it (JSON,
+    safetensors headers, every tensor's shape against its config.json), and its tokenizer, which must fit
+    the model's vocabulary. Problems raise one-line UserErrors naming the file."""
     run = Path(run)
     folder = run / "model" if (run / "model" / "config.json").is_file() else run
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{run}: no trained model here (expected {run}/model/config.json)")
-    model = load_model(folder, device=device)
+        raise CheckpointError(f"{run}: no trained model here (expected {run}/model/config.json)")
+    inspect_checkpoint(folder, require_state=False)
     tokenizer = load_tokenizer(str(folder), data_spec=None, cache_dir=folder)
+    vocab = read_model_config(folder).vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise CheckpointError(f"{folder}: its tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                              f"vocab_size={vocab}: the tokenizer does not belong to these weights")
+    return folder, tokenizer
+
+
+def sample_from_run(run: Path, *, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                    top_k: int = 50, device: torch.device | str = "cpu", seed: int = 0) -> str:
+    """Sample from the model folder a run wrote (RUN/model, or a model folder itself)."""
+    folder, tokenizer = model_folder(run)
+    model = load_model(folder, device=device)
     return sample(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                   top_k=top_k, seed=seed)

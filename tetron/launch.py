@@ -1,14 +1,22 @@
 """Starting ranks: the elastic launcher for `tetron train`, and each rank's process-group bootstrap.
 
 `launch` starts dp*tp*pp*cp ranks through torch's elastic launcher (or runs the one rank in this
-process). Under torchrun, or as a launched child, each rank enters `run_rank`: the only code in
-tetron that reads the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE, restart counts).
+process), watched by watch.RankWatch, which ends the run with one line. Under torchrun, or as a
+launched child, each rank enters `run_rank`: the only code in tetron that reads the launcher's
+environment (RANK, LOCAL_RANK, WORLD_SIZE, restart counts). A rank turns a stop signal into a saved
+checkpoint (stop.py), and a user error, a timed-out collective or a lost peer into one line (or, under
+tetron's launcher, into its report, from which the launcher prints the line).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
+import tempfile
+import threading
+import time
 import uuid
 from dataclasses import replace
 from datetime import timedelta
@@ -19,10 +27,18 @@ import torch
 import torch.distributed as dist
 
 from tetron import device as dev
+from tetron.checkpoint import checkpoints_dir, find_latest
 from tetron.config import Config, from_dict
+from tetron.errors import UserError
 from tetron.mesh import Mesh
 from tetron.metrics import say
+from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line, watch_signals
 from tetron.train import train
+from tetron.watch import RankReport, RankWatch
+
+# How long torch's launcher waits for ranks it stops before it kills them: tetron's watch kills a rank that
+# does not end by itself well before (GRACE_S); this only bounds what the watch cannot see.
+SHUTDOWN_TIMEOUT_S = 10
 
 
 def launch(cfg: Config) -> int:
@@ -32,22 +48,30 @@ def launch(cfg: Config) -> int:
     if "RANK" in os.environ or cfg.world_size == 1:
         run_rank(raw)
         return 0
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=cfg.parallel.max_restarts,
-                          monitor_interval=0.1, start_method="spawn")
+                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     print(f"tetron: starting {cfg.world_size} ranks (dp={cfg.parallel.dp} tp={cfg.parallel.tp} "
           f"pp={cfg.parallel.pp} cp={cfg.parallel.cp}), run folder {cfg.out}", flush=True)
-    try:
-        elastic_launch(config, run_rank)(raw)
-    except ChildFailedError as err:
-        rank, first = next(iter(err.failures.items()))
-        print(f"tetron: training failed on rank {rank} (exit code {first.exitcode}); "
-              f"see its error above", file=sys.stderr)
-        return 1
-    return 0
+    _quiet_launcher_logs()
+    with tempfile.TemporaryDirectory(prefix="tetron-ranks-") as folder:
+        watch = RankWatch(Path(folder), out=cfg.out, steps=cfg.train.steps, timeout_s=cfg.parallel.timeout_s,
+                          stop_signal=cfg.checkpoint.stop_signal)
+        return watch.run(lambda: elastic_launch(config, run_rank)(raw, folder))
+
+
+def _quiet_launcher_logs() -> None:
+    """torch's launcher logs each rank it stops or restarts, and that it runs in a thread (tetron's watch
+    keeps the main thread for signals); the watch says what happened in one line instead."""
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates the loggers silenced below)
+    import torch.distributed.elastic.multiprocessing.api  # noqa: F401
+    import torch.multiprocessing.spawn  # noqa: F401
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _is_timeout(err: BaseException) -> bool:
@@ -55,6 +79,13 @@ def _is_timeout(err: BaseException) -> bool:
     text = str(err).lower()
     return isinstance(err, (dist.DistBackendError, dist.DistStoreError, RuntimeError)) and (
         "timed out" in text or "timeout" in text)
+
+
+def _is_peer_gone(err: BaseException) -> bool:
+    """Whether a torch.distributed error is another rank's process going away mid-collective."""
+    text = str(err).lower()
+    return isinstance(err, (dist.DistError, RuntimeError)) and any(
+        s in text for s in ("connection closed by peer", "connection reset by peer", "broken pipe", "pair closure"))
 
 
 def init_process_group(device: torch.device, *, timeout_s: float, restart: int) -> None:
@@ -76,11 +107,56 @@ def init_process_group(device: torch.device, *, timeout_s: float, restart: int) 
                                 device_id=device_id)
 
 
-def run_rank(raw_config: dict[str, Any]) -> None:
-    """Entry point of one launched rank (elastic launcher or torchrun): group, mesh, train, sample."""
+def run_rank(raw_config: dict[str, Any], reports: str | None = None) -> None:
+    """Entry point of one launched rank (elastic launcher or torchrun): group, mesh, train, sample.
+
+    `reports`: the folder of tetron's launcher (watch.py), which prints the run's last line from what each
+    rank reports there; None under torchrun or in a single process, where rank 0 prints it."""
     cfg = from_dict(raw_config)
     # The elastic launcher counts restarts; a restarted rank continues from OUT's latest checkpoint.
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    rank = int(os.environ.get("RANK", 0))
+    report = RankReport(Path(reports), rank=rank, attempt=restart) if reports else None
+    stop = StopRequest()
+    # A launched rank may get one request twice within moments: torchrun's agent passes on a signal the
+    # ranks also got directly, and a launcher that dies sends its death signal (SIGINT) once per thread.
+    repeat_s = SAME_REQUEST_S if "RANK" in os.environ else 0.0
+    restore = watch_signals(stop_signals(cfg.checkpoint.stop_signal), on_stop=stop.request, forwarded=True,
+                            on_abort=lambda sig: _abort(sig, cfg.out, announce=rank == 0 and report is None),
+                            same_request_s=repeat_s)
+    launcher = os.getppid()
+    try:
+        if report is not None:
+            report.write("running")
+            if report.stop_requested():  # restarted after a stop was requested: nothing more to train
+                report.write("stopped")
+                return
+        _train_rank(cfg, restart=restart, stop=stop, report=report)
+        if report is not None:
+            _end_without_launcher(launcher)
+    except Exception as err:
+        _rank_failed(err, cfg, report)
+    finally:
+        restore()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _end_without_launcher(launcher: int) -> None:
+    """torch's launcher has a finished rank wait until it reads the rank's result; if the launcher is gone
+    (killed: its death signal made this rank save and return), that wait never ends. End the rank then."""
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        sys.stdout.flush()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tetron-launcher-watch", daemon=True).start()
+
+
+def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankReport | None) -> None:
+    """This rank's run: device, process group, mesh, training; then the sample (rank 0), or on a stop
+    request the line saying where to resume."""
     if restart > 0 and cfg.checkpoint.resume is None:
         cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
     if restart > 0 and os.environ.get("RANK", "0") == "0":
@@ -91,24 +167,78 @@ def run_rank(raw_config: dict[str, Any]) -> None:
         # Ranks share the cores: more threads than cores per rank only adds contention.
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-    try:
-        init_process_group(device, timeout_s=cfg.parallel.timeout_s, restart=restart)
-        p = cfg.parallel
-        mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, device_type=device.type)
-        train(cfg, mesh, device=device)
-        if mesh.rank == 0 and cfg.logging.sample_tokens > 0:
-            from tetron.generate import sample_from_run
+    init_process_group(device, timeout_s=cfg.parallel.timeout_s, restart=restart)
+    p = cfg.parallel
+    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, device_type=device.type, timeout=timedelta(seconds=p.timeout_s))
+    result = train(cfg, mesh, device=device, stop=stop)
+    if result.stopped_at is not None:
+        folder = str(checkpoints_dir(Path(cfg.out)) / f"step_{result.stopped_at}")
+        if report is not None:
+            report.write("stopped", step=result.stopped_at, checkpoint=folder)
+        elif mesh.rank == 0:
+            print(stopped_line(stop.signal or "a signal", result.stopped_at, steps=cfg.train.steps, folder=folder),
+                  flush=True)
+        return
+    if mesh.rank == 0 and cfg.logging.sample_tokens > 0:
+        from tetron.generate import sample_from_run
 
-            text = sample_from_run(Path(cfg.out), prompt=cfg.logging.sample_prompt,
-                                   max_new_tokens=cfg.logging.sample_tokens, device=device, seed=cfg.train.seed)
-            print(f"\n--- sample from {cfg.out}/model ---\n{text}\n---", flush=True)
-    except Exception as err:
-        if not _is_timeout(err):
-            raise
+        text = sample_from_run(Path(cfg.out), prompt=cfg.logging.sample_prompt,
+                               max_new_tokens=cfg.logging.sample_tokens, device=device, seed=cfg.train.seed)
+        print(f"\n--- sample from {cfg.out}/model ---\n{text}\n---", flush=True)
+    if report is not None:
+        report.write("done")
+
+
+def _rank_failed(err: Exception, cfg: Config, report: RankReport | None) -> None:
+    """A failed rank: one line (or its report) for what a user can act on, then exit 1; anything else,
+    a bug, keeps its traceback."""
+    rank = int(os.environ.get("RANK", 0))
+    if isinstance(err, (UserError, FloatingPointError)):  # a full disk, a NaN loss, ...
+        kind, line = "error", f"tetron: {'' if rank == 0 else f'rank {rank}: '}error: {err}"
+    elif _is_timeout(err):
         # One line instead of a C++ stack: the usual cause is another rank, not this one.
-        print(f"tetron: rank {os.environ.get('RANK', 0)}: a collective did not finish within "
-              f"parallel.timeout_s={cfg.parallel.timeout_s:g} s (a rank died or hangs)", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        kind, line = "timeout", (f"tetron: rank {rank}: a collective did not finish within "
+                                 f"parallel.timeout_s={cfg.parallel.timeout_s:g} s (a rank died or hangs)")
+        if report is None and "MASTER_ADDR" in os.environ:  # tetron's launcher names them itself
+            silent = _silent_ranks(rank)
+            if silent is None:
+                raise SystemExit(1) from None  # a lower rank that timed out too says it
+            if silent:
+                line += f"; {'rank' if len(silent) == 1 else 'ranks'} {', '.join(map(str, silent))} stopped answering"
+    elif _is_peer_gone(err):
+        kind, line = "peer", f"tetron: rank {rank}: another rank went away during a collective ({err})"
+    else:
+        raise err
+    if report is not None:
+        report.write(kind, message=str(err))
+    else:
+        print(line.splitlines()[0], file=sys.stderr, flush=True)
+    raise SystemExit(1) from None
+
+
+def _silent_ranks(rank: int, wait_s: float = 2.0) -> list[int] | None:
+    """After a timeout under torchrun: each rank that timed out says so in the job's store and waits a
+    moment for the others; the ranks that never said so are the ones that stopped answering. Returns them
+    on the lowest rank that timed out, None on the others (one line for the job), [] when the store cannot
+    tell (it may live in the rank that stopped)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    prefix = f"tetron/timed_out/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=wait_s + 3))
+        store.set(f"{prefix}{rank}", "1")
+        time.sleep(wait_s)
+        said = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+    except (RuntimeError, ValueError, OSError):  # DistStoreError and DistNetworkError are RuntimeErrors
+        return []
+    return [r for r in range(world) if r not in said] if min(said, default=rank) == rank else None
+
+
+def _abort(sig: signal.Signals, out: str, *, announce: bool) -> None:
+    """A second stop signal: end this process now (from the signal thread, whatever the main thread is
+    blocked in). Saves are atomic, so the last complete checkpoint stays whole."""
+    if announce:
+        latest = find_latest(Path(out))
+        where = f"the last complete checkpoint is {latest}" if latest else "no checkpoint was saved"
+        os.write(2, f"tetron: aborted by a second {sig.name}; {where}\n".encode())
+    os._exit(128 + sig)

@@ -1,38 +1,46 @@
 """The process layout: one object over DeviceMesh with this rank's coordinates, groups and neighbours.
 
 Axes are ordered (pp, dp, cp, tp): tp innermost so tensor-parallel ranks are neighbours
-(same node, fastest links), pp outermost. The dp*cp group, over which gradients are
-averaged, is built explicitly from the rank grid rather than through DeviceMesh's private
-flattening API.
+(same node, fastest links), pp outermost. Every group (each axis, dp*cp over which gradients
+are averaged, the tied-embedding pairs) is built explicitly from the rank grid with `new_group`
+and the run's timeout, and the DeviceMesh is assembled from the axis groups
+(`DeviceMesh.from_group`): groups that init_device_mesh or new_group create on their own wait
+torch's default 30 minutes, not `parallel.timeout_s`.
 """
 
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp", "cp", "tp")
 
 
 class Mesh:
-    """This rank's place in the pp x dp x cp x tp grid. Requires an initialised process group."""
+    """This rank's place in the pp x dp x cp x tp grid. Requires an initialised process group.
 
-    def __init__(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, device_type: str = "cpu") -> None:
+    `timeout`: how long any collective of its groups may wait (parallel.timeout_s); None: torch's default."""
+
+    def __init__(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, device_type: str = "cpu",
+                 timeout: timedelta | None = None) -> None:
         self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         self.world_size = pp * dp * cp * tp
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"world size {dist.get_world_size()} != pp*dp*cp*tp = {self.world_size}")
         self.rank = dist.get_rank()
         self.device_type = device_type
-        self.device_mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=AXES)
+        self.timeout = timeout
         # [pp, dp, cp, tp] grid of global ranks
         self.grid = torch.arange(self.world_size).reshape(pp, dp, cp, tp)
         coords = (self.grid == self.rank).nonzero()[0].tolist()
         self.coords = dict(zip(AXES, coords))
-        self.groups = {axis: self.device_mesh.get_group(axis) for axis in AXES}
+        self.groups = {axis: self._new_group_over((axis,)) for axis in AXES}
+        self.device_mesh = DeviceMesh.from_group([self.groups[a] for a in AXES], device_type, mesh=self.grid,
+                                                 mesh_dim_names=AXES)
         self.groups["dp_cp"] = self._new_group_over(("dp", "cp"))
         if pp > 1:
             self.groups["embed"] = self._embedding_group()
@@ -45,7 +53,7 @@ class Mesh:
         rows = self.grid.permute(*other, *keep).reshape(-1, math.prod(self.sizes[a] for a in axes))
         mine = None
         for row in rows.tolist():
-            group = dist.new_group(row)
+            group = dist.new_group(row, timeout=self.timeout)
             if self.rank in row:
                 mine = group
         assert mine is not None
@@ -57,7 +65,7 @@ class Mesh:
         ends = self.grid[[0, -1]].permute(1, 2, 3, 0).reshape(-1, 2)  # [dp*cp*tp, 2]: (first, last)
         mine = None
         for pair in ends.tolist():
-            group = dist.new_group(pair)
+            group = dist.new_group(pair, timeout=self.timeout)
             if self.rank in pair:
                 mine = group
         return mine

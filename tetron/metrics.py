@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from tetron.errors import StorageError
 from tetron.fs import write_text
 
 
@@ -53,11 +54,16 @@ class MetricsLog:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         self.file = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as err:  # a full disk: one line naming the log, not a stack
+            raise StorageError(f"{self.path}: cannot write the step's record ({err.strerror}); free space or "
+                               f"fix it, then --resume auto") from None
 
     def close(self) -> None:
         self.file.close()

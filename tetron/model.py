@@ -83,8 +83,15 @@ class LlamaConfig:
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
                 raise ValueError(f"no Hugging Face config file at {path}")
-            with open(path, encoding="utf-8") as f:
-                hf = json.load(f)
+            if os.path.getsize(path) > 64 << 20:
+                raise ValueError(f"{path} is larger than 64 MiB: not a model config")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    hf = json.load(f)
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+                raise ValueError(f"{path} is not valid JSON ({type(err).__name__})") from None
+        if not isinstance(hf, dict):
+            raise ValueError("expected a JSON object of config fields")
         if hf.get("model_type", "llama") != "llama":
             raise ValueError(f"model_type={hf['model_type']!r} is not supported; tetron reads 'llama' configs")
         if hf.get("hidden_act", "silu") != "silu":
@@ -93,6 +100,7 @@ class LlamaConfig:
             raise ValueError("attention_bias/mlp_bias=True is not supported; tetron's linears have no bias")
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "rope_scaling"}
         kwargs = {k: v for k, v in hf.items() if k in names}
+        _check_hf_types(kwargs)
         # transformers 5 writes RoPE as one "rope_parameters" dict; 4.x as rope_theta + rope_scaling.
         rope = hf.get("rope_parameters")
         if rope:
@@ -103,7 +111,13 @@ class LlamaConfig:
         else:
             kwargs["rope_theta"] = hf.get("rope_theta", cls.rope_theta)
             kwargs["rope_scaling"] = hf.get("rope_scaling")
-        return cls(**kwargs)
+        if not isinstance(kwargs["rope_theta"], (int, float)) or isinstance(kwargs["rope_theta"], bool):
+            raise ValueError(f"rope_theta={kwargs['rope_theta']!r}: expected a number")
+        if not isinstance(kwargs["rope_scaling"], (dict, type(None))):
+            raise ValueError(f"rope_scaling={kwargs['rope_scaling']!r}: expected a mapping or null")
+        config = cls(**kwargs)
+        _check_is_llama(hf)  # after building, so that a rope or head error names itself first
+        return config
 
     def to_hf(self, dtype: str = "float32") -> dict:
         """A config dict that transformers (4.x and 5.x) loads as a LlamaForCausalLM, its weights in `dtype`."""
@@ -139,6 +153,38 @@ class LlamaConfig:
         """
         n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
         return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+
+
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_HF_INTS = {*_HF_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings", "bos_token_id"}
+
+
+def _check_hf_types(kwargs: dict) -> None:
+    """Each config.json field tetron reads has its type (a string for a size would fail far later)."""
+    for name, value in kwargs.items():
+        if name in _HF_INTS and not (value is None and name not in _HF_REQUIRED) and (
+                type(value) is not int or (value < 1 and name != "bos_token_id")):
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
+        if name in ("rms_norm_eps", "initializer_range") and (
+                not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ValueError(f"{name}={value!r}: expected a number")
+        if name == "tie_word_embeddings" and type(value) is not bool:
+            raise ValueError(f"{name}={value!r}: expected true or false")
+        if name == "eos_token_id" and not (value is None or type(value) is int or (
+                isinstance(value, list) and all(type(v) is int for v in value))):
+            raise ValueError(f"{name}={value!r}: expected an integer, a list of integers or null")
+
+
+def _check_is_llama(hf: dict) -> None:
+    """A Llama config, not any JSON: model_type "llama" (or, in older files, a Llama architecture) and
+    every size given, so that nothing falls back to a default (transformers' is a 6.9B model)."""
+    archs = hf.get("architectures")
+    named = isinstance(archs, list) and any(isinstance(a, str) and a.startswith("Llama") for a in archs)
+    if "model_type" not in hf and not named:
+        raise ValueError("no model_type (nor a Llama architecture): not a Llama config.json")
+    missing = [k for k in _HF_REQUIRED if k not in hf]
+    if missing:
+        raise ValueError(f"{missing[0]} is missing: a Llama config gives {', '.join(_HF_REQUIRED)}")
 
 
 def rope_inv_freq(config: LlamaConfig, *, device: torch.device | None = None) -> Tensor:

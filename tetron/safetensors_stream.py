@@ -8,6 +8,7 @@ files are read by `safetensors` (and transformers) like any other.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -40,7 +41,11 @@ class SafetensorsWriter:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         self.path = Path(path)
         self.file = open(self.path, "wb")
-        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        try:
+            self.file.write(struct.pack("<Q", len(raw)) + raw)
+        except OSError as err:
+            err.filename = err.filename or str(self.path)
+            raise
         self.next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -50,7 +55,11 @@ class SafetensorsWriter:
                              f"got {name} {tensor.dtype} {list(tensor.shape)}")
         data = tensor.detach().contiguous().cpu()
         # bytes of any dtype (numpy has no bfloat16): view the storage as uint8
-        self.file.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        try:
+            self.file.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        except OSError as err:  # a full disk: name the file (a failed write() names none)
+            err.filename = err.filename or str(self.path)
+            raise
         self.next += 1
 
     def close(self) -> None:
@@ -58,6 +67,12 @@ class SafetensorsWriter:
             missing = self.expected[self.next][0]
             self.file.close()
             raise ValueError(f"{self.path}: closed before {missing} was written")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as err:
+            err.filename = err.filename or str(self.path)
+            with contextlib.suppress(OSError):
+                self.file.close()
+            raise
         self.file.close()

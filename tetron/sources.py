@@ -1,6 +1,11 @@
 """Text sources: local files (.txt, .jsonl, .parquet, source code), the Python standard library
 (`stdlib`) or a Hugging Face dataset (`hf:NAME[:CONFIG][:SPLIT]`), read as documents in a fixed order,
-and a fingerprint of what a source yields, for cache keys."""
+and a fingerprint of what a source yields, for cache keys.
+
+Every record is read defensively: a .jsonl line is bounded (MAX_RECORD_BYTES), and bad UTF-8, bad JSON,
+JSON nested too deeply, a missing or non-string text field, or an unreadable parquet file is one DataError
+naming the file and line or row; or, with data.on_bad_record=skip, the record is skipped and counted
+(BadRecords)."""
 
 from __future__ import annotations
 
@@ -11,11 +16,32 @@ import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tetron.errors import DataError
+from tetron.hub import hub_problem
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".py", ".md")
+MAX_RECORD_BYTES = 256 << 20  # the longest .jsonl line read
+
+
+class BadRecords:
+    """Records skipped under data.on_bad_record=skip: how many, and where the first was."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: str | None = None
+
+    def add(self, where: str) -> None:
+        self.count += 1
+        self.first = self.first or where
+
+
+def _bad(where: str, what: str, skip: BadRecords | None) -> None:
+    """A record that cannot be used: a DataError (on_bad_record=stop, skip None), or counted and skipped."""
+    if skip is None:
+        raise DataError(f"data: {where} {what}; data.on_bad_record=skip skips such records")
+    skip.add(where)
 
 
 def _stdlib_files() -> list[Path]:
@@ -45,6 +71,8 @@ def resolve_files(spec: str) -> list[Path]:
         return files
     if path.is_file():
         return [path]
+    if path.exists() and not path.is_dir():
+        raise DataError(f"data: {spec} is not a regular file or folder (a FIFO or a device cannot be data)")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
         if not files:
@@ -68,9 +96,11 @@ def _parse_hf(spec: str) -> tuple[str, str | None, str]:
 
 
 def _load_hf(spec: str, text_field: str) -> Any:
+    name, config, split = _parse_hf(spec)
+    if not Path(name).expanduser().exists() and (problem := hub_problem(name, "dataset")) is not None:
+        raise DataError(f"data: {spec}: {problem}")  # at once, not after a minute of retries
     import datasets  # slow to import; only needed for hf: specs
 
-    name, config, split = _parse_hf(spec)
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # datasets raises many types; all mean "cannot load this"
@@ -82,40 +112,71 @@ def _load_hf(spec: str, text_field: str) -> Any:
     return ds
 
 
-def _iter_hf(spec: str, text_field: str) -> Iterator[str]:
-    ds = _load_hf(spec, text_field)
-    for batch in ds.select_columns([text_field]).iter(batch_size=1000):
-        for text in batch[text_field]:
+def _texts(values: Iterator[Any], where: Callable[[int], str], text_field: str,
+           skip: BadRecords | None) -> Iterator[str]:
+    """The strings of a text column (null: an empty document); any other value is a bad record."""
+    for i, text in enumerate(values):
+        if text is None or isinstance(text, str):
             yield text or ""
+        else:
+            _bad(where(i), f"has a {type(text).__name__} in {text_field!r}, not text (set data.text_field)", skip)
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+def _iter_hf(spec: str, text_field: str, skip: BadRecords | None) -> Iterator[str]:
+    ds = _load_hf(spec, text_field)
+    for b, batch in enumerate(ds.select_columns([text_field]).iter(batch_size=1000)):
+        yield from _texts(iter(batch[text_field]), lambda i, b=b: f"{spec} row {b * 1000 + i}", text_field, skip)
+
+
+def _jsonl_record(line: bytes, where: str, text_field: str, skip: BadRecords | None) -> str | None:
+    """The text of one .jsonl line, or None (blank, or a bad record skipped)."""
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except UnicodeDecodeError:
+        return _bad(where, "is not valid UTF-8", skip)
+    except RecursionError:
+        return _bad(where, "is JSON nested too deeply", skip)
+    except ValueError as e:  # JSONDecodeError, or an integer too long to convert
+        return _bad(where, f"is not JSON ({getattr(e, 'msg', e)}); expected one object per line", skip)
+    if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+        return _bad(where, f"has no string field {text_field!r} (set data.text_field)", skip)
+    return obj[text_field]
+
+
+def _iter_jsonl(path: Path, text_field: str, skip: BadRecords | None) -> Iterator[str]:
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+        lineno = 0
+        while line := f.readline(MAX_RECORD_BYTES + 1):
+            lineno += 1
+            if len(line) > MAX_RECORD_BYTES:
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass  # the remainder of the over-long line
+                _bad(f"{path} line {lineno}", f"is longer than {MAX_RECORD_BYTES} bytes", skip)
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"data: {path} line {lineno} is not JSON ({e.msg}); expected one object per line"
-                ) from e
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                raise DataError(f"data: {path} line {lineno} has no string field {text_field!r} (set text_field)")
-            yield obj[text_field]
+            text = _jsonl_record(line, f"{path} line {lineno}", text_field, skip)
+            if text is not None:
+                yield text
 
 
-def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+def _iter_parquet(path: Path, text_field: str, skip: BadRecords | None) -> Iterator[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise DataError(
-            f"data: {path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}; set text_field)"
-        )
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            yield text or ""
+    try:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            raise DataError(f"data: {path} has no column {text_field!r} (columns: {', '.join(names)}; set text_field)")
+        row = 0
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            values = batch.column(0).to_pylist()
+            yield from _texts(iter(values), lambda i, row=row: f"{path} row {row + i}", text_field, skip)
+            row += len(values)
+    except (pa.ArrowException, OSError) as err:  # a damaged file: its footer, a page, a codec
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(f"data: {path} is not a readable parquet file ({first})") from None
 
 
 def _read_text(path: Path, limit: int | None) -> str:
@@ -127,20 +188,22 @@ def _read_text(path: Path, limit: int | None) -> str:
     return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=final)
 
 
-def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = None) -> Iterator[str]:
-    """Yield the documents of a data spec, in a fixed order; stop after about max_bytes of UTF-8 text."""
+def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = None,
+               skip: BadRecords | None = None) -> Iterator[str]:
+    """Yield the documents of a data spec, in a fixed order; stop after about max_bytes of UTF-8 text.
+    A bad record raises DataError, or with `skip` (data.on_bad_record=skip) is counted there and left out."""
     if max_bytes is not None and max_bytes <= 0:
         raise DataError(f"data: max_bytes={max_bytes} must be positive (or None for all the data)")
 
     def docs() -> Iterator[str]:
         if spec.startswith("hf:"):
-            yield from _iter_hf(spec, text_field)
+            yield from _iter_hf(spec, text_field, skip)
             return
         for path in resolve_files(spec):
             if path.suffix == ".jsonl":
-                yield from _iter_jsonl(path, text_field)
+                yield from _iter_jsonl(path, text_field, skip)
             elif path.suffix == ".parquet":
-                yield from _iter_parquet(path, text_field)
+                yield from _iter_parquet(path, text_field, skip)
             else:
                 # Read no more than needed: a prefix of a huge file is enough.
                 yield _read_text(path, None if max_bytes is None else max_bytes - total)
@@ -160,9 +223,11 @@ def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = N
         yield doc
 
 
-def data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None) -> str:
-    """A hash of the documents a spec yields, for cache keys; does not depend on where the data lies."""
-    h = hashlib.sha256(json.dumps({"text_field": text_field, "max_bytes": max_bytes}).encode())
+def data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None, skip_bad: bool = False) -> str:
+    """A hash of the documents a spec yields, for cache keys; does not depend on where the data lies.
+    `skip_bad` (data.on_bad_record=skip) yields other documents from the same files: another key."""
+    head = {"text_field": text_field, "max_bytes": max_bytes, **({"skip_bad": True} if skip_bad else {})}
+    h = hashlib.sha256(json.dumps(head).encode())
     if spec.startswith("hf:"):
         fp = getattr(_load_hf(spec, text_field), "_fingerprint", None)
         if fp:
@@ -179,7 +244,7 @@ def data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None) -> st
                     h.update(chunk)
         return h.hexdigest()
     # A prefix (or a dataset without a fingerprint): hash exactly the text that will be used.
-    for doc in iter_texts(spec, text_field=text_field, max_bytes=max_bytes):
+    for doc in iter_texts(spec, text_field=text_field, max_bytes=max_bytes, skip=BadRecords() if skip_bad else None):
         raw = doc.encode("utf-8")
         h.update(f"\0doc:{len(raw)}\0".encode())
         h.update(raw)

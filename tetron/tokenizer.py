@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tetron.errors import DataError
-from tetron.fs import replace_folder, temp_name, write_json
-from tetron.sources import data_fingerprint, iter_texts
+from tetron.fs import read_bounded, replace_folder, temp_name, write_json
+from tetron.hub import hub_problem
+from tetron.sources import BadRecords, data_fingerprint, iter_texts
 
 EOS_TOKEN = "<|endoftext|>"
+MAX_TOKENIZER_BYTES = 1 << 30  # the largest tokenizer.json read (the largest real ones are tens of MB)
 
 
 class Tokenizer:
@@ -118,8 +120,8 @@ def _load_saved(folder: Path) -> Tokenizer:
     """A folder written by Tokenizer.save; a damaged one is a DataError naming the file."""
     path = folder / "tetron_tokenizer.json"
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        meta = json.loads(read_bounded(path, 1 << 20))
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad UTF-8 or JSON
         raise DataError(f"{path}: not a readable tokenizer description ({type(err).__name__})") from None
     kind = meta.get("type") if isinstance(meta, dict) else None
     if kind == "bytes" and meta.get("vocab_size") == 256 and meta.get("eos_id") is None:
@@ -132,17 +134,22 @@ def _load_saved(folder: Path) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     try:
-        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    except Exception as err:  # tokenizers raises its own exception types for a bad file
+        backend = HFTokenizer.from_str(read_bounded(folder / "tokenizer.json", MAX_TOKENIZER_BYTES).decode("utf-8"))
+    except Exception as err:  # OSError, bad UTF-8, and tokenizers' own exception types for a bad file
         raise DataError(f"{folder / 'tokenizer.json'}: not a readable tokenizer ({type(err).__name__})") from None
+    if backend.get_vocab_size(with_added_tokens=True) > vocab:
+        raise DataError(f"{path}: vocab_size={vocab}, but tokenizer.json has "
+                        f"{backend.get_vocab_size(with_added_tokens=True)} tokens")
     return Tokenizer(backend, eos, vocab_size=vocab)
 
 
 def _load_pretrained(spec: str) -> Tokenizer:
     """A Hugging Face tokenizer folder, tokenizer.json file, or hub name, through transformers."""
+    path = Path(spec).expanduser()
+    if not path.exists() and (problem := hub_problem(spec, "model")) is not None:
+        raise DataError(f"data.tokenizer={spec}: {problem}")  # at once, not after a minute of retries
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    path = Path(spec).expanduser()
     try:
         if path.is_file():
             if (path.parent / "tokenizer_config.json").exists():
@@ -170,23 +177,25 @@ def load_tokenizer(
     text_field: str = "text",
     max_bytes: int | None = None,
     say: Callable[[str], None] | None = None,
+    skip_bad: bool = False,
 ) -> Tokenizer:
     """`bytes`, `bpe:N` (trained on the data once, then cached), or a Hugging Face tokenizer. `say`
-    is told when a tokenizer is trained (seconds to minutes)."""
+    is told when a tokenizer is trained (seconds to minutes); `skip_bad`: data.on_bad_record=skip."""
     if spec == "bytes":
         return Tokenizer(None, None)
     if spec.startswith("bpe:"):
         vocab_size = _bpe_vocab_size(spec)
         if data_spec is None:
             raise DataError(f"data: tokenizer {spec!r} is trained on the data; give a data spec to train it on")
-        data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes)
+        data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes, skip_bad=skip_bad)
         key = hashlib.sha256(f"bpe:{vocab_size}:{data_fp}".encode()).hexdigest()
         folder = Path(cache_dir) / "tokenizers" / f"bpe{vocab_size}-{key[:20]}"
         if (folder / "tetron_tokenizer.json").exists():
             return _load_saved(folder)
         if say is not None:
             say(f"training a {vocab_size}-token byte-level BPE on {data_spec} (once; cached in {folder.parent})")
-        tok = _train_bpe(vocab_size, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes))
+        skip = BadRecords() if skip_bad else None
+        tok = _train_bpe(vocab_size, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes, skip=skip))
         # Save under a temporary name and rename, so a crash never leaves a partial cache entry.
         tmp = temp_name(folder)
         tok.save(tmp)

@@ -6,6 +6,9 @@
                 finished over the mesh, the global loss, clipping, the optimizer step
     Reporter    metrics.jsonl and the progress bar, on rank 0
     save        a checkpoint; at the end also OUT/model
+
+A stop request (a signal, stop.py) rides on each step's loss all-reduce: when any rank has one, every
+rank finishes that step, saves, and `train` returns early with `stopped_at` set.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tetron.checkpoint import clean_stale, find_latest, save_checkpoint, write_m
 from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_from
 from tetron.config import Config
 from tetron.data import DataLoader, load_tokens, prepare_data, tokenizer_spec
+from tetron.errors import ConfigError
 from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
 from tetron.metrics import MetricsLog, ProgressBar, mfu, say, trim_after
@@ -42,6 +46,7 @@ from tetron.parallel.parallelize import (
 from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activation_shape, layer_ranks
 from tetron.parallel.zero import ShardedAdamW
 from tetron.schedule import lr_at
+from tetron.stop import StopRequest
 from tetron.tokenizer import Tokenizer
 
 # ------------------------------------------------------------------------------------ building the run
@@ -64,6 +69,7 @@ class Run:
     device_positions: Tensor  # the same on the device: the RoPE position ids
     pipeline: Pipeline | None  # the schedule runner under pp, else None
     layer_ranks: list[int]  # the pipeline rank of each decoder layer, for checkpoints
+    stop: StopRequest | None = None  # set by a signal: finish the step, save, return
 
 
 def load_data(cfg: Config, mesh: Mesh) -> tuple[Tokenizer, DataLoader]:
@@ -119,7 +125,8 @@ def describe(run: Run) -> None:
         f"{t.steps * tokens_per_step:,} tokens, {epochs:.2f} epochs")
 
 
-def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = False) -> Run:
+def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = False,
+              stop: StopRequest | None = None) -> Run:
     """Everything a rank needs before its first step. `trace` keeps test-only records (pipeline
     actions, data-parallel collective counts)."""
     tokenizer, loader = load_data(cfg, mesh)
@@ -135,7 +142,7 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
               dtype=torch.bfloat16 if t.dtype == "bfloat16" else torch.float32,
               loss_fn=lambda logits, targets: token_loss(logits, targets) / local_tokens,
               positions=positions, device_positions=positions.to(device), pipeline=None,
-              layer_ranks=layer_ranks(cfg))
+              layer_ranks=layer_ranks(cfg), stop=stop)
     restore(run)
     if mesh.rank == 0:
         describe(run)
@@ -160,6 +167,7 @@ class StepFigures:
     skipped: bool  # a non-finite loss under on_nonfinite=skip: no update
     time_s: float
     memory: dict[str, float] | None = None  # MiB this rank holds, by kind (measured on a launch's first step)
+    stop: bool = False  # some rank was asked to stop: every rank saves after this step and returns
 
 
 def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
@@ -183,16 +191,21 @@ def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Te
     return loss_sum
 
 
-def global_loss(run: Run, loss_sum: Tensor) -> float:
-    """The step's mean loss over the global batch, the same on every rank."""
+def global_loss(run: Run, loss_sum: Tensor) -> tuple[float, bool]:
+    """The step's mean loss over the global batch, the same on every rank, and whether any rank has been
+    asked to stop. Both travel in one all-reduce of two floats over the world, which replaces the loss's
+    own over dp*cp and pp: the stop request costs one float more (under tp alone, this is the one tiny
+    collective a step gains)."""
     mesh = run.mesh
-    if mesh.size("dp_cp") > 1:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG, group=mesh.group("dp_cp"))
-    if mesh.size("pp") > 1:
-        # Zero on every stage but the last: the sum hands every rank (rank 0, which logs, too)
-        # the last stage's mean.
-        dist.all_reduce(loss_sum, group=mesh.group("pp"))
-    return float(loss_sum)
+    stop = run.stop is not None and run.stop.requested
+    if mesh.world_size == 1:
+        return float(loss_sum), stop
+    # Each rank adds loss / (dp*cp*tp): the tp ranks of a stage hold the same loss, every stage but the last
+    # holds zero, so the sum is the mean over dp*cp of the last stage's loss, on every rank.
+    share = loss_sum.float() / (mesh.size("dp_cp") * mesh.size("tp"))
+    both = torch.stack([share, torch.tensor(float(stop), device=share.device)])
+    dist.all_reduce(both)
+    return float(both[0]), bool(both[1] > 0)
 
 
 def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
@@ -226,7 +239,7 @@ def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigu
     with meter or contextlib.nullcontext():
         loss_sum = forward_backward(run, micro_batches)
     finish_gradients(run.model, run.mesh, run.optimizer)
-    loss = global_loss(run, loss_sum)  # the same on every rank, so every rank takes the same branch below
+    loss, stop = global_loss(run, loss_sum)  # the same on every rank, so every rank takes the same branch below
     skipped = not math.isfinite(loss)
     if skipped and t.on_nonfinite == "stop":
         raise FloatingPointError(f"step {step + 1}: loss is {loss}; stopping before the weights are updated "
@@ -240,7 +253,7 @@ def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigu
     run.model.zero_grad()
     dev.synchronize(run.device)
     return StepFigures(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped, time_s=time.perf_counter() - start,
-                       memory=memory)
+                       memory=memory, stop=stop)
 
 
 # ------------------------------------------------------------------------------------ report and save
@@ -287,9 +300,11 @@ class Reporter:
         self.log.close()
 
 
-def save(run: Run, step: int) -> None:
-    """OUT/checkpoints/step_{step}, streamed to rank 0; every rank calls this."""
+def save(run: Run) -> None:
+    """OUT/checkpoints/step_N for the steps taken (N is the loader's position: a checkpoint's name and
+    content always agree), streamed to rank 0; every rank calls this."""
     cfg, mesh = run.cfg, run.mesh
+    step = run.loader.step
     layout = {**{a: mesh.size(a) for a in ("dp", "tp", "pp", "cp")}, "pp_virtual": cfg.parallel.pp_virtual,
               "world_size": mesh.world_size}
     state = {"step": step, "tokens": step * cfg.global_batch * cfg.data.seq_len, "loader": run.loader.state_dict(),
@@ -319,6 +334,7 @@ class TrainResult:
     chunks: list[Llama] = field(default_factory=list)  # this rank's bare chunks, virtual-stage order
     pipeline_trace: PipelineTrace | None = None  # with trace under pp: this rank's actions, last step
     dp_collectives: int | None = None  # with trace: gradient all-reduces issued by data parallelism
+    stopped_at: int | None = None  # the step saved when a stop request ended the run early, else None
 
     @property
     def model(self) -> Llama:
@@ -326,26 +342,35 @@ class TrainResult:
         return self.chunks[0]
 
 
-def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace: bool = False) -> TrainResult:
-    """Train `cfg` on the ranks of `mesh`; every rank calls this."""
-    run = build_run(cfg, mesh, device or torch.device("cpu"), trace=trace)
-    reporter = Reporter(run) if mesh.rank == 0 else None
-    result = TrainResult(chunks=run.model.chunks)
+def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace: bool = False,
+          stop: StopRequest | None = None) -> TrainResult:
+    """Train `cfg` on the ranks of `mesh`; every rank calls this. A `stop` request (a signal) makes every
+    rank save after the current step and return (result.stopped_at), without writing OUT/model."""
+    run = build_run(cfg, mesh, device or torch.device("cpu"), trace=trace, stop=stop)
     t, save_every = cfg.train, cfg.checkpoint.save_every
     first = run.loader.step
+    if first > t.steps:  # validate refuses this before start; a checkpoint named step_{steps} must hold that step
+        raise ConfigError(f"train.steps={t.steps} is below the step the run resumes at ({first}); "
+                          f"use train.steps >= {first}")
+    reporter = Reporter(run) if mesh.rank == 0 else None
+    result = TrainResult(chunks=run.model.chunks)
     for step in range(first, t.steps):
         figures = train_step(run, step, measure_memory=step == first)
         result.losses.append(figures.loss)
         if reporter:
             reporter.step(step, figures)
-        if save_every and (step + 1) % save_every == 0 and step + 1 < t.steps:
-            save(run, step + 1)
+        periodic = bool(save_every) and (step + 1) % save_every == 0
+        if (periodic or figures.stop) and step + 1 < t.steps:
+            save(run)
+        if figures.stop and step + 1 < t.steps:
+            result.stopped_at = step + 1
+            break
     if reporter:
         reporter.close()
     if trace:
         result.dp_collectives = sum(chunk.num_collectives for chunk in run.model.dp_chunks)
         result.pipeline_trace = run.pipeline.trace if run.pipeline is not None else None
-    # The final checkpoint, and OUT/model: both streamed to rank 0.
-    save(run, t.steps)
-    write_model(run)
+    if result.stopped_at is None:  # the final checkpoint, and OUT/model: both streamed to rank 0
+        save(run)
+        write_model(run)
     return result

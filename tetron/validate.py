@@ -1,19 +1,26 @@
 """Every check of a run configuration that needs no process group: one `ConfigError` line each,
-naming the field, the values and what would work, raised before any rank starts."""
+naming the field, the values and what would work, raised before any rank starts. Nothing that could
+be refused here may reach a rank: numbers (finite, in range), the device, the run folder and every
+path the run writes, the checkpoint or model folder it starts from, a hub name it would download."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 from pathlib import Path
 
-from tetron.checkpoint import find_latest
+from tetron.checkpoint import find_latest, is_run_folder
 from tetron.checkpoint_load import inspect_checkpoint, read_model_config
 from tetron.config import CONFIGS_DIR, Config
 from tetron.data import tokenizer_spec
+from tetron.device import device_problem
 from tetron.errors import CheckpointError, ConfigError, DataError
 from tetron.errors import check as _check
+from tetron.hub import hub_problem
 from tetron.sources import resolve_files
+from tetron.stop import parse_signal
 
 
 def _validate_pipeline(cfg: Config) -> None:
@@ -63,30 +70,49 @@ def _validate_checkpoint(cfg: Config) -> None:
     _check(c.save_every >= 0, f"checkpoint.save_every={c.save_every} must be >= 0 (0: only at the end)")
     _check(c.keep >= 1, f"checkpoint.keep={c.keep} must be at least 1")
     _check(c.shard_mb >= 1, f"checkpoint.shard_mb={c.shard_mb} must be at least 1")
+    if c.stop_signal is not None:
+        try:
+            parse_signal(c.stop_signal)
+        except ValueError as err:
+            raise ConfigError(f"checkpoint.stop_signal={c.stop_signal}: {err}") from None
     try:
         if c.resume is not None:
-            folder = find_latest(Path(cfg.out)) if c.resume == "auto" else Path(c.resume).expanduser()
-            _check(c.resume == "auto" or folder.is_dir(),
-                   f"checkpoint.resume={c.resume}: no such folder (give a checkpoint folder or auto)")
-            if folder is not None:
-                state = inspect_checkpoint(folder, cfg.model)
-                loader = state.get("loader") if state else None
-                if loader is not None:
-                    for name, mine in (("seq_len", cfg.data.seq_len), ("global_batch", cfg.global_batch),
-                                       ("seed", cfg.train.seed)):
-                        _check(loader[name] == mine, f"{folder}/trainer_state.json: {name}={loader[name]} there, "
-                                                     f"{mine} in this run; use the same to continue the data order")
+            _validate_resume(cfg)
         if c.init_from is not None:
             path = Path(c.init_from).expanduser()
             if path.exists():
                 _check(path.is_dir(), f"checkpoint.init_from={c.init_from}: not a folder")
                 read_model_config(path)
-                inspect_checkpoint(path, cfg.model, require_state=False)
-            else:  # a hub name can only be checked by downloading it, which the ranks do
+                inspect_checkpoint(path, cfg.model, require_state=False, settings=not c.new_model_settings)
+            else:  # a hub name: cached, or downloadable (rank 0 downloads it); refused at once when offline
                 _check(re.fullmatch(r"[\w.-]+/[\w.-]+", c.init_from) is not None,
                        f"checkpoint.init_from={c.init_from}: no such folder, and not a hub name (org/name)")
+                problem = hub_problem(c.init_from, "model")
+                _check(problem is None, f"checkpoint.init_from={c.init_from}: {problem}")
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
+
+
+def _validate_resume(cfg: Config) -> None:
+    """The checkpoint a run resumes from: whole, the same model (shapes, and the settings that give the
+    weights their meaning), the same data order, and not past the steps this run is asked for."""
+    c = cfg.checkpoint
+    folder = find_latest(Path(cfg.out)) if c.resume == "auto" else Path(c.resume).expanduser()
+    _check(c.resume == "auto" or folder.is_dir(),
+           f"checkpoint.resume={c.resume}: no such folder (give a checkpoint folder or auto)")
+    if folder is None:
+        return  # auto, and nothing saved yet: the run starts from the beginning
+    state = inspect_checkpoint(folder, cfg.model, settings=not c.new_model_settings)
+    step = state["step"] if state else 0
+    _check(step <= cfg.train.steps,
+           f"train.steps={cfg.train.steps} is below step {step} of {folder}, where this run would resume: "
+           f"use train.steps >= {step} (or resume from an earlier checkpoint)")
+    loader = state.get("loader") if state else None
+    if loader is not None:
+        for name, mine in (("seq_len", cfg.data.seq_len), ("global_batch", cfg.global_batch),
+                           ("seed", cfg.train.seed)):
+            _check(loader[name] == mine, f"{folder}/trainer_state.json: {name}={loader[name]} there, "
+                                         f"{mine} in this run; use the same to continue the data order")
 
 
 def _validate_layout(cfg: Config, world_size: int | None) -> None:
@@ -99,7 +125,9 @@ def _validate_layout(cfg: Config, world_size: int | None) -> None:
                f"world size {world_size} is not dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {cfg.world_size}; "
                f"launch {cfg.world_size} ranks or change the sizes")
     _check(p.bucket_mb > 0, f"parallel.bucket_mb={p.bucket_mb} must be positive")
-    _check(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
+    _check(0 < p.timeout_s <= 1e7, f"parallel.timeout_s={p.timeout_s} must be positive (seconds, at most 1e7)")
+    problem = device_problem(p.device, cfg.world_size if world_size is None else None)
+    _check(problem is None, f"parallel.device={p.device}: {problem}")
 
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim"):
@@ -155,6 +183,8 @@ def _validate_train(cfg: Config) -> None:
     for name in ("steps", "micro_batch", "grad_acc"):
         _check(getattr(t, name) >= 1, f"train.{name}={getattr(t, name)} must be at least 1")
     _check(t.lr > 0, f"train.lr={t.lr} must be positive")
+    _check(t.eps > 0, f"train.eps={t.eps} must be positive (AdamW divides by sqrt(v) + eps)")
+    _check(0 <= t.seed < 2**63, f"train.seed={t.seed} must be in [0, 2**63)")
     _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _check(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     _check(t.decay_steps is None or t.decay_steps >= 1,
@@ -166,11 +196,64 @@ def _validate_train(cfg: Config) -> None:
     _check(p.max_restarts >= 0, f"parallel.max_restarts={p.max_restarts} must be >= 0")
 
 
+def _validate_numbers(cfg: Config) -> None:
+    """Every number finite (no nan or inf anywhere: a timeout of inf, an lr of nan)."""
+    for section in ("model", "parallel", "data", "train", "logging", "checkpoint"):
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            values = value.items() if isinstance(value, dict) else [("", value)]
+            for key, v in values:
+                where = f"{section}.{f.name}" + (f".{key}" if key else "")
+                _check(not isinstance(v, float) or math.isfinite(v), f"{where}={v} must be a finite number")
+
+
+def _validate_model(cfg: Config) -> None:
+    """The model's settings that give every weight its meaning: positive, and token ids inside the vocabulary."""
+    m = cfg.model
+    for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+        _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
+    _check(m.max_position_embeddings >= 1, f"model.max_position_embeddings={m.max_position_embeddings} must be >= 1")
+    s = m.rope_scaling
+    if s is not None:
+        _check(s["factor"] > 0 and s["low_freq_factor"] > 0 and s["original_max_position_embeddings"] >= 1,
+               f"model.rope_scaling={s}: factor, low_freq_factor and original_max_position_embeddings must be positive")
+        _check(s["high_freq_factor"] > s["low_freq_factor"],
+               f"model.rope_scaling={s}: high_freq_factor must be above low_freq_factor (llama3 divides by the gap)")
+    for name in ("bos_token_id", "eos_token_id"):
+        ids = getattr(m, name)
+        for i in ids if isinstance(ids, list) else [] if ids is None else [ids]:
+            _check(0 <= i < m.vocab_size, f"model.{name}={ids}: ids must be in [0, vocab_size={m.vocab_size})")
+
+
+def _validate_out(cfg: Config) -> None:
+    """The run folder: new, empty, or an earlier tetron run's (never any folder whose model/ a run would
+    replace), and every part of it the run writes writable, checked before the run rather than at its end."""
+    _check(cfg.out.strip() != "", "out='': give a run folder (a new or empty folder, or an earlier run's)")
+    out = Path(cfg.out).expanduser()
+    if not (out.exists() or out.is_symlink()):
+        resolved = out.resolve()
+        existing = next((q for q in [resolved, *resolved.parents] if q.exists()), None)
+        _check(existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK),
+               f"out={cfg.out}: cannot create or write this folder (choose a writable path)")
+        return
+    _check(out.is_dir(), f"out={cfg.out}: exists and is not a folder; give a new or empty folder, or an earlier run's")
+    _check(is_run_folder(out), f"out={cfg.out}: a folder that is neither empty nor a tetron run (it has no "
+                               f"metrics.jsonl, checkpoints/ or model/ that tetron wrote); give a new or empty folder")
+    for path in (out, out / "checkpoints", out / "model", out / "metrics.jsonl"):
+        if path.exists():
+            mode = os.W_OK | os.X_OK if path.is_dir() else os.W_OK
+            _check(os.access(path, mode), f"out={cfg.out}: {path} is not writable, and the run writes there "
+                                          f"(checkpoints, the model, the log); make it writable or choose another out")
+
+
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Every check that needs no process group; raises ConfigError with one line naming the field."""
     names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
     _check(cfg.model is not None, f"model: none given; pass --model with one of {names}, a Hugging Face config.json "
                                   f"or model folder, or a config file with a model section")
+    _validate_numbers(cfg)
+    _validate_model(cfg)
     _validate_layout(cfg, world_size)
     _validate_data(cfg)
     _validate_train(cfg)
@@ -179,8 +262,5 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     lg = cfg.logging
     _check(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be at least 1")
     _check(lg.sample_tokens >= 0, f"logging.sample_tokens={lg.sample_tokens} must be >= 0")
-
-    out = Path(cfg.out).expanduser().resolve()
-    existing = next((q for q in [out, *out.parents] if q.exists()), None)
-    _check(existing is not None and existing.is_dir() and os.access(existing, os.W_OK),
-           f"out={cfg.out}: cannot create or write this folder (choose a writable path)")
+    _check(lg.peak_tflops is None or lg.peak_tflops > 0, f"logging.peak_tflops={lg.peak_tflops} must be positive")
+    _validate_out(cfg)
