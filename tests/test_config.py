@@ -146,6 +146,7 @@ SHORT_FLAG_CASES = {
     "max-restarts": ("2", lambda c: c.parallel.max_restarts, 2),
     "zero": ("2", lambda c: c.parallel.zero, 2),
     "recompute": ("full", lambda c: c.train.recompute, "full"),
+    "force": ("true", lambda c: c.parallel.ignore_memory_limit, True),
 }
 
 

@@ -8,25 +8,35 @@ runs inside a launched job (RANK is set, as under torchrun), where it is one of 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 from importlib.metadata import version
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
-from tetron.checkpoint import STATE_FILE, find_latest
+from tetron.checkpoint import RUN_LOCK, STATE_FILE, find_latest
 from tetron.checkpoint_load import read_json
 from tetron.config import SECTIONS, SHORT_FLAGS, Config, field_docs, from_dict, load_config
-from tetron.data import check_tokenizer_pairing, prepare_data, tokenizer_spec
-from tetron.errors import ConfigError, UserError
+from tetron.data import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
+from tetron.device import cuda_count
+from tetron.errors import ConfigError, DataError, UserError, check
+from tetron.fs import FolderLock
 from tetron.launch import launch
 from tetron.metrics import say
+from tetron.plan.fit import check_fits
 from tetron.schedule import schedule_change
 from tetron.validate import validate
 
 USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] [--print-config]
                     (tetron train --help lists every field and short flag)
+       tetron plan [CONFIG] [--model NAME] --nodes N --gpus-per-node G [--gpu NAME | --memory-gb X]
+                   [--seq-len S] [--batch-tokens T] [axes] [--json] [--write CONFIG.yaml] [--measure K]
+                   (tetron plan --help: rank the layouts that fit, predicted memory and step time)
+       tetron slurm CONFIG --nodes N --gpus-per-node G [--partition P --time T --account A] [--submit]
        tetron convert SRC DST   (a checkpoint to a Hugging Face folder, or a HF folder to a checkpoint)
        tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]
        tetron --version"""
@@ -38,12 +48,43 @@ def _fail(message: str) -> int:
 
 
 def _check_data(cfg: Config) -> None:
-    """Tokenize (or find the cache) before any rank starts, and check the vocabulary fits the model."""
-    tokenizer, _ = prepare_data(cfg, say=say)
+    """Tokenize (or find the cache) before any rank starts; check the vocabulary fits the model, the data
+    fills a global batch, and a resumed run goes on with the data it was trained on."""
+    try:
+        tokenizer, token_path = prepare_data(cfg, say=say)
+    except OSError as err:  # a cache folder that cannot be written, a data file that cannot be read
+        raise DataError(f"data: {err.filename or cfg.data.path}: {err.strerror or err} (check data.path, and that "
+                        f"data.cache_dir is writable)") from None
     check_tokenizer_pairing(cfg, tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
                           f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
+    num_tokens, d = len(load_tokens(token_path)), cfg.data
+    windows = max(num_tokens - 1, 0) // d.seq_len
+    if windows < cfg.global_batch:
+        raise ConfigError(f"data.path={d.path}: {num_tokens:,} tokens make {windows:,} windows of data.seq_len+1="
+                          f"{d.seq_len + 1}, fewer than one global batch of {cfg.global_batch} "
+                          f"(micro_batch*grad_acc*dp); use more data, a shorter seq_len or a smaller batch")
+    folder = start_folder(cfg) if cfg.checkpoint.resume is not None else None
+    state = read_json(folder / STATE_FILE) if folder is not None and (folder / STATE_FILE).is_file() else None
+    before = (state.get("loader") or {}).get("num_tokens") if isinstance(state, dict) else None
+    if before not in (None, num_tokens) and not (cfg.checkpoint.new_data or cfg.checkpoint.new_tokenizer):
+        raise ConfigError(f"data.path={d.path} gives {num_tokens:,} tokens, but {folder} was trained on {before:,}: "
+                          f"other data, whose order the run cannot continue; use that data, or set "
+                          f"checkpoint.new_data=true")
+
+
+def _lock_run_folder(cfg: Config) -> FolderLock:
+    """Hold OUT/tetron.lock while the run lasts: a second run into the same folder is refused in one line
+    (a lock left by a killed run is taken over: the kernel dropped it, and its process is gone)."""
+    lock = FolderLock(Path(cfg.out).expanduser(), RUN_LOCK, run_id=os.environ.get("TORCHELASTIC_RUN_ID"))
+    try:
+        lock.acquire()
+    except BlockingIOError as err:
+        raise ConfigError(f"out={cfg.out}: {err.strerror}; give another out, or wait for that run to end") from None
+    except OSError as err:
+        raise ConfigError(f"out={cfg.out}: cannot lock the run folder ({err.strerror})") from None
+    return lock
 
 
 def train_command(args: list[str]) -> int:
@@ -51,17 +92,33 @@ def train_command(args: list[str]) -> int:
     if args and not args[0].startswith("--"):
         config_path, args = args[0], args[1:]
     inside_launch = "RANK" in os.environ
+    lock = None  # rank 0, or the launching process, holds the run folder while the run lasts
     try:
         cfg = load_config(config_path, args)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
+        # the memory model's peak per rank against this node's memory, before any rank allocates
+        check_fits(cfg, ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if inside_launch else cfg.world_size,
+                   local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         if not inside_launch or os.environ.get("RANK") == "0":
+            lock = _lock_run_folder(cfg)
             _check_data(cfg)
         note = _schedule_note(cfg)
     except UserError as err:
+        if lock is not None:
+            lock.release()
         return _fail(str(err))
+    except KeyboardInterrupt:  # Ctrl-C while checking or tokenizing: nothing started, nothing to save
+        if lock is not None:
+            lock.release()
+        print("tetron: interrupted before any rank started; nothing was trained", file=sys.stderr)
+        return 130
     if note and os.environ.get("RANK", "0") == "0":
         print(f"tetron: note: {note}", flush=True)
-    return launch(cfg)
+    try:
+        return launch(cfg)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _schedule_note(cfg: Config) -> str | None:
@@ -88,24 +145,148 @@ def convert_command(args: list[str]) -> int:
     return 0
 
 
-def generate_command(args: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tetron generate", description="Sample text from a trained run.")
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one ConfigError line, as everywhere in tetron (not usage + error)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _generate_args(args: list[str]) -> argparse.Namespace:
+    """`tetron generate`'s arguments, each checked: one line naming the flag for a bad value."""
+    parser = _OneLineParser(prog="tetron generate", description="Sample text from a trained run.")
     parser.add_argument("run", help="a run folder (OUT) or a model folder")
     parser.add_argument("--prompt", default="def ")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (>= 0)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy; else >= 0")
+    parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest (0: all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ns = parser.parse_args(args)
+    check(ns.max_new_tokens >= 0, f"--max-new-tokens={ns.max_new_tokens} must be >= 0")
+    check(math.isfinite(ns.temperature) and ns.temperature >= 0,
+          f"--temperature={ns.temperature} must be a finite number >= 0 (0: greedy)")
+    check(ns.top_k >= 0, f"--top-k={ns.top_k} must be >= 0 (0: no limit)")
+    check(0 <= ns.seed < 2**63, f"--seed={ns.seed} must be in [0, 2**63)")
+    device = re.fullmatch(r"cpu|cuda(?::(\d+))?", ns.device)
+    check(device is not None, f"--device={ns.device}: use cpu, cuda or cuda:N")
+    if ns.device.startswith("cuda"):
+        index, count = int(device.group(1) or 0), cuda_count()
+        check(index < count, f"--device={ns.device}: {count} CUDA device(s) here; use cpu"
+                             + (f" or cuda:0..{count - 1}" if count else ""))
+    return ns
+
+
+def generate_command(args: list[str]) -> int:
     from tetron.generate import sample_from_run
 
     try:
+        ns = _generate_args(args)
         text = sample_from_run(ns.run, prompt=ns.prompt, max_new_tokens=ns.max_new_tokens,
                                temperature=ns.temperature, top_k=ns.top_k, device=ns.device, seed=ns.seed)
-    except (FileNotFoundError, ValueError) as err:
+    except (UserError, ValueError) as err:  # checked before loading: a damaged or mismatched model folder
         return _fail(str(err))
     print(text)
+    return 0
+
+
+def _split_known(parser: argparse.ArgumentParser, args: list[str]) -> tuple[list[str], list[str]]:
+    """(the parser's own options with their values, the rest): argparse's parse_known_args would take the
+    value of an unknown --flag VALUE for a positional argument; the rest are config overrides."""
+    takes = {o: a.nargs != 0 for a in parser._actions for o in a.option_strings}
+    mine, rest, i = [], [], 0
+    while i < len(args):
+        arg, name = args[i], args[i].split("=", 1)[0]
+        if name in takes:
+            mine.append(arg)
+            if takes[name] and "=" not in arg and i + 1 < len(args) and not args[i + 1].startswith("--"):
+                mine.append(args[i + 1])
+                i += 1
+        elif i == 0 and not arg.startswith("-"):
+            mine.append(arg)  # the config
+        else:
+            rest.append(arg)
+        i += 1
+    return mine, rest
+
+
+def _plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = _OneLineParser(prog="tetron plan", description=(
+        "Rank the layouts that fit: every dp/tp/pp/cp, ZeRO stage, recomputation, micro-batch, pipeline "
+        "schedule and sequence parallelism validate() accepts, with each rank's predicted peak memory and the "
+        "predicted step time (tetron/plan/). Other --section.key=value and short flags (--model, --seq-len, "
+        "--data, --train.dtype=bfloat16, ...) set the base config."))
+    parser.add_argument("config", nargs="?", help="a base config (YAML file or configs/ name)")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (CPU: processes)")
+    parser.add_argument("--gpu", help="a known GPU: H200, H100, A100-80GB, A100-40GB, L40S, B200 (default: this "
+                                      "machine's GPU, else its CPU)")
+    parser.add_argument("--memory-gb", type=float, help="memory per device in GiB (overrides the GPU's)")
+    parser.add_argument("--batch-tokens", type=int, help="global batch in tokens (default: the config's)")
+    for axis, kind in (("dp", int), ("tp", int), ("pp", int), ("cp", int), ("zero", int), ("micro-batch", int),
+                       ("pp-virtual", int), ("recompute", str), ("pp-schedule", str)):
+        parser.add_argument(f"--{axis}", type=kind, help="keep this axis as given")
+    parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
+    parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    parser.add_argument("--write", metavar="CONFIG.yaml", help="write the chosen layout as a config for tetron train")
+    parser.add_argument("--pick", type=int, default=1, help="which ranked layout --write writes (default 1)")
+    parser.add_argument("--measure", type=int, nargs="?", const=3, default=0, metavar="K",
+                        help="run the best K layouts here for a few steps: predicted beside measured (default 3)")
+    parser.add_argument("--steps", type=int, default=3, help="steps --measure runs before timing (default 3)")
+    mine, rest = _split_known(parser, args)
+    return parser.parse_args(mine), rest
+
+
+def plan_command(args: list[str]) -> int:
+    from tetron.plan.report import PlanRequest, fixed_axes, run
+
+    try:
+        ns, overrides = _plan_args(args)
+        fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "zero": ns.zero,
+                            "recompute": ns.recompute, "micro_batch": ns.micro_batch, "pp_schedule": ns.pp_schedule,
+                            "pp_virtual": ns.pp_virtual, "sp": ns.sp})
+        check(ns.nodes >= 1 and ns.gpus_per_node >= 1, "--nodes and --gpus-per-node must be at least 1")
+        request = PlanRequest(config=ns.config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
+                              gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
+                              top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
+                              steps=ns.steps)
+        text, code = run(request)
+    except (UserError, ValueError) as err:
+        return _fail(str(err))
+    print(text)
+    return code
+
+
+def slurm_command(args: list[str]) -> int:
+    from tetron.slurm import SlurmJob, submit, write_job
+
+    parser = _OneLineParser(prog="tetron slurm", description=(
+        "Write OUT/slurm/job.sh (and node.sh, config.yaml): one srun task per node starting torchrun with a "
+        "c10d rendezvous on the first node, per-rank logs under OUT/logs, --resume auto; --submit runs sbatch. "
+        "Other --section.key=value and short flags override the config."))
+    parser.add_argument("config", help="the run's config (YAML file or configs/ name)")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")
+    parser.add_argument("--partition")
+    parser.add_argument("--time", help="wall-clock limit (HH:MM:SS or D-HH:MM)")
+    parser.add_argument("--account")
+    parser.add_argument("--cpus-per-task", type=int, help="CPU cores for each node's ranks")
+    parser.add_argument("--job-name")
+    parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
+    try:
+        mine, overrides = _split_known(parser, args)
+        ns = parser.parse_args(mine)
+        cfg = load_config(ns.config, overrides)
+        job = SlurmJob(nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition, time=ns.time,
+                       account=ns.account, cpus_per_task=ns.cpus_per_task, job_name=ns.job_name)
+        script = write_job(cfg, job)
+        print(f"tetron: wrote {script} (and node.sh, config.yaml beside it)")
+        if ns.submit:
+            job_id = submit(script)
+            print(f"tetron: submitted job {job_id}; logs in {script.parent} and {script.parent.parent / 'logs'}")
+    except UserError as err:
+        return _fail(str(err))
     return 0
 
 
@@ -163,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         return generate_command(rest)
     if command == "convert":
         return convert_command(rest)
-    return _fail(f"unknown command {command!r}; use train, convert or generate")
+    if command == "plan":
+        return plan_command(rest)
+    if command == "slurm":
+        return slurm_command(rest)
+    return _fail(f"unknown command {command!r}; use train, plan, slurm, convert or generate")
 
 
 if __name__ == "__main__":

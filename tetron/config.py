@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from tetron.errors import ConfigError
+from tetron.fs import read_bounded
 from tetron.model import LlamaConfig
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -34,6 +35,7 @@ Dtype = Literal["float32", "bfloat16"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["cosine", "wsd", "constant"]
 OnNonfinite = Literal["stop", "skip"]
+OnBadRecord = Literal["stop", "skip"]
 
 
 @dataclass
@@ -55,6 +57,8 @@ class ParallelConfig:
     device: DeviceKind = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     timeout_s: float = 600.0  # a collective that takes longer fails the run with an error
     max_restarts: int = 0  # the launcher restarts all ranks this many times after a failure (they resume "auto")
+    ignore_memory_limit: bool = False  # start even when the predicted per-rank memory (tetron plan's model)
+    # exceeds the device's, or on the CPU the machine's available memory (--force)
 
 
 @dataclass
@@ -66,6 +70,8 @@ class DataConfig:
     max_bytes: int | None = None  # use only about this many bytes of text (a fixed prefix)
     seq_len: int = 256  # training sequence length in tokens
     cache_dir: str | None = None  # token and tokenizer cache; default ~/.cache/tetron
+    on_bad_record: OnBadRecord = "stop"  # a record that cannot be read (bad JSON or UTF-8, no text): "stop" naming
+    # its file and line or row, or "skip" it (the number skipped is said once)
 
 
 @dataclass
@@ -98,6 +104,11 @@ class CheckpointConfig:
     init_from: str | None = None  # start from these weights: a Hugging Face model folder or hub name
     shard_mb: int = 2000  # largest safetensors shard in MB; a larger tensor gets a shard of its own
     new_tokenizer: bool = False  # start from weights with another tokenizer than the one they ship (ids change meaning)
+    new_model_settings: bool = False  # start from weights trained with another rope_theta, rope_scaling or
+    # rms_norm_eps (e.g. to extend the context); otherwise such a difference is refused
+    new_data: bool = False  # resume on other data than the checkpoint's (its data order does not continue)
+    stop_signal: str | None = "SIGUSR1"  # besides SIGTERM and SIGINT, this signal makes a run finish its step,
+    # save a checkpoint and exit 0 (Slurm: --signal=USR1@120); null: only those two
 
 
 @dataclass
@@ -159,9 +170,10 @@ SHORT_FLAGS = {
     "max-restarts": "parallel.max_restarts",
     "zero": "parallel.zero",
     "recompute": "train.recompute",
+    "force": "parallel.ignore_memory_limit",
 }
-# Flags that may stand alone, meaning true: `--sp`.
-BOOL_FLAGS = {"sp"}
+# Flags that may stand alone, meaning true: `--sp`, `--force`.
+BOOL_FLAGS = {"sp", "force"}
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -384,7 +396,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not p.is_file():
             raise ConfigError(f"config {path}: no such file (give a YAML file or a name from configs/)")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(read_bounded(p, 16 << 20).decode("utf-8")) or {}
+        except OSError as err:
+            raise ConfigError(f"config {p}: cannot read ({err.strerror})") from None
+        except RecursionError:
+            raise ConfigError(f"config {p}: not valid YAML (nested too deeply)") from None
         except (yaml.YAMLError, UnicodeDecodeError) as err:
             raise ConfigError(f"config {p}: not valid YAML ({str(err).splitlines()[0]})") from None
         if not isinstance(raw, dict):

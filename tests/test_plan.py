@@ -1,0 +1,239 @@
+"""tetron plan: the memory model against what tetron allocates, the search, the CLI, and `tetron train`'s
+refusal of a layout that will not fit.
+
+The accuracy test runs each layout for a few steps on forked gloo ranks and compares, rank by rank, the
+predicted peak with the measured one: the bytes of tensors the rank has allocated (plan/measure.py's
+LiveTensorBytes), at the worst moment of a steady-state step. Both sides count the same thing, so the
+tolerance is the issue's 10%; measured here the model is within 3% on every rank of every layout below.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tetron.config import from_dict, load_config
+from tetron.data import prepare_data
+from tetron.errors import ConfigError
+from tetron.model import LlamaConfig
+from tetron.parallel.pipeline_schedules import theoretical_bubble
+from tetron.plan import fit
+from tetron.plan.hardware import GiB, gpu, with_memory
+from tetron.plan.measure import measure_rank
+from tetron.plan.memory import Sizes, layer_kept, layer_none, predict_rank, state
+from tetron.plan.search import rank, search
+from tetron.plan.steptime import estimate
+from tetron.validate import validate
+
+from conftest import tiny_config
+from harness import run_ranks
+
+REPO = Path(__file__).resolve().parent.parent
+TOLERANCE = 0.10  # predicted vs measured per-rank peak, relative (the issue's bound; measured: within 3%)
+
+# A 4-layer GQA model small enough that 15 layouts train a few steps each in well under a minute.
+MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 128}
+# Every axis, ZeRO stage and recomputation mode, bf16, each pipeline schedule; at most 4 ranks each.
+# Not here: tp with recompute=selective, which leaks the row-parallel outputs it keeps (about 540 KB a step
+# for this model; see the report), so its memory grows step after step and no steady state exists.
+LAYOUTS = {
+    "single": ({}, {}),
+    "single bf16 selective": ({}, {"dtype": "bfloat16", "recompute": "selective"}),
+    "dp2 zero0 full": ({"dp": 2}, {"recompute": "full"}),
+    "dp2 zero1 bf16": ({"dp": 2, "zero": 1}, {"dtype": "bfloat16"}),
+    "dp2 zero2": ({"dp": 2, "zero": 2, "bucket_mb": 0.05}, {"grad_acc": 1}),
+    "dp2 zero3": ({"dp": 2, "zero": 3}, {}),
+    "tp2 sp": ({"tp": 2, "sp": True}, {}),
+    "tp2 full bf16": ({"tp": 2}, {"recompute": "full", "dtype": "bfloat16"}),
+    "pp2 afab": ({"pp": 2, "pp_schedule": "afab"}, {}),
+    "pp2 1f1b selective": ({"pp": 2}, {"recompute": "selective"}),
+    "pp2 interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}, {}),
+    "cp2 selective": ({"cp": 2}, {"recompute": "selective"}),
+    "dp2 cp2 zero1": ({"dp": 2, "cp": 2, "zero": 1}, {}),
+    "dp2 pp2 zero3 tied": ({"dp": 2, "pp": 2, "zero": 3}, {}, {"tie_word_embeddings": True}),
+    "tp2 sp pp2": ({"tp": 2, "sp": True, "pp": 2}, {}),
+}
+
+
+def _layout_config(corpus, cache_dir, out: Path, parallel: dict, train: dict, model: dict | None = None) -> dict:
+    return tiny_config(corpus, cache_dir, out, model={**MODEL, **(model or {})}, parallel=parallel,
+                       data={"seq_len": 64}, train={"micro_batch": 2, "grad_acc": 2, **train})
+
+
+def test_predicted_peak_memory_matches_every_rank(corpus, cache_dir, tmp_path):
+    rows, worst = [], 0.0
+    for name, (parallel, train, *model) in LAYOUTS.items():
+        raw = _layout_config(corpus, cache_dir, tmp_path / name.replace(" ", "-"), parallel, train, *model)
+        cfg = from_dict(raw)
+        validate(cfg)
+        prepare_data(cfg)
+        for r in run_ranks(cfg.world_size, measure_rank, raw, steps=3, timed_steps=1, timeout=300):
+            predicted = predict_rank(cfg, r["pp"], dp_rank=r["dp"] * cfg.parallel.cp + r["cp"]).total
+            error = (predicted - r["peak_bytes"]) / r["peak_bytes"]
+            rows.append(f"{name:<24} rank {r['rank']}  predicted {predicted / 2**20:7.3f} MiB  measured "
+                        f"{r['peak_bytes'] / 2**20:7.3f} MiB  {error:+6.1%}")
+            assert abs(error) <= TOLERANCE, rows[-1]
+            worst = max(worst, abs(error))
+    print("\n" + "\n".join(rows) + f"\nworst {worst:.1%} over {len(rows)} ranks of {len(LAYOUTS)} layouts")
+
+
+# ------------------------------------------------------------------------------------ the formulas
+
+
+def test_layer_terms_are_the_recompute_tables_bytes():
+    """README's recompute table (tests/test_recompute.py's model: hidden 64, intermediate 128, 4/2 heads,
+    batch 2 x 128, fp32): none 1,185,792 bytes a layer, selective 659,456, full 65,536, exactly."""
+    cfg = from_dict({"model": {**MODEL, "vocab_size": 256}, "data": {"seq_len": 128}, "train": {"micro_batch": 2}})
+    s = Sizes.of(cfg)
+    assert layer_none(s) == 1_185_792
+    assert layer_kept(s, "selective") == 659_456
+    assert layer_kept(s, "full") == 65_536
+
+
+@pytest.mark.parametrize("zero, params, grads, optimizer", [(0, 4, 4, 8), (1, 4, 4, 4), (2, 4, 2, 4), (3, 2, 2, 4)])
+def test_state_is_the_zero_tables_bytes_per_parameter(zero, params, grads, optimizer):
+    """README's ZeRO table at dp 2, fp32: bytes per parameter between steps, to the padding."""
+    cfg = from_dict({"model": {**MODEL, "vocab_size": 256}, "parallel": {"dp": 2, "zero": zero}})
+    n = cfg.model.num_params()
+    st = state(cfg, 0)
+    assert st.params == pytest.approx(params * n, rel=1e-3)
+    assert st.grads == pytest.approx(grads * n, rel=1e-3)
+    assert st.optimizer == pytest.approx(optimizer * n, rel=2e-3)  # + a 4-byte step counter per piece
+
+
+def test_bubble_comes_from_the_schedule():
+    """With equal stages and free communication the predicted bubble is the schedule's (p-1)/(v*m+p-1)."""
+    hw = replace(gpu("H100"), latency_s=0.0, overhead_s=0.0, intra_gbs=1e12, inter_gbs=1e12)
+    for schedule, virtual in (("1f1b", 1), ("afab", 1), ("interleaved", 2)):
+        raw = {"model": {**MODEL, "vocab_size": 8, "num_hidden_layers": 8}, "train": {"grad_acc": 8},
+               "parallel": {"pp": 4, "pp_schedule": schedule, "pp_virtual": virtual}}
+        predicted = estimate(from_dict(raw), hw, gpus_per_node=8).bubble
+        expected = theoretical_bubble(schedule, pp=4, virtual=virtual, micro_batches=8)
+        assert predicted == pytest.approx(expected, abs=0.03), schedule
+
+
+# ------------------------------------------------------------------------------------ the search
+
+
+def test_search_ranks_valid_layouts_that_fit(tmp_path):
+    base = load_config(None, ["--model", "llama-7b", "--seq-len", "4096", "--train.dtype=bfloat16",
+                              "--out", str(tmp_path / "run")])
+    plans = search(base, gpu("H100"), nodes=1, gpus_per_node=8, batch=64)
+    fits = rank(plans)
+    assert len(plans) > 100 and 0 < len(fits) < len(plans)
+    assert [p.time.step_s for p in fits] == sorted(p.time.step_s for p in fits)
+    for p in fits[:20]:
+        validate(p.config, world_size=8)
+        assert p.memory.total <= p.limit < 80 * GiB
+        assert p.config.world_size == 8 and p.config.global_batch == 64
+    # An unsharded 7B model in bf16 with fp32 masters and AdamW is 16 B a parameter: never on 80 GB
+    assert all(p.layout.zero >= 1 or p.layout.tp * p.layout.pp >= 2 for p in fits)
+    # Pinning axes keeps them; a smaller device fits fewer layouts
+    pinned = search(base, gpu("H100"), nodes=1, gpus_per_node=8, batch=64, fixed={"tp": 2, "recompute": "full"})
+    assert pinned and all(p.layout.tp == 2 and p.layout.recompute == "full" for p in pinned)
+    assert len(rank(search(base, with_memory(gpu("H100"), 40), nodes=1, gpus_per_node=8, batch=64))) < len(fits)
+
+
+# ------------------------------------------------------------------------------------ the CLI
+
+
+def tetron(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tetron.cli", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**_env(), "PYTHONPATH": str(REPO)})
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+
+
+def test_plan_json_and_write(tmp_path):
+    written = tmp_path / "chosen.yaml"
+    result = tetron("plan", "--model", "smollm-135m", "--nodes", "1", "--gpus-per-node", "4", "--gpu", "A100-40GB",
+                    "--seq-len", "2048", "--batch-tokens", str(64 * 2048), "--json", "--write", written,
+                    "--out", tmp_path / "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["fit"] == len(data["plans"]) > 0 and data["considered"] >= data["fit"]
+    best = data["plans"][0]
+    assert best["memory"]["total"] <= data["limit_bytes"] and set(best["time"]) >= {"step_s", "bubble", "mfu"}
+    cfg = load_config(str(written))
+    validate(cfg, world_size=4)
+    assert {k: getattr(cfg.parallel, k) for k in ("dp", "tp", "pp", "cp", "zero")} == \
+        {k: best["layout"][k] for k in ("dp", "tp", "pp", "cp", "zero")}
+    assert cfg.train.micro_batch == best["layout"]["micro_batch"] and cfg.global_batch == 64
+
+
+def test_plan_says_when_nothing_fits(tmp_path):
+    result = tetron("plan", "--model", "llama-7b", "--nodes", "1", "--gpus-per-node", "2", "--gpu", "L40S",
+                    "--seq-len", "4096", "--batch-tokens", str(8 * 4096), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "0 fit" in result.stdout and "nothing fits" in result.stdout
+
+
+def test_plan_measure_prints_predicted_beside_measured(tmp_path):
+    """--measure on this CPU: the best two layouts of a tiny model, run for real through the launcher."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 4000)
+    result = tetron("plan", "--nodes", "1", "--gpus-per-node", "2", "--measure", "2", "--json",
+                    *[f"--model.{k}={v}" for k, v in {**MODEL, "vocab_size": 256}.items()],
+                    "--data", corpus, "--tokenizer", "bytes", "--data.cache_dir", tmp_path / "cache", "--seq-len", "64",
+                    "--batch-tokens", str(8 * 64), "--dp-impl", "bucket", "--out", tmp_path / "run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    measured = json.loads(result.stdout)["measured"]
+    assert len(measured) == 2
+    for row in measured:
+        for r in row["ranks"]:
+            assert abs(r["predicted"] - r["measured"]) <= TOLERANCE * r["measured"], row
+        assert row["measured_step_s"] > 0
+
+
+# ------------------------------------------------------------------------------------ refusing what will not fit
+
+
+def test_train_refuses_a_layout_that_will_not_fit(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("x = 1\n" * 1000)
+    args = ["train", "--model", "llama-7b", "--dp", "2", "--data", corpus, "--tokenizer", "bytes",
+            "--data.cache_dir", tmp_path / "cache", "--seq-len", "64", "--out", tmp_path / "run"]
+    refused = tetron(*args, cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2
+    line = refused.stderr.strip()
+    assert "\n" not in line and "predicted memory 2 ranks" in line and "exceeds" in line and "--force" in line
+    assert "optimizer" in line and "GiB" in line
+    assert not (tmp_path / "run").exists()  # refused before the run folder, the data or any rank
+    # --force goes past the check (and here stops at the next one: the data is too small for the batch)
+    forced = tetron(*args, "--force", "--micro-batch", "4096", cwd=tmp_path, timeout=120)
+    assert forced.returncode == 2 and "predicted" not in forced.stderr and "global batch" in forced.stderr
+
+
+def test_gpu_limit_names_the_device(monkeypatch, tmp_path):
+    """On a GPU the limit is the device's memory less the reserve; the line names the device."""
+    monkeypatch.setattr(fit, "_uses_cuda", lambda cfg: True)
+    monkeypatch.setattr(fit, "gpu_memory", lambda local_rank: (80 * GiB, "FAKE GPU 80GB"))
+    big = load_config(None, ["--model", "llama-7b", "--seq-len", "2048", "--out", str(tmp_path / "a")])
+    with pytest.raises(ConfigError, match=r"predicted peak memory per rank .* exceeds the 80.0 GiB of the FAKE GPU"):
+        fit.check_fits(big, ranks_on_node=1)
+    fit.check_fits(replace(big, parallel=replace(big.parallel, ignore_memory_limit=True)), ranks_on_node=1)
+    small = load_config(None, ["--model", "smollm-135m", "--seq-len", "2048", "--micro-batch", "1",
+                               "--out", str(tmp_path / "b")])
+    assert fit.check_fits(small, ranks_on_node=1).total < 79 * GiB
+
+
+def test_hf_config_is_a_model(tmp_path):
+    """The model may be a Hugging Face config.json, as for tetron train."""
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig(vocab_size=1000, hidden_size=128,
+                                                                 intermediate_size=256, num_hidden_layers=2,
+                                                                 num_attention_heads=4).to_hf()))
+    result = tetron("plan", "--model", tmp_path / "config.json", "--nodes", "1", "--gpus-per-node", "2", "--gpu",
+                    "H100", "--seq-len", "512", "--batch-tokens", str(8 * 512), "--top", "3", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "layouts valid" in lines[1] and len(lines) == 6

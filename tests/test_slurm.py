@@ -1,0 +1,235 @@
+"""tetron slurm: the job script it writes, and a real Slurm running it on two nodes.
+
+The real test starts a Slurm cluster on this machine: munged on a socket of its own, slurmctld, and two
+slurmd daemons, node1 and node2, both at 127.0.0.1 on ports of their own (Slurm runs several slurmd on one
+host when each has its NodeName and port). Debian's slurmctld, slurmd, slurm-client and munge packages
+(22.05) are installed first where they are missing (as root, through apt-get, which takes about 30 s on a
+fresh machine); only where that is impossible (not root, no apt-get, no mirror) is the test skipped, with
+that reason. The job trains dp2 over the two nodes, is requeued (`scontrol requeue`, as after a node
+failure) and runs again from the run folder's latest checkpoint; the losses must be those of a forked
+two-rank run of the same config. About 40 s here with the packages installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import LOSS_RTOL, run_parallel, tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+TOOLS = ("slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "munged", "runuser")
+SBIN_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+INSTALL_TIMEOUT = 300  # s, apt-get update + install on a fresh machine
+JOB_TIMEOUT = 240  # s, one run of the job (about 15 s here)
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name, path=SBIN_PATH)
+
+
+def ensure_slurm() -> str | None:
+    """None when Slurm's daemons and commands are here (installing them if need be), else why they cannot be."""
+    if all(_tool(t) for t in TOOLS):
+        return None
+    if os.geteuid() != 0:
+        return "Slurm is not installed and this user is not root, so it cannot install Debian's packages"
+    if _tool("apt-get") is None:
+        return "Slurm is not installed and there is no apt-get to install it with"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", *PACKAGES]
+    for cmd in (install, ["apt-get", "update", "-q"], install):
+        try:
+            subprocess.run(cmd, env=env, capture_output=True, timeout=INSTALL_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return f"installing Slurm took longer than {INSTALL_TIMEOUT} s ({' '.join(cmd)})"
+        if all(_tool(t) for t in TOOLS):
+            return None
+    return f"apt-get could not install {' '.join(PACKAGES)} (no package mirror reachable?)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SLURM_CONF = """\
+ClusterName=tetron{suffix}
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+AuthType=auth/munge
+AuthInfo=socket={munge}/munge.socket
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool/%n
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd-%n.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+NodeName=node1 NodeHostname={host} NodeAddr=127.0.0.1 Port={port1} CPUs={cpus} RealMemory=2000 State=UNKNOWN
+NodeName=node2 NodeHostname={host} NodeAddr=127.0.0.1 Port={port2} CPUs={cpus} RealMemory=2000 State=UNKNOWN
+PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout} s")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """A running two-node Slurm cluster on this machine; yields the environment its commands need."""
+    reason = ensure_slurm()
+    if reason is not None:
+        pytest.skip(reason)
+    folder = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool"):
+        (folder / sub).mkdir()
+    # munged runs as the munge user, and wants its socket and seed in a folder of its own, that it can reach
+    munge = Path(tempfile.mkdtemp(prefix="tetron-munge-"))
+    shutil.chown(munge, "munge", "munge")
+    os.chmod(munge, 0o755)
+    conf = folder / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(suffix=os.getpid(), host=socket.gethostname(), ctld_port=free_port(),
+                                      port1=free_port(), port2=free_port(), cpus=os.cpu_count() or 1, dir=folder,
+                                      munge=munge))
+    env = {**os.environ, "SLURM_CONF": str(conf), "PATH": SBIN_PATH}
+    daemons = []
+    try:
+        daemons.append(subprocess.Popen([_tool("runuser"), "-u", "munge", "--", _tool("munged"), "-F",
+                                         f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
+                                         f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"]))
+        _wait(lambda: (munge / "munge.socket").exists() or daemons[0].poll() is not None, 30, "munged did not start")
+        assert daemons[0].poll() is None, "munged stopped (see its error above)"
+        daemons.append(subprocess.Popen([_tool("slurmctld"), "-D", "-f", str(conf)], env=env))
+        for node in ("node1", "node2"):
+            daemons.append(subprocess.Popen([_tool("slurmd"), "-D", "-N", node, "-f", str(conf)], env=env))
+
+        def idle() -> bool:
+            states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+            return states.stdout.split() == ["idle", "idle"]
+
+        _wait(idle, 60, "the two Slurm nodes did not become idle")
+        yield env
+    finally:
+        for daemon in reversed(daemons):  # only the processes this fixture started, by their ids
+            daemon.terminate()
+            try:
+                daemon.wait(10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+        shutil.rmtree(munge, ignore_errors=True)
+
+
+def job_state(job: str, env: dict) -> tuple[str, int]:
+    """(JobState, Restarts) of a job."""
+    text = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    state = re.search(r"JobState=(\w+)", text)
+    restarts = re.search(r"Restarts=(\d+)", text)
+    return (state.group(1) if state else "UNKNOWN"), int(restarts.group(1)) if restarts else 0
+
+
+def tetron(*args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**(env or os.environ), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "tetron.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_two_node_job_runs_and_a_requeued_job_resumes(slurm, corpus, cache_dir, tmp_path):
+    train = {"steps": 30, "lr": 1e-3}
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", parallel={"dp": 2, "device": "cpu"}, train=train,
+                      checkpoint={"save_every": 5})
+    ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", parallel={"dp": 2}, train=train)
+    (reference, _), _ = run_parallel(ref_raw)  # tokenizes into the cache the job reads too
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    submitted = tetron("slurm", "run.yaml", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:10:00", "--submit",
+                       cwd=tmp_path, env=slurm)
+    assert submitted.returncode == 0, submitted.stderr
+    job = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
+    out = tmp_path / "run"
+
+    # Requeue it (a node failure would), once it has saved a checkpoint: the second run resumes from it.
+    _wait(lambda: (out / "checkpoints" / "latest").exists() or job_state(job, slurm)[0] in ("COMPLETED", "FAILED"),
+          JOB_TIMEOUT, f"job {job} saved no checkpoint")
+    subprocess.run(["scontrol", "requeue", job], env=slurm, check=True, capture_output=True)
+    # Slurm holds a requeued job back for two minutes; once it is pending again, let it start now.
+    _wait(lambda: job_state(job, slurm)[0] == "PENDING", 60, f"job {job} was not requeued")
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=slurm, check=True, capture_output=True)
+    _wait(lambda: job_state(job, slurm) == ("COMPLETED", 1) or job_state(job, slurm)[0] == "FAILED",
+          JOB_TIMEOUT, f"the requeued job {job} did not end")
+    log = (out / "slurm" / f"job_{job}.out").read_text()
+    assert job_state(job, slurm) == ("COMPLETED", 1), log
+    assert "on 2 node(s): node[1-2]; rendezvous 127.0.0.1:" in log
+    assert re.search(r"resumed from .*/checkpoints/step_\d+ at step \d+", log), log
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    losses = [r["loss"] for r in records]
+    assert losses == pytest.approx(reference["losses"], rel=LOSS_RTOL, abs=0)
+    assert (out / "model" / "model.safetensors").is_file()
+    for node in ("node_0", "node_1"):  # each rank's output under the run folder, per job and node
+        logs = list((out / "logs" / f"job_{job}" / node).glob("*/attempt_0/0/stderr.log"))
+        assert logs, sorted(p.relative_to(out) for p in (out / "logs").rglob("*"))
+
+
+# ------------------------------------------------------------------------------------ the script itself
+
+
+def test_the_job_script(tmp_path):
+    (tmp_path / "data.txt").write_text("x = 1\n" * 100)
+    run = ["slurm", "demo", "--data", "data.txt", "--tokenizer", "bytes", "--out", "runs/a"]
+    job_args = ["--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--time", "02:00:00", "--account", "proj"]
+    written = tetron(*run, "--dp", "8", "--tp", "2", *job_args, cwd=tmp_path)
+    assert written.returncode == 0, written.stderr
+    slurm_dir = tmp_path / "runs" / "a" / "slurm"
+    job, node = (slurm_dir / "job.sh").read_text(), (slurm_dir / "node.sh").read_text()
+    for directive in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8", "--partition=gpu", "--time=02:00:00",
+                      "--account=proj", "--requeue", f"--output={slurm_dir}/job_%j.out", "--signal=USR1@120"):
+        assert f"#SBATCH {directive}" in job
+    assert "srun --nodes=2 --ntasks-per-node=1" in job and 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in job
+    for part in ('--nnodes="$SLURM_NNODES"', "--nproc-per-node=8", "--rdzv-backend=c10d", '--rdzv-id="$SLURM_JOB_ID"',
+                 '--rdzv-endpoint="$TETRON_RDZV_HOST:$TETRON_RDZV_PORT"', "--redirects=3",
+                 f"train {slurm_dir}/config.yaml --resume auto", f"log_dir={tmp_path}/runs/a/logs/job_"):
+        assert part in node
+    cfg = yaml.safe_load((slurm_dir / "config.yaml").read_text())
+    assert cfg["out"] == str(tmp_path / "runs" / "a") and cfg["data"]["path"] == str(tmp_path / "data.txt")
+    assert (cfg["parallel"]["dp"], cfg["parallel"]["tp"]) == (8, 2)
+
+    # CPU ranks: no GPUs asked for
+    cpu = tetron(*run, "--parallel.device=cpu", "--dp", "2", "--nodes", "2", "--gpus-per-node", "1", cwd=tmp_path)
+    assert cpu.returncode == 0, cpu.stderr
+    assert "--gpus-per-node" not in (slurm_dir / "job.sh").read_text()
+
+    wrong = tetron(*run, "--dp", "8", "--tp", "2", "--nodes", "3", "--gpus-per-node", "8", cwd=tmp_path)
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip() == ("tetron: error: dp*tp*pp*cp = 16 but the job has 3 node(s) x 8 = 24 ranks; set "
+                                    "the parallel sizes so their product is 24")
+    no_sbatch = tetron(*run, "--dp", "8", "--tp", "2", *job_args, "--submit", cwd=tmp_path,
+                       env={**os.environ, "PATH": str(tmp_path)})
+    assert no_sbatch.returncode == 2 and "sbatch is not on PATH" in no_sbatch.stderr

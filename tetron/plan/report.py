@@ -1,0 +1,157 @@
+"""`tetron plan`'s work: the base config and hardware from the command line, the search, and what it
+prints, writes (--json, --write) and measures (--measure: predicted beside measured, layout by layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from tetron.config import Config, load_config
+from tetron.data import prepare_data
+from tetron.errors import ConfigError, check
+from tetron.fs import write_text
+from tetron.plan import hardware as hwlib
+from tetron.plan.hardware import GiB, Hardware
+from tetron.plan.memory import predict_rank
+from tetron.plan.search import Plan, as_json, rank, search, table
+
+
+@dataclass
+class PlanRequest:
+    """What `tetron plan` was asked, parsed."""
+
+    config: str | None  # a base config file (or configs/ name); None: defaults
+    overrides: list[str]  # --section.key=value and short flags for the base config
+    nodes: int
+    gpus_per_node: int
+    gpu: str | None = None  # a known GPU name; None: this machine's GPU, or its CPU
+    memory_gb: float | None = None  # memory per device, GiB (overrides the GPU's)
+    batch_tokens: int | None = None  # global batch in tokens; None: the base config's
+    fixed: dict[str, Any] = field(default_factory=dict)  # axes the search keeps as given
+    top: int = 10
+    json: bool = False
+    write: str | None = None
+    pick: int = 1
+    measure: int = 0  # measure this many of the best layouts here (0: none)
+    steps: int = 3
+
+
+def hardware(req: PlanRequest) -> Hardware:
+    """The device the plan is for: a named GPU, this machine's GPU, or this CPU; --memory-gb overrides."""
+    if req.gpu is not None:
+        hw = hwlib.gpu(req.gpu)
+    elif torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        match = max((k for k in hwlib.GPUS if k.split("-")[0] in name), key=len, default="H100")
+        hw = dataclasses.replace(hwlib.GPUS[match], memory=torch.cuda.get_device_properties(0).total_memory)
+    else:
+        hw = hwlib.cpu(req.gpus_per_node)
+    return hwlib.with_memory(hw, req.memory_gb) if req.memory_gb else hw
+
+
+def base_config(req: PlanRequest) -> tuple[Config, int]:
+    """The config every layout starts from, and the global batch in sequences."""
+    cfg = load_config(req.config, req.overrides)
+    check(cfg.model is not None, "tetron plan needs a model: --model NAME (configs/ or a Hugging Face config)")
+    seq = cfg.data.seq_len
+    tokens = req.batch_tokens or cfg.global_batch * seq
+    check(tokens % seq == 0, f"--batch-tokens={tokens} is not a multiple of data.seq_len={seq}; "
+                             f"use {max(1, round(tokens / seq)) * seq}")
+    return cfg, tokens // seq
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
+
+
+def header(cfg: Config, hw: Hardware, req: PlanRequest, batch: int, plans: list[Plan], fit: list[Plan]) -> str:
+    m, world = cfg.model, req.nodes * req.gpus_per_node
+    where = f"{req.nodes} x {req.gpus_per_node} {hw.name}" if not hw.cpu else f"{world} CPU ranks"
+    memory = f"{_size(hw.memory)} available to all" if hw.cpu else f"{_size(hw.memory)} per device"
+    limit = plans[0].limit if plans else 0
+    return (f"tetron plan: {m.num_params():,} parameters ({m.num_hidden_layers} layers, hidden {m.hidden_size}) on "
+            f"{where}, {memory} ({_size(limit)} per rank for tensors); seq {cfg.data.seq_len}, "
+            f"{batch} sequences ({batch * cfg.data.seq_len:,} tokens) a step, {cfg.train.dtype}\n"
+            f"{len(plans)} layouts valid, {len(fit)} fit" + (f"; the fastest {min(req.top, len(fit))}:" if fit else ""))
+
+
+def run(req: PlanRequest) -> tuple[str, int]:
+    """Search, and the text to print (or JSON), and the exit code: 0, or 1 when nothing fits."""
+    cfg, batch = base_config(req)
+    hw = hardware(req)
+    if req.measure:
+        # the layouts run here: on this CPU, or on this machine's GPUs, one rank each
+        here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        check(req.gpu is None or here > 0, f"--measure runs the layouts on this machine, which has no {req.gpu}; "
+                                           f"leave out --gpu to plan (and measure) for this machine")
+        check(hw.cpu or (req.nodes == 1 and req.gpus_per_node <= here),
+              f"--measure runs the layouts here: {req.nodes * req.gpus_per_node} ranks need as many GPUs on one "
+              f"node, and this machine has {here}")
+    plans = search(cfg, hw, nodes=req.nodes, gpus_per_node=req.gpus_per_node, batch=batch, fixed=req.fixed)
+    fit = rank(plans)
+    if req.write is not None:
+        check(len(fit) >= req.pick, f"--write: {len(fit)} layouts fit, no layout #{req.pick} to write")
+        chosen = fit[req.pick - 1]
+        text = yaml.safe_dump(chosen.config.to_dict(), sort_keys=False)
+        write_text(Path(req.write), f"# tetron plan #{req.pick}: {chosen.layout.label()}\n{text}")
+    if req.json:
+        data = as_json(fit, hw=hw, nodes=req.nodes, gpus_per_node=req.gpus_per_node, considered=len(plans))
+        if req.measure:
+            data["measured"] = [measured_row(p, req.steps) for p in fit[:req.measure]]
+        return json.dumps(data, indent=1, default=str), 0 if fit else 1
+    lines = [header(cfg, hw, req, batch, plans, fit)]
+    if fit:
+        lines.append(table(fit, top=req.top))
+    elif plans:
+        least = min(plans, key=lambda p: p.memory.total)
+        lines.append(f"nothing fits: the least memory, {_size(least.memory.total)} per rank ({least.layout.label()}), "
+                     f"is over {_size(least.limit)}; use more GPUs, a smaller batch or sequence")
+    if req.write is not None and fit:
+        lines.append(f"wrote {req.write}: layout #{req.pick}, {fit[req.pick - 1].layout.label()}")
+    if req.measure and fit:
+        lines.append(measure_table([measured_row(p, req.steps) for p in fit[:req.measure]]))
+    return "\n".join(lines), 0 if fit else 1
+
+
+def measured_row(plan: Plan, steps: int) -> dict[str, Any]:
+    """Run `plan` here for a few steps; predicted and measured peak memory (worst rank) and step time."""
+    from tetron.plan.measure import measure
+
+    cfg = plan.config
+    prepare_data(cfg)
+    ranks = measure(cfg, steps=steps)
+    per_rank = [{"rank": r["rank"], "measured": r["peak_bytes"],
+                 "predicted": predict_rank(cfg, r["pp"], dp_rank=r["dp"] * cfg.parallel.cp + r["cp"]).total}
+                for r in ranks]
+    return {"label": plan.layout.label(), "predicted_bytes": max(r["predicted"] for r in per_rank),
+            "measured_bytes": max(r["measured"] for r in per_rank), "predicted_step_s": plan.time.step_s,
+            "measured_step_s": max(r["step_s"] for r in ranks), "ranks": per_rank}
+
+
+def measure_table(rows: list[dict[str, Any]]) -> str:
+    """Predicted beside measured: the worst rank's peak memory, and the step time."""
+    lines = ["measured here (peak: tensors allocated by the worst rank; step: median of the timed steps):",
+             f"{'#':>3}  {'layout':<40} {'peak predicted':>15} {'measured':>12} {'error':>7}   "
+             f"{'step predicted':>14} {'measured':>9}"]
+    for i, r in enumerate(rows, 1):
+        error = (r["predicted_bytes"] - r["measured_bytes"]) / r["measured_bytes"]
+        lines.append(f"{i:>3}  {r['label']:<40} {_size(r['predicted_bytes']):>15} {_size(r['measured_bytes']):>12} "
+                     f"{error:>+7.1%}   {r['predicted_step_s']:>12.3g} s {r['measured_step_s']:>7.3g} s")
+    return "\n".join(lines)
+
+
+def fixed_axes(values: dict[str, Any]) -> dict[str, Any]:
+    """The axes given on the command line (None: free), as Layout fields."""
+    fixed = {k: v for k, v in values.items() if v is not None}
+    for name, v in fixed.items():
+        if name in ("dp", "tp", "pp", "cp", "micro_batch", "pp_virtual"):
+            check(isinstance(v, int) and v >= 1, f"--{name.replace('_', '-')}={v} must be at least 1")
+    if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero={fixed['zero']}: use 0, 1, 2 or 3")
+    return fixed

@@ -1,0 +1,178 @@
+"""The layout search: every layout validate() accepts for a model on some GPUs, predicted and ranked.
+
+A layout is the parallel sizes (dp, tp, pp, cp), ZeRO stage, recomputation, micro-batch (and with it
+the gradient accumulation that keeps the global batch), pipeline schedule and virtual stages, and
+sequence parallelism. `search` builds each as a Config from a base config, keeps those validate()
+accepts, and predicts per-rank peak memory (memory.py) and step time (steptime.py); `rank` orders the
+ones that fit by step time. `table`, `as_json` and `layout_config` present them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tetron.config import Config
+from tetron.errors import ConfigError
+from tetron.plan.hardware import GiB, Hardware
+from tetron.plan.memory import MemoryEstimate, predict
+from tetron.plan.steptime import TimeEstimate, estimate
+from tetron.validate import validate
+
+# Besides the device's own: the CUDA context, NCCL's buffers and the caching allocator's rounding.
+GPU_RESERVE = GiB
+# A CPU rank's interpreter, torch and its libraries, resident before any tensor (measured here: ~0.4 GB).
+CPU_PROCESS_BYTES = 400 * 2**20
+
+AXES = ("dp", "tp", "pp", "cp", "zero", "recompute", "micro_batch", "pp_schedule", "pp_virtual", "sp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one training step is laid out over the ranks."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    zero: int
+    recompute: str
+    micro_batch: int
+    grad_acc: int
+    pp_schedule: str
+    pp_virtual: int
+    sp: bool
+
+    def apply(self, base: Config) -> Config:
+        """`base` with this layout."""
+        parallel = replace(base.parallel, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,
+                           pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual, sp=self.sp, pp_split=None)
+        train = replace(base.train, recompute=self.recompute, micro_batch=self.micro_batch, grad_acc=self.grad_acc)
+        return replace(base, parallel=parallel, train=train)
+
+    def label(self) -> str:
+        """A short name: dp4 tp2 pp2(1f1b) cp1 sp z1 sel mb2x4."""
+        pp = f"pp{self.pp}" + (f"({self.pp_schedule}{'x' + str(self.pp_virtual) if self.pp_virtual > 1 else ''})"
+                               if self.pp > 1 else "")
+        recompute = {"none": "-", "selective": "sel", "full": "full"}[self.recompute]
+        return (f"dp{self.dp} tp{self.tp}{' sp' if self.sp else ''} {pp} cp{self.cp} z{self.zero} {recompute} "
+                f"mb{self.micro_batch}x{self.grad_acc}")
+
+
+@dataclass
+class Plan:
+    """One layout with its predictions."""
+
+    layout: Layout
+    config: Config
+    memory: MemoryEstimate
+    time: TimeEstimate
+    limit: int  # the bytes a rank may use on this hardware
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.limit
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def memory_limit(hw: Hardware, ranks_per_node: int) -> int:
+    """The bytes one rank may fill: a GPU's memory less its reserve; on the CPU an equal share of what the
+    machine has available, less each process's own baseline."""
+    if hw.cpu:
+        return hw.memory // max(1, ranks_per_node) - CPU_PROCESS_BYTES
+    return hw.memory - GPU_RESERVE
+
+
+def _sizes(base: Config, world: int, gpus_per_node: int, batch: int, fixed: dict) -> Iterator[tuple[int, ...]]:
+    """(dp, tp, pp, cp, micro_batch) with dp*tp*pp*cp = world, the shapes' divisibility and the batch."""
+    m = base.model
+    for tp, cp, pp in itertools.product(divisors(world), repeat=3):
+        if world % (tp * cp * pp) or tp > gpus_per_node or pp > m.num_hidden_layers:
+            continue
+        dp = world // (tp * cp * pp)
+        if batch % dp or any(fixed.get(k, v) != v for k, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp))):
+            continue
+        # micro-batches of powers of two (or as fixed): the sizes kernels and schedules are tuned for
+        for micro_batch in [fixed["micro_batch"]] if "micro_batch" in fixed else divisors(batch // dp):
+            if (batch // dp) % micro_batch == 0 and ("micro_batch" in fixed or micro_batch & (micro_batch - 1) == 0):
+                yield dp, tp, pp, cp, micro_batch
+
+
+def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixed: dict) -> Iterator[Layout]:
+    """Every layout of `world` ranks for a global batch of `batch` sequences; `fixed` pins any of AXES."""
+    for dp, tp, pp, cp, mb in _sizes(base, world, gpus_per_node, batch, fixed):
+        grad_acc = batch // (dp * mb)
+        schedules = [("1f1b", 1)] if pp == 1 else [("afab", 1), ("1f1b", 1)] + [
+            ("interleaved", v) for v in (2, 4) if pp * v <= base.model.num_hidden_layers and grad_acc % pp == 0]
+        # sequence parallelism only lowers memory (same traffic): taken wherever it applies
+        sp = tp > 1 and (base.data.seq_len // cp) % tp == 0
+        for (schedule, virtual), zero, recompute in itertools.product(
+                schedules, (0, 1, 2, 3) if dp * cp > 1 else (0,), ("none", "selective", "full")):
+            layout = Layout(dp, tp, pp, cp, zero, recompute, mb, grad_acc, schedule, virtual, fixed.get("sp", sp))
+            if all(getattr(layout, k) == v for k, v in fixed.items()):
+                yield layout
+
+
+def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch: int,
+           fixed: dict[str, Any] | None = None) -> list[Plan]:
+    """Every valid layout, predicted; see `rank` for the order."""
+    world, plans, refused = nodes * gpus_per_node, [], []
+    limit = memory_limit(hw, gpus_per_node)
+    for layout in candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed or {}):
+        cfg = layout.apply(base)
+        try:
+            validate(cfg, world_size=world)
+        except ConfigError as err:
+            refused.append(str(err))
+            continue
+        memory = predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
+        plans.append(Plan(layout, cfg, memory, estimate(cfg, hw, gpus_per_node=gpus_per_node), limit))
+    if not plans:  # say why: the first refusal, or that the sizes leave nothing to try
+        raise ConfigError(f"no layout of {world} ranks is valid: {refused[0]}" if refused else
+                          f"no layout of {world} ranks divides the model (heads, layers) and the batch of {batch} "
+                          f"sequences{' with ' + str(fixed) if fixed else ''}")
+    return plans
+
+
+def rank(plans: list[Plan]) -> list[Plan]:
+    """The plans that fit, fastest first (then the least memory)."""
+    return sorted((p for p in plans if p.fits), key=lambda p: (p.time.step_s, p.memory.total))
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}" if n < 10 * GiB else f"{n / GiB:.1f}"
+
+
+def table(plans: list[Plan], *, top: int) -> str:
+    """The ranked plans as a text table: layout, peak memory per rank and its largest parts, step time."""
+    head = (f"{'#':>3}  {'layout':<40} {'mem/rank GiB':>12}  {'largest terms (GiB)':<40} {'step s':>8} "
+            f"{'tokens/s':>10} {'MFU':>5} {'bubble':>6}")
+    lines = [head]
+    for i, p in enumerate(plans[:top], 1):
+        terms = ", ".join(f"{k} {_gib(v)}" for k, v in p.memory.largest(3))
+        lines.append(f"{i:>3}  {p.layout.label():<40} {_gib(p.memory.total):>12}  {terms:<40} "
+                     f"{p.time.step_s:>8.3g} {p.time.tokens_per_s:>10,.0f} {p.time.mfu:>5.0%} {p.time.bubble:>6.0%}")
+    return "\n".join(lines)
+
+
+def as_json(plans: list[Plan], *, hw: Hardware, nodes: int, gpus_per_node: int, considered: int) -> dict:
+    """The ranked plans as data."""
+    return {
+        "hardware": dataclasses.asdict(hw), "nodes": nodes, "gpus_per_node": gpus_per_node,
+        "limit_bytes": plans[0].limit if plans else None, "considered": considered, "fit": len(plans),
+        "plans": [{"layout": dataclasses.asdict(p.layout), "label": p.layout.label(),
+                   "memory": {**p.memory.terms(), "total": p.memory.total, "moment": p.memory.moment,
+                              "pp_rank": p.memory.pp_rank},
+                   "time": dataclasses.asdict(p.time)} for p in plans],
+    }
+
+
+def layout_config(plan: Plan) -> dict[str, Any]:
+    """The plan as a config dict for `tetron train` (the whole resolved config, this layout in it)."""
+    return plan.config.to_dict()

@@ -1,0 +1,174 @@
+"""The time model: how long one training step of a layout takes, and where the time goes.
+
+    step = pipeline span (every micro-batch's forward and backward, with the tp and cp collectives and
+           the stage-to-stage P2P inside them, played through the schedule: pipeline_schedules.simulate,
+           so the bubble comes from the schedule itself) + the data-parallel communication that the
+           backward pass does not hide + the optimizer step
+
+Compute is FLOPs at a device's efficiency figure (hardware.py): per token and layer 2 FLOPs per weight
+forward (4 backward), and causal attention's 2*s*hq forward (the usual 4*s*hq halved by the mask), the
+head's 2*V*h; full recomputation adds one forward of the layers, selective recomputation the element-wise
+tensors it recomputes, written and read once at the device's memory bandwidth. Communication is the ring algorithms'
+volume per rank (the Ultra-Scale Playbook's table: all-reduce 2(n-1)/n, reduce-scatter and all-gather
+(n-1)/n of the tensor) at the bandwidth of the slowest link the group spans (inside a node when all its
+ranks are: tp innermost, then cp, dp, pp, as mesh.py lays them out), plus a latency per message.
+Overlap: the bucketed gradient reduction runs during the backward pass (only what exceeds the last
+micro-batch's backward, or at least the last bucket, is exposed), ring attention's key/value transfer
+during the block computations, ZeRO-3's prefetched gathers during compute.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from tetron.config import Config
+from tetron.parallel.pipeline_schedules import simulate
+from tetron.plan.hardware import Hardware
+from tetron.plan.memory import Sizes, chunk_buckets, layer_kept, layer_none, layer_numels, rank_chunks
+
+
+@dataclass
+class TimeEstimate:
+    """Predicted seconds of one step, and their parts."""
+
+    step_s: float  # the whole step
+    compute_s: float  # the busiest pipeline rank's forward, backward and recompute at the efficiency figure
+    bubble: float  # idle fraction of the pipeline span (0 without pp)
+    tp_s: float  # tensor-parallel collectives (not overlapped)
+    cp_s: float  # ring attention's transfers that the block computations do not hide
+    pp_s: float  # stage-to-stage P2P
+    dp_s: float  # gradient reduction (and ZeRO's gathers) not hidden by the backward pass
+    optimizer_s: float  # the optimizer step: its state streamed through memory once or twice
+    tokens_per_s: float
+    mfu: float  # model FLOPs (6N + 12*L*h*s per token) per second over the peak of all devices
+
+
+def _bandwidth(hw: Hardware, span: int, gpus_per_node: int) -> float:
+    """Bytes/s of a group whose ranks span `span` consecutive global ranks: inside one node, or not."""
+    return (hw.intra_gbs if span <= gpus_per_node else hw.inter_gbs) * 1e9
+
+
+def _ring(hw: Hardware, nbytes: float, n: int, factor: float, bandwidth: float) -> float:
+    """Seconds of one ring collective over n ranks moving factor*(n-1)/n of nbytes per rank."""
+    if n <= 1:
+        return 0.0
+    return hw.latency_s + factor * (n - 1) / n * nbytes / bandwidth
+
+
+def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, list[float]]:
+    """Seconds of one forward and one backward of each pipeline rank's chunks for one micro-batch, with
+    their tp and cp collectives and the P2P of the stage's output or input gradient (in rank order, each
+    rank's chunks in virtual-stage order), and the per-layer tp and cp and the per-message P2P costs."""
+    s, p = Sizes.of(cfg), cfg.parallel
+    rate = hw.flops(cfg.train.dtype)
+    layer_weights = sum(layer_numels(cfg)[:7])  # matmul weights of one layer on this rank
+    per_layer = s.n * (2 * layer_weights + 2 * cfg.data.seq_len * s.hq)  # forward FLOPs, causal attention
+    tp_bw = _bandwidth(hw, p.tp, gpus_per_node)
+    act = s.n * s.h * s.d  # one residual-stream tensor
+    # tp: two all-reduces (sp: all-gather + reduce-scatter, the same volume) per layer forward, two backward
+    tp_layer = 2 * _ring(hw, act, p.tp, 2.0, tp_bw)
+    cp_bw = _bandwidth(hw, p.tp * p.cp, gpus_per_node)
+    kv = 2 * s.n * s.hkv * s.d
+    attention = s.n * 2 * cfg.data.seq_len * s.hq / rate
+    cp_fwd = max(0.0, (p.cp - 1) * (hw.latency_s + kv / cp_bw) - attention) if p.cp > 1 else 0.0
+    cp_bwd = 3 * cp_fwd  # the blocks again, and their fp32 gradients travelling with them
+    p2p = hw.latency_s + act / _bandwidth(hw, p.dp * p.cp * p.tp * 2, gpus_per_node) if p.pp > 1 else 0.0
+    recompute = cfg.train.recompute == "full"
+    # selective recomputation redoes only element-wise work: memory-bound, its tensors written and read once
+    elementwise = 2 * (layer_none(s) - layer_kept(s, "selective")) / (hw.hbm_gbs * 1e9)
+    fwd, bwd = [], []
+    for chunk in [c for r in range(p.pp) for c in rank_chunks(cfg, r)]:
+        flops = chunk.layers * per_layer + (2 * s.n * s.vocab * s.h if chunk.last else 0)
+        compute = flops / rate + chunk.layers * hw.overhead_s / 3
+        f = compute + chunk.layers * (tp_layer + cp_fwd) + p2p
+        b = 2 * compute + chunk.layers * (tp_layer * (2 if recompute else 1) + cp_bwd) + p2p
+        if recompute:
+            b += chunk.layers * per_layer / rate
+        elif cfg.train.recompute == "selective":
+            b += chunk.layers * elementwise
+        fwd.append(f)
+        bwd.append(b)
+    return {"forward": fwd, "backward": bwd, "tp": [tp_layer], "cp": [cp_fwd + cp_bwd], "p2p": [p2p]}
+
+
+def _pipeline_span(cfg: Config, costs: dict[str, list[float]]) -> tuple[float, float, float]:
+    """(span, busiest rank's busy time, idle fraction) of every micro-batch through the schedule."""
+    p, m = cfg.parallel, cfg.train.grad_acc
+    if p.pp == 1:
+        busy = m * (costs["forward"][0] + costs["backward"][0])
+        return busy, busy, 0.0
+    # chunk c of rank r is virtual stage c*pp + r, listed rank by rank
+    per_rank = [[r * p.pp_virtual + c for c in range(p.pp_virtual)] for r in range(p.pp)]
+    unit = costs["forward"][0]
+    # The idle fractions do not change when every duration is scaled: simulate each shape once, to 10%.
+    relative = tuple(round(10 * c / unit) / 10 for c in costs["forward"] + costs["backward"])
+    # A rank idles while the pipeline fills and drains, which 2*pp micro-batches show: that idle time
+    # holds for any larger number of them (Narayanan et al. 2021: the bubble is (p-1) stage times).
+    shown = min(m, 2 * p.pp)
+    idle = _idle(p.pp_schedule, p.pp, p.pp_virtual, shown, relative)
+    busy = [sum(costs["forward"][k] + costs["backward"][k] for k in ks) for ks in per_rank]
+    span = max(b * shown / (1 - i) - b * shown + b * m for b, i in zip(busy, idle) if i < 1)
+    return span, m * max(busy), 1 - m * max(busy) / span
+
+
+@functools.lru_cache(maxsize=4096)
+def _idle(name: str, pp: int, virtual: int, micro_batches: int, relative: tuple[float, ...]) -> list[float]:
+    """pipeline_schedules.simulate with these forward and backward durations (rank by rank, chunk by chunk)."""
+    half = len(relative) // 2
+
+    def duration(rank: int, index: int, action) -> float:
+        k = rank * virtual + action.chunk
+        return relative[half + k] if action.backward else relative[k]
+
+    return simulate(name, pp=pp, virtual=virtual, micro_batches=micro_batches, duration=duration)
+
+
+def _data_parallel(cfg: Config, hw: Hardware, gpus_per_node: int, *, backward_s: float,
+                   compute_s: float) -> float:
+    """Seconds of gradient reduction over dp*cp (and ZeRO's parameter gathers) that compute does not hide."""
+    p, s = cfg.parallel, Sizes.of(cfg)
+    n = p.dp * p.cp
+    if n == 1:
+        return 0.0
+    buckets = [b for c in rank_chunks(cfg, 0) for b in chunk_buckets(cfg, c)]
+    elements = sum(b.padded for b in buckets)
+    grads = elements * (2 if p.reduce_dtype == "bfloat16" else 4)
+    params = elements * s.d
+    bw = _bandwidth(hw, p.tp * p.cp * p.dp, gpus_per_node)
+    if p.zero == 0:
+        reduce = _ring(hw, grads, n, 2.0, bw) if p.dp_impl == "bucket" else len(buckets) * _ring(hw, grads, n, 2, bw)
+        return max(reduce - backward_s, reduce / len(buckets))
+    scatter = _ring(hw, grads, n, 1.0, bw)
+    gather = _ring(hw, params, n, 1.0, bw)
+    if p.zero < 3:  # the reduce-scatter overlaps the backward; the all-gather after the step does not
+        return max(scatter - backward_s, scatter / len(buckets)) + gather
+    # ZeRO-3: every unit gathered before its forward and again before its backward, in every micro-batch,
+    # each prefetched while the previous unit computes; only the first gather of each pass is exposed.
+    gathers = 2 * cfg.train.grad_acc * gather + scatter
+    return max(0.0, gathers - compute_s) + 2 * gather / len(buckets)
+
+
+def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
+    """The predicted step time of `cfg` on devices `hw`, `gpus_per_node` ranks to a node."""
+    p, m = cfg.parallel, cfg.train.grad_acc
+    costs = _chunk_costs(cfg, hw, gpus_per_node)
+    span, busy, bubble = _pipeline_span(cfg, costs)
+    layers_rank0 = sum(c.layers for c in rank_chunks(cfg, 0))
+    tp_s = m * layers_rank0 * costs["tp"][0] * (3 if cfg.train.recompute == "full" else 2)
+    cp_s = m * layers_rank0 * costs["cp"][0]
+    pp_s = m * 2 * p.pp_virtual * costs["p2p"][0]
+    compute = busy - tp_s - cp_s - pp_s
+    backward_last = sum(costs["backward"][k] for k in range(p.pp_virtual))
+    dp_s = _data_parallel(cfg, hw, gpus_per_node, backward_s=backward_last, compute_s=compute)
+    buckets = [b for c in rank_chunks(cfg, 0) for b in chunk_buckets(cfg, c)]
+    owned = sum(b.slice_size for b in buckets)
+    # AdamW reads and writes masters and both moments and reads the gradient: ~7 fp32 values an element
+    optimizer = owned * 4 * 7 / (hw.hbm_gbs * 1e9)
+    step = span + dp_s + optimizer
+    tokens = cfg.global_batch * cfg.data.seq_len
+    flops = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / step
+    peak = hw.tflops * 1e12 / (1 if cfg.train.dtype == "bfloat16" or hw.cpu else hw.fp32_slowdown)
+    return TimeEstimate(step_s=step, compute_s=compute, bubble=bubble, tp_s=tp_s, cp_s=cp_s, pp_s=pp_s,
+                        dp_s=dp_s, optimizer_s=optimizer, tokens_per_s=tokens / step,
+                        mfu=flops / (peak * cfg.world_size))
