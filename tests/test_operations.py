@@ -365,7 +365,7 @@ def _rank_pids(parent: int) -> dict[int, int]:
         except (OSError, ValueError, IndexError):
             continue
     found = {}
-    for report in Path(tempfile.gettempdir()).glob("tetron-ranks-*/attempt*_rank*.json"):
+    for report in _rank_reports():
         try:
             info = json.loads(report.read_text())
         except (OSError, ValueError):
@@ -373,6 +373,26 @@ def _rank_pids(parent: int) -> dict[int, int]:
         if info["pid"] in children:
             found[info["rank"]] = info["pid"]
     return found
+
+
+def _rank_reports() -> list[Path]:
+    """The rank report files of every tetron launch on this machine. Other runs' folders (another test
+    session, a CI run) may vanish while this looks, so each folder is read on its own."""
+    found: list[Path] = []
+    for folder in Path(tempfile.gettempdir()).iterdir():
+        if folder.name.startswith("tetron-ranks-"):
+            try:
+                found += list(folder.glob("attempt*_rank*.json"))
+            except OSError:
+                continue
+    return found
+
+
+def _report_pid(report: Path) -> int | None:
+    try:
+        return json.loads(report.read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _gone(pid: int) -> bool:
@@ -431,8 +451,7 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
         while any(not _gone(pid) for pid in pids.get("killed", {}).values()) and time.monotonic() - killed < 60:
             time.sleep(0.1)
         orphans = {pid: _gone(pid) for pid in pids.get("killed", {}).values()}
-        for folder in {r.parent for r in Path(tempfile.gettempdir()).glob("tetron-ranks-*/attempt*_rank*.json")
-                       if json.loads(r.read_text())["pid"] in orphans}:
+        for folder in {r.parent for r in _rank_reports() if _report_pid(r) in orphans}:
             shutil.rmtree(folder, ignore_errors=True)  # the killed launcher's report folder: nobody else removes it
     finally:
         for proc, _ in runs.values():
