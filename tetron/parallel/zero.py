@@ -109,7 +109,9 @@ class ShardedAdamW:
             begin, end = bucket.offsets[p], bucket.offsets[p] + p.numel()
             a, b = max(begin, lo), min(end, hi)
             if a < b:
-                master = nn.Parameter(p.detach().reshape(-1)[a - begin:b - begin].float().clone())
+                values = p.detach().reshape(-1)[a - begin:b - begin]
+                # fp32 under ZeRO: a placeholder, replaced by a view of the slice once it exists
+                master = nn.Parameter(values if self.masters_in_slices else values.float().clone())
                 pieces.append(Piece(p, a - begin, bucket, a - lo if self.shards > 1 else a, master))
         return pieces
 
@@ -191,13 +193,18 @@ class ShardedAdamW:
         return self._assemble(param, parts)
 
     def full_grad(self, param: nn.Parameter) -> Tensor:
-        return self._assemble(param, [(piece, piece.grad) for piece in self.piece_of.get(id(param), [])])
+        """The averaged gradient of `param` as a whole: without ZeRO the gradient itself, no copy."""
+        pieces = self.piece_of.get(id(param), [])
+        if self.shards == 1 and len(pieces) == 1 and pieces[0].master.numel() == param.numel():
+            return pieces[0].grad.view_as(param)
+        return self._assemble(param, [(piece, piece.grad) for piece in pieces])
 
     def set_full_grad(self, param: nn.Parameter, grad: Tensor) -> None:
         """Write this rank's pieces of a parameter-shaped gradient back where the reduction left them."""
         flat = grad.reshape(-1)
         for piece in self.piece_of.get(id(param), []):
-            piece.grad.view(-1).copy_(flat[piece.start:piece.start + piece.master.numel()])
+            if piece.grad.data_ptr() != flat.data_ptr():  # full_grad handed out the gradient itself
+                piece.grad.view(-1).copy_(flat[piece.start:piece.start + piece.master.numel()])
 
     def has_state(self) -> bool:
         """Whether AdamW has moments to save (not before its first step). The same on every rank."""
