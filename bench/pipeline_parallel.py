@@ -1,6 +1,7 @@
-"""Pipeline parallelism, side by side: tetron's 1F1B and PyTorch's `torch.distributed.pipelining`
-Schedule1F1B training the same model, cut the same way, on the same micro-batches, in one invocation;
-then the bubble of each tetron schedule, measured from per-rank timestamps, against the theory.
+"""Pipeline parallelism, side by side: tetron's 1F1B and ZB-V against PyTorch's `torch.distributed.pipelining`
+Schedule1F1B and ScheduleZBVZeroBubble, each pair training the same model, cut the same way, on the same
+micro-batches, in one invocation; then the bubble of each tetron schedule (afab, 1f1b, interleaved,
+zbh1, zbv), measured from per-rank timestamps, against the theory.
 
     python bench/pipeline_parallel.py [--steps 10] [--hidden 256] [--layers 8] [--micro-batches 8]
 
@@ -18,21 +19,22 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import add_model_args, add_timing_args, launch, median_step_times, model_config
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 
 from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.pipeline_parallel import Pipeline, apply_pipeline_stage, measure_bubble, split_layers
-from tetron.parallel.pipeline_schedules import simulate, theoretical_bubble
+from tetron.parallel.pipeline_schedules import simulate, stage_of, theoretical_bubble
 
 
-def make_chunks(config: LlamaConfig, *, pp: int, virtual: int, rank: int) -> list[Llama]:
-    """This rank's chunks (virtual stages rank, rank+pp, ...), initialised as the whole model would be."""
+def make_chunks(config: LlamaConfig, *, pp: int, virtual: int, rank: int, style: str = "loop") -> list[Llama]:
+    """This rank's chunks (virtual stages rank, rank+pp, ...; in a V: rank, 2*pp-1-rank), initialised as
+    the whole model would be."""
     ranges = split_layers(config.num_hidden_layers, pp * virtual)
     chunks = []
     for c in range(virtual):
-        s = c * pp + rank
+        s = stage_of(c, rank, pp=pp, style=style)
         with torch.device("meta"):
             model = Llama(config)
         apply_pipeline_stage(model, ranges[s], first=s == 0, last=s == pp * virtual - 1)
@@ -61,7 +63,7 @@ def rank_main(rank: int, args) -> None:
     micro_batches = list(zip(inputs.chunk(m), targets.chunk(m)))
 
     def tetron_pipeline(name: str, virtual: int) -> tuple[Pipeline, torch.optim.Optimizer]:
-        chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank)
+        chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank, style="v" if name == "zbv" else "loop")
         # sum over tokens / (tokens per micro-batch * m): the mean over the batch, as torch's below
         pipeline = Pipeline(chunks, mesh, schedule_name=name, micro_batches=m, shape=(mb, seq, args.hidden),
                             positions=torch.arange(seq), trace=True,
@@ -79,31 +81,41 @@ def rank_main(rank: int, args) -> None:
     theirs = Schedule1F1B(stage, m, loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
     their_opt = torch.optim.AdamW(stage_model.parameters(), lr=1e-4)
 
-    def step_tetron() -> float:
-        loss = ours.step(micro_batches)
-        our_opt.step()
-        our_opt.zero_grad(set_to_none=True)
+    # tetron's ZB-V and torch's ScheduleZBVZeroBubble: two stages per rank in a V, the same cut
+    ours_v, our_opt_v = tetron_pipeline("zbv", 2)
+    v_models = make_chunks(config, pp=p, virtual=2, rank=rank, style="v")
+    v_stages = [PipelineStage(model, stage_of(c, rank, pp=p, style="v"), 2 * p, torch.device("cpu"))
+                for c, model in enumerate(v_models)]
+    theirs_v = ScheduleZBVZeroBubble(v_stages, m, loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1),
+                                                                                          y.flatten()))
+    their_opt_v = torch.optim.AdamW([q for model in v_models for q in model.parameters()], lr=1e-4)
+
+    def step_tetron(pipeline: Pipeline, opt: torch.optim.Optimizer) -> float:
+        loss = pipeline.step(micro_batches)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    def step_torch() -> float:
+    def step_torch(schedule, opt: torch.optim.Optimizer, *, first: bool, last: bool) -> float:
         losses: list[torch.Tensor] = []
-        if rank == 0:
-            theirs.step(inputs)
-        else:
-            theirs.step(target=targets, losses=losses)
-        their_opt.step()
-        their_opt.zero_grad(set_to_none=True)
+        args_in = (inputs,) if first else ()
+        schedule.step(*args_in, **({"target": targets, "losses": losses} if last else {}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
         return float(sum(loss.detach() for loss in losses) / m) if losses else 0.0
 
-    runs = {"tetron": step_tetron, "torch": step_torch}
+    runs = {"tetron 1f1b": lambda: step_tetron(ours, our_opt),
+            "torch 1f1b": lambda: step_torch(theirs, their_opt, first=rank == 0, last=rank == p - 1),
+            "tetron zbv": lambda: step_tetron(ours_v, our_opt_v),
+            "torch zbv": lambda: step_torch(theirs_v, their_opt_v, first=rank == 0, last=rank == 0)}
     first = {impl: fn() for impl, fn in runs.items()}  # warm-up (torch infers shapes on its first step)
-    runs["tetron"]()
-    runs["torch"]()
+    for fn in runs.values():
+        fn()
     med = median_step_times(runs, steps=args.steps, per_round=args.per_round)
 
     # the bubble of each schedule, from every rank's action timestamps
     bubbles = {}
-    for name, virtual in (("afab", 1), ("1f1b", 1), ("interleaved", 2)):
+    for name, virtual in (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2)):
         pipeline, opt = tetron_pipeline(name, virtual)
         measured, replayed, peaks = [], [], []
         for k in range(args.bubble_steps + 1):
@@ -124,17 +136,22 @@ def rank_main(rank: int, args) -> None:
 
     if rank == p - 1:
         n_params = sum(q.numel() for q in ours.chunks[0].parameters())
-        print(f"last stage: {n_params / 1e6:.2f}M params; first-step loss tetron {first['tetron']:.6f}, "
-              f"torch {first['torch']:.6f}", flush=True)
+        print(f"last stage: {n_params / 1e6:.2f}M params; first-step loss tetron 1f1b {first['tetron 1f1b']:.6f}, "
+              f"torch 1f1b {first['torch 1f1b']:.6f}", flush=True)
     dist.barrier()
     if rank == 0:
+        print(f"first-step loss (rank 0 holds the last stage of the V): tetron zbv {first['tetron zbv']:.6f}, "
+              f"torch zbv {first['torch zbv']:.6f}")
         print(f"pipeline parallel, {p} ranks (gloo), {args.layers} layers hidden {args.hidden} vocab {args.vocab}, "
               f"{m} micro-batches of {mb}x{seq}, {args.steps} steps each")
-        print(f"  tetron 1F1B          median step {med['tetron'] * 1e3:8.1f} ms")
-        print(f"  torch Schedule1F1B   median step {med['torch'] * 1e3:8.1f} ms")
-        print(f"  tetron / torch = {med['tetron'] / med['torch']:.3f}   (1.00 or below: tetron is not slower)")
+        for ours_name, theirs_name, label in (("tetron 1f1b", "torch 1f1b", "Schedule1F1B"),
+                                              ("tetron zbv", "torch zbv", "ScheduleZBVZeroBubble")):
+            print(f"  {ours_name:12s} median step {med[ours_name] * 1e3:8.1f} ms   torch {label:22s} "
+                  f"{med[theirs_name] * 1e3:8.1f} ms   tetron / torch = {med[ours_name] / med[theirs_name]:.3f}"
+                  f"   (1.00 or below: tetron is not slower)")
         print(f"  bubble: idle fraction of the step per rank, median of {args.bubble_steps} steps; measured from "
-              f"action timestamps, replayed (measured compute, free communication), theory (p-1)/(v*m+p-1)")
+              f"action timestamps, replayed (measured compute, free communication), theory with B = 2F "
+              f"(W = B = F under zbh1, zbv)")
         for name, (virtual, measured, replayed, peaks) in bubbles.items():
             theory = theoretical_bubble(name, pp=p, virtual=virtual, micro_batches=m)
             print(f"    {name:11s} v={virtual}  measured [{fmt(measured)}]  replayed [{fmt(replayed)}]  "

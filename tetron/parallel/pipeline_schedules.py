@@ -17,6 +17,19 @@ rank p-1's chunk c feeds rank 0's chunk c+1. Stage 0 embeds the tokens, stage p*
   to (p-1)/(v*m+p-1), at the price of v times the P2P messages and a longer warm-up: rank r holds up
   to (v-1)*p + 2*(p-r-1) + 1 (chunk, micro-batch) pairs, each 1/v of its layers, so rank 0 holds
   about p + (p-1)/v micro-batches' worth of activations (1F1B: p).
+
+Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", 2024) split each backward in two:
+B, the gradient of the stage's input, which the previous stage is waiting for, and W, the gradients of
+the stage's weights, which only the optimizer needs. Only B is on the critical path, so W can fill
+what would otherwise be bubble. With equal F, B and W times:
+- zbh1 (ZB-H1): 1F1B's order of F and B, with rank r holding back its W's by r places, so every rank
+  holds at most p micro-batches from F to W (1F1B's rank 0; 1F1B's memory), and the W's fill the drain:
+  the bubble is (p-1)/(3m+p-1) once m >= p, a third of 1F1B's in time.
+- zbv (ZB-V): two chunks per rank in a V: rank r holds virtual stage r (chunk 0) and 2p-1-r (chunk 1),
+  so rank 0 holds the first and the last stage and rank p-1 hands its chunk 0's output to its own
+  chunk 1. Warm-up forwards fill the V, then each rank alternates F, B, W on its two chunks: the bubble
+  is p-1 chunk passes (half a forward each; 1F1B: 3(p-1) forwards) once m >= (3p-1)/2, with at most
+  2p (chunk, micro-batch) pairs in flight, p micro-batches of a rank's layers like 1F1B's rank 0.
 """
 
 from __future__ import annotations
@@ -29,14 +42,52 @@ from tetron.config import PpSchedule, one_of
 
 @dataclass(frozen=True)
 class Action:
-    """One forward (backward=False) or backward pass of micro-batch `micro` through local chunk `chunk`."""
+    """One pass of micro-batch `micro` through local chunk `chunk`: a forward (backward=False) or a
+    backward (backward=True). In the zero-bubble schedules a backward is split: B (backward=True) is the
+    gradient of the chunk's input only, and W (backward=True, weight=True), later, its weights' gradients."""
 
     backward: bool
     chunk: int
     micro: int
+    weight: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "W" if self.weight else "B" if self.backward else "F"
 
     def __repr__(self) -> str:
-        return f"{'B' if self.backward else 'F'}{self.chunk}.{self.micro}"
+        return f"{self.kind}{self.chunk}.{self.micro}"
+
+
+def _f(chunk: int, micro: int) -> Action:
+    return Action(False, chunk, micro)
+
+
+def _b(chunk: int, micro: int) -> Action:
+    return Action(True, chunk, micro)
+
+
+def _w(chunk: int, micro: int) -> Action:
+    return Action(True, chunk, micro, weight=True)
+
+
+def style_of(name: str) -> str:
+    """How a schedule places virtual stages on ranks: "v" for zbv, else "loop" (stage = chunk*p + rank)."""
+    return "v" if name == "zbv" else "loop"
+
+
+def stage_of(chunk: int, rank: int, *, pp: int, style: str = "loop") -> int:
+    """The virtual stage that pipeline rank `rank` holds as its chunk `chunk`."""
+    if style == "v":
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def rank_of(stage: int, *, pp: int, style: str = "loop") -> int:
+    """The pipeline rank that holds virtual stage `stage`."""
+    if style == "v":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
 
 
 @dataclass(frozen=True)
@@ -49,21 +100,26 @@ class Message:
     micro: int
 
 
-def receives(action: Action, *, pp: int, virtual: int, rank: int) -> tuple[Message, int] | None:
+def receives(action: Action, *, pp: int, virtual: int, rank: int, style: str = "loop") -> tuple[Message, int] | None:
     """What `action` of pipeline rank `rank` needs from another rank, and which: None if nothing
-    (the first virtual stage's forward reads tokens, the last one's backward starts from its loss)."""
-    s, last = action.chunk * pp + rank, pp * virtual - 1
+    (the first virtual stage's forward reads tokens, the last one's backward starts from its loss,
+    a W uses what its B left)."""
+    s, last = stage_of(action.chunk, rank, pp=pp, style=style), pp * virtual - 1
+    if action.weight:
+        return None
     if action.backward:
-        return None if s == last else (Message("grad", s, action.micro), (s + 1) % pp)
-    return None if s == 0 else (Message("act", s, action.micro), (s - 1) % pp)
+        return None if s == last else (Message("grad", s, action.micro), rank_of(s + 1, pp=pp, style=style))
+    return None if s == 0 else (Message("act", s, action.micro), rank_of(s - 1, pp=pp, style=style))
 
 
-def sends(action: Action, *, pp: int, virtual: int, rank: int) -> tuple[Message, int] | None:
+def sends(action: Action, *, pp: int, virtual: int, rank: int, style: str = "loop") -> tuple[Message, int] | None:
     """What `action` of pipeline rank `rank` produces for another rank, and which: None if nothing."""
-    s, last = action.chunk * pp + rank, pp * virtual - 1
+    s, last = stage_of(action.chunk, rank, pp=pp, style=style), pp * virtual - 1
+    if action.weight:
+        return None
     if action.backward:
-        return None if s == 0 else (Message("grad", s - 1, action.micro), (s - 1) % pp)
-    return None if s == last else (Message("act", s + 1, action.micro), (s + 1) % pp)
+        return None if s == 0 else (Message("grad", s - 1, action.micro), rank_of(s - 1, pp=pp, style=style))
+    return None if s == last else (Message("act", s + 1, action.micro), rank_of(s + 1, pp=pp, style=style))
 
 
 def afab(pp: int, micro_batches: int, rank: int) -> list[Action]:
@@ -106,30 +162,104 @@ def interleaved(pp: int, virtual: int, micro_batches: int, rank: int) -> list[Ac
     return order + [nth(k, True) for k in range(total - warmup, total)]
 
 
+def zbh1(pp: int, micro_batches: int, rank: int) -> list[Action]:
+    """ZB-H1: 1F1B's forwards and B's, each B followed by the W of the micro-batch `rank` places
+    earlier; the W's held back run once the B's are done, where 1F1B would wait for gradients."""
+    m = micro_batches
+    warmup = min(pp - rank - 1, m)
+    delay = rank  # rank r holds p - r micro-batches to their B in 1F1B: r more to their W makes p
+    order = [_f(0, i) for i in range(warmup)]
+    for i in range(m):
+        order += [_f(0, warmup + i)] if warmup + i < m else []
+        order += [_b(0, i)] + ([_w(0, i - delay)] if i >= delay else [])
+    return order + [_w(0, i) for i in range(max(0, m - delay), m)]
+
+
+def zbv(pp: int, micro_batches: int, rank: int) -> list[Action]:
+    """ZB-V (two chunks in a V; torch's ScheduleZBVZeroBubble has the same order). Warm-up: chunk 0
+    forwards to fill the way down, then chunk 1 and chunk 0 in turn, then chunk 1's F, B, W as the
+    first gradients turn at rank p-1; steady state F, B, W on chunk 0, then on chunk 1; the drain
+    runs the B's first and the W's they leave behind after. Built for at least 2p-1 micro-batches
+    (what fills the V), then the missing ones are left out, which keeps every dependency."""
+    p, n = pp, max(2 * pp - 1, micro_batches)
+    order: list[Action] = []
+    count = {kind: [0, 0] for kind in "FBW"}
+
+    def add(kind: str, chunk: int) -> None:
+        order.append(Action(kind != "F", chunk, count[kind][chunk], weight=kind == "W"))
+        count[kind][chunk] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        add("F", 0)
+    for _ in range(rank):
+        add("F", 1), add("F", 0)
+    for _ in range(p - rank):
+        add("F", 1), add("B", 1), add("W", 1)
+    while count["F"][1] < count["F"][0] or count["F"][0] < n:
+        if count["F"][0] < n:
+            add("F", 0)
+        for kind in ("B", "W"):
+            add(kind, 0)
+        for kind in ("F", "B", "W"):
+            add(kind, 1)
+    for _ in range(rank):
+        add("B", 0), add("B", 1)
+    for _ in range(p - rank):
+        add("B", 0), add("W", 0)
+    for chunk in (1, 0):
+        while count["W"][chunk] < count["B"][chunk]:
+            add("W", chunk)
+    return [a for a in order if a.micro < micro_batches]
+
+
 def schedule(name: str, *, pp: int, virtual: int, micro_batches: int, rank: int) -> list[Action]:
-    """The actions of pipeline rank `rank` under schedule `name` ("afab", "1f1b" or "interleaved")."""
+    """The actions of pipeline rank `rank` under schedule `name` (afab, 1f1b, interleaved, zbh1, zbv)."""
     if name == "interleaved":
         return interleaved(pp, virtual, micro_batches, rank)
+    if name == "zbv":
+        if virtual != 2:
+            raise ValueError(f"schedule 'zbv' runs exactly two chunks per rank (a V), not {virtual}")
+        return zbv(pp, micro_batches, rank)
     if virtual != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per rank, not {virtual}; use interleaved")
-    if name == "afab":
-        return afab(pp, micro_batches, rank)
-    if name == "1f1b":
-        return one_f_one_b(pp, micro_batches, rank)
-    raise ValueError(f"unknown pipeline schedule {name!r}; use {one_of(get_args(PpSchedule))}")
+    orders = {"afab": afab, "1f1b": one_f_one_b, "zbh1": zbh1}
+    if name not in orders:
+        raise ValueError(f"unknown pipeline schedule {name!r}; use {one_of(get_args(PpSchedule))}")
+    return orders[name](pp, micro_batches, rank)
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` runs each backward as a B and a later W (the zero-bubble schedules)."""
+    return name in ("zbh1", "zbv")
 
 
 def theoretical_bubble(name: str, *, pp: int, virtual: int, micro_batches: int) -> float:
-    """Fraction of a step a rank idles with equal stages and no communication cost: (p-1)/(v*m+p-1)."""
+    """Fraction of a step a rank idles with equal stages and no communication cost, a backward taking
+    twice a forward (B and W one forward each): (p-1)/(v*m+p-1) for afab, 1f1b and interleaved.
+    ZB-H1 idles p-1 forward times once m >= p (1F1B: 3(p-1)), p-m more with fewer micro-batches (too
+    few W's to fill the drain). ZB-V idles p-1 chunk passes (half a forward each) once m >= (3p-1)/2,
+    and 4p-2-2m with fewer micro-batches (the V is not full)."""
+    p, m = pp, micro_batches
+    if name == "zbh1":
+        idle = 2 * p - 1 - min(m, p)  # forward times
+        return idle / (3 * m + idle)
+    if name == "zbv":
+        idle = max(p - 1, 4 * p - 2 - 2 * m)  # chunk passes; a rank does 6 per micro-batch
+        return idle / (6 * m + idle)
     v = virtual if name == "interleaved" else 1
-    return (pp - 1) / (v * micro_batches + pp - 1)
+    return (p - 1) / (v * m + p - 1)
 
 
 def peak_in_flight(actions: list[Action]) -> int:
-    """The most (chunk, micro-batch) pairs whose forward has run and whose backward has not."""
+    """The most (chunk, micro-batch) pairs whose forward has run and whose backward has not finished
+    (its W in the zero-bubble schedules: what B leaves for W is held until then)."""
+    split = any(a.weight for a in actions)
     held, peak = 0, 0
     for action in actions:
-        held += -1 if action.backward else 1
+        if not action.backward:
+            held += 1
+        elif action.weight or not split:
+            held -= 1
         peak = max(peak, held)
     return peak
 
@@ -140,6 +270,7 @@ def simulate(name: str, *, pp: int, virtual: int, micro_batches: int,
     takes duration(r, k, action) and starts once its rank is free and its input has been sent.
     Returns each rank's idle fraction of the whole; raises if some rank waits forever (a deadlock)."""
     orders = [schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=r) for r in range(pp)]
+    style = style_of(name)
     ready: dict[Message, float] = {}  # message -> when it was sent
     clock, busy, done = [0.0] * pp, [0.0] * pp, [0] * pp
     moved = True
@@ -148,13 +279,13 @@ def simulate(name: str, *, pp: int, virtual: int, micro_batches: int,
         for r in range(pp):
             while done[r] < len(orders[r]):
                 action = orders[r][done[r]]
-                need = receives(action, pp=pp, virtual=virtual, rank=r)
+                need = receives(action, pp=pp, virtual=virtual, rank=r, style=style)
                 if need is not None and need[0] not in ready:
                     break
                 cost = duration(r, done[r], action)
                 clock[r] = max(clock[r], ready[need[0]] if need else 0.0) + cost
                 busy[r] += cost
-                out = sends(action, pp=pp, virtual=virtual, rank=r)
+                out = sends(action, pp=pp, virtual=virtual, rank=r, style=style)
                 if out is not None:
                     ready[out[0]] = clock[r]
                 done[r] += 1
@@ -162,3 +293,9 @@ def simulate(name: str, *, pp: int, virtual: int, micro_batches: int,
     if done != [len(order) for order in orders]:
         raise RuntimeError(f"schedule {name} (pp={pp}, virtual={virtual}, micro_batches={micro_batches}) deadlocks")
     return [1 - b / max(clock) for b in busy]
+
+
+def unit_duration(name: str, virtual: int) -> Callable[[int, int, Action], float]:
+    """The textbook costs: a forward 1/v, a backward 2/v (B and W 1/v each where the schedule splits it)."""
+    backward = 1.0 if splits_backward(name) else 2.0
+    return lambda rank, index, action: (backward if action.backward else 1.0) / virtual

@@ -108,7 +108,7 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
     """Every layout of `world` ranks for a global batch of `batch` sequences; `fixed` pins any of AXES."""
     for dp, tp, pp, cp, mb in _sizes(base, world, gpus_per_node, batch, fixed):
         grad_acc = batch // (dp * mb)
-        schedules = [("1f1b", 1)] if pp == 1 else [("afab", 1), ("1f1b", 1)] + [
+        schedules = [("1f1b", 1)] if pp == 1 else [("afab", 1), ("1f1b", 1), ("zbh1", 1), ("zbv", 2)] + [
             ("interleaved", v) for v in (2, 4) if pp * v <= base.model.num_hidden_layers and grad_acc % pp == 0]
         # sequence parallelism only lowers memory (same traffic): taken wherever it applies
         sp = tp > 1 and (base.data.seq_len // cp) % tp == 0
