@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo lint test bench clean
+.PHONY: venv demo lint test bench gpu-check clean
 
 venv: $(STAMP)
 
@@ -29,12 +29,19 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q tests
 
+# The GPU check: correctness, speed (tokens/s, MFU) and the memory model as one table, within 8 minutes on
+# one GPU; tiny sizes in seconds without one. No install, no network: the venv's python if there is one,
+# else the machine's python3 on this checkout.
+gpu-check:
+	@if [ -x $(PY) ]; then PYTHONPATH=. $(PY) -m bench.gpu_check; else PYTHONPATH=. python3 -m bench.gpu_check; fi
+
 bench: $(STAMP)
 	$(PY) bench/data_parallel.py
 	$(PY) bench/tensor_parallel.py
 	$(PY) bench/pipeline_parallel.py
 	$(PY) bench/context_parallel.py
 	$(PY) bench/zero.py
+	$(PY) bench/step_overhead.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -5,11 +5,17 @@ Everything else in tetron runs the same lines on cpu+gloo and cuda+nccl.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
+import shutil
 import sys
+from typing import Literal
 
 import torch
+
+# The kernel families of one block of attention with its log-sum-exp (parallel/block_attention.py).
+AttentionKernel = Literal["cpu_flash", "flash", "efficient", "math"]
 
 # Dense bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets (no sparsity).
 _PEAK_TFLOPS_BF16 = {
@@ -24,6 +30,20 @@ _PEAK_TFLOPS_BF16 = {
     "A10G": 125.0,
     "RTX 4090": 165.0,
     "B200": 2250.0,
+}
+# Dense fp32 peak (CUDA cores, no tensor cores): what an fp32 matmul reaches with TF32 off.
+_PEAK_TFLOPS_FP32 = {
+    "H200": 67.0,
+    "H100": 67.0,
+    "H100 PCIe": 51.0,
+    "H800": 67.0,
+    "A100": 19.5,
+    "A800": 19.5,
+    "L40S": 91.6,
+    "L4": 30.3,
+    "A10G": 31.2,
+    "RTX 4090": 82.6,
+    "B200": 80.0,
 }
 
 
@@ -54,6 +74,19 @@ def device_problem(kind: str, ranks_per_node: int | None) -> str | None:
     return None
 
 
+def compile_problem(kind: str) -> str | None:
+    """Why torch.compile cannot run on parallel.device=`kind` here, or None: Inductor builds its CPU kernels
+    with a C++ compiler and its GPU kernels with Triton."""
+    cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
+    if cuda:
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile's GPU backend needs Triton, which is not installed (pip install triton)"
+        return None
+    if not any(shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")):
+        return "torch.compile's CPU backend needs a C++ compiler (g++ or clang++), and none is on PATH"
+    return None
+
+
 def cuda_count() -> int:
     """How many CUDA devices this process sees (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -67,6 +100,14 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels, so wall-clock step times are real; nothing to do on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the CPU) on `device`: to a GPU from pinned memory, asynchronously (the copy queues
+    behind the kernels already launched instead of waiting for them)."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 # Linux: the kernel's high-water mark of this process's resident set (VmHWM), and the file that resets it.
@@ -134,14 +175,74 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
+def tf32_matmuls() -> bool:
+    """Whether fp32 matmuls on CUDA may run on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32, which
+    torch.set_float32_matmul_precision("high"/"medium") also turns on); off by default."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's dense peak TFLOP/s for `dtype` where known (GPUs by name), else None."""
+    """The device's dense peak TFLOP/s for matmuls in `dtype` where known (GPUs by name), else None.
+
+    bf16/fp16: the tensor-core peak. fp32: TF32 tensor cores (half the bf16 rate on Hopper, Ampere and
+    Ada) only when TF32 is enabled, else the fp32 CUDA-core peak: MFU is measured against what the
+    matmuls could reach as configured."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     match = max((k for k in _PEAK_TFLOPS_BF16 if k in name), key=len, default=None)
     if match is None:
         return None
-    bf16 = _PEAK_TFLOPS_BF16[match]
-    # fp32 matmuls run on TF32 tensor cores at half the bf16 rate when allowed; count that.
-    return bf16 if dtype in (torch.bfloat16, torch.float16) else bf16 / 2
+    return _peak_for(match, dtype, tf32=tf32_matmuls())
+
+
+def _peak_for(gpu: str, dtype: torch.dtype, *, tf32: bool) -> float:
+    """The table's peak for one GPU name and dtype (split out so it is tested without a GPU)."""
+    bf16 = _PEAK_TFLOPS_BF16[gpu]
+    if dtype in (torch.bfloat16, torch.float16):
+        return bf16
+    return bf16 / 2 if tf32 else _PEAK_TFLOPS_FP32[gpu]
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernel:
+    """Which kernel computes one block of attention with its log-sum-exp here (parallel/block_attention.py).
+
+    CPU: the fused flash kernel for CPUs. CUDA: FlashAttention-2 for fp16/bf16 on sm80+ (Ampere, Hopper)
+    with head_dim a multiple of 8 up to 256; otherwise the memory-efficient kernel (fp32 too, any sm50+)
+    with head_dim a multiple of 8; "math" (fp32 matmuls, [Tq, Tk] scores in memory) for the rest and
+    for other devices."""
+    if device.type == "cpu":
+        return "cpu_flash"
+    if device.type != "cuda" or head_dim % 8 != 0:
+        return "math"
+    backends = torch.backends.cuda
+    flash_built = getattr(backends, "is_flash_attention_available", lambda: True)()
+    if (dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and flash_built
+            and torch.cuda.get_device_capability(device) >= (8, 0)):
+        return "flash"
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return "efficient"
+    return "math"
+
+
+def rng_state(device: torch.device) -> torch.Tensor | None:
+    """This rank's generator state on `device` (a uint8 tensor), None on the CPU: the CPU generator is
+    saved separately and always."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    """Restore what `rng_state(device)` returned."""
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+
+
+def device_name(device: torch.device) -> str:
+    """"NVIDIA H200", or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def empty_cache(device: torch.device) -> None:
+    """Hand cached GPU blocks back (between benchmark runs, so one run's cache does not count in the next)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,37 @@
+"""torch.compile, one decoder layer at a time (regional compilation, as torchtitan does).
+
+Compiling each layer rather than the whole model keeps start-up short: every layer of a chunk has the
+same code and shapes, so Dynamo compiles the first and reuses that graph for the others (their
+parameters are inputs to it, not constants), and a pipeline stage compiles only what it holds. The
+layer is compiled in place (`nn.Module.compile`): its parameters, names and state-dict keys stay Hugging
+Face's, and the data-parallel hooks on its parameters are untouched.
+
+Order (parallelize.py): after tensor parallelism, context parallelism and recompute have given each
+layer its final code, before data parallelism, which wraps the whole chunk and whose gradient hooks
+run outside the compiled code. What Dynamo cannot trace (the collectives inside tensor parallelism's
+and ring attention's autograd Functions) runs eagerly between compiled pieces (a graph break), so every
+layout compiles; the matmuls, norms, RoPE and SwiGLU between them are fused by Inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tetron.model import Llama
+
+
+def apply_compile(model: Llama, enabled: bool) -> Llama:
+    """Compile every decoder layer this chunk holds, in place (`train.compile`)."""
+    if not enabled:
+        return model
+    for layer in model.model.layers.values():
+        # dynamic=False: every step has the same shapes; a new shape recompiles rather than
+        # generalising the graph, which would cost speed for nothing here.
+        layer.compile(dynamic=False)
+    return model
+
+
+def reset_compiled() -> None:
+    """Forget every compiled graph (between benchmark runs of different models in one process, so that
+    Dynamo's cache limit is not reached by graphs that will never run again)."""
+    torch._dynamo.reset()
