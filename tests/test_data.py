@@ -14,7 +14,7 @@ import torch
 from tetron import tokenizer as tokenizer_module
 from tetron.data import BatchSampler, DataLoader, default_cache_dir, load_tokens, prepare_tokens
 from tetron.errors import DataError
-from tetron.sources import iter_texts, resolve_files
+from tetron.sources import data_fingerprint, iter_texts, resolve_files
 from tetron.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -224,19 +224,24 @@ def test_prepare_tokens_eos_cache_atomic(tmp_path: Path, bpe_cache: Path, monkey
     path = prepare_tokens(str(tmp_path / "d.jsonl"), tok, cache_dir=cache)
     expected = [i for d in docs for i in (*tok.encode(d), tok.eos_id)]
     tokens = load_tokens(path)
-    assert tokens.dtype == np.uint16 and isinstance(tokens, np.memmap)
-    assert tokens.tolist() == expected
-    meta = json.loads(path.with_suffix(".json").read_text())
-    assert meta["num_tokens"] == len(expected) and meta["dtype"] == "uint16" and meta["vocab_size"] == 384
-    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, path.with_suffix(".json").name])
+    assert tokens.dtype == np.uint16 and len(tokens) == len(expected)
+    assert tokens.tolist() == expected and np.asarray(tokens[2:5]).tolist() == expected[2:5]
+    index = json.loads((path / "index.json").read_text())
+    assert index["num_tokens"] == len(expected) and index["dtype"] == "uint16" and index["vocab_size"] == 384
+    assert index["num_docs"] == 3 and tokens.doc_ends().tolist() == np.cumsum([len(tok.encode(d)) + 1
+                                                                                for d in docs]).tolist()
+    assert index["tokenizer"] == tok.fingerprint()
 
-    mtime = path.stat().st_mtime_ns
+    # Cached: neither tokenized again nor read (a store opens by its index and its shards' sizes).
+    mtime = (path / "index.json").stat().st_mtime_ns
     monkeypatch.setattr(Tokenizer, "encode_batch", lambda self, texts: pytest.fail("re-tokenized"))
+    monkeypatch.setattr(np, "fromfile", lambda *a, **k: pytest.fail("a shard was read to open the store"))
     assert prepare_tokens(str(tmp_path / "d.jsonl"), tok, cache_dir=cache) == path
-    assert path.stat().st_mtime_ns == mtime
+    assert len(load_tokens(path)) == len(expected)
+    assert (path / "index.json").stat().st_mtime_ns == mtime
     monkeypatch.undo()
 
-    # New content, new key; a failure midway leaves no file behind.
+    # New content (another size or mtime), new key; a failure midway leaves no index, so nothing is used.
     _write_jsonl(tmp_path / "d.jsonl", docs + ["more"])
 
     def boom(self: Tokenizer, texts: list[str]) -> list[list[int]]:
@@ -245,10 +250,35 @@ def test_prepare_tokens_eos_cache_atomic(tmp_path: Path, bpe_cache: Path, monkey
     monkeypatch.setattr(Tokenizer, "encode_batch", boom)
     with pytest.raises(RuntimeError, match="crash"):
         prepare_tokens(str(tmp_path / "d.jsonl"), tok, cache_dir=cache)
-    assert len(list(path.parent.iterdir())) == 2
+    (half,) = [p for p in (cache / "tokens").iterdir() if p != path]
+    assert not (half / "index.json").exists() and not list(half.glob("*.bin"))
     monkeypatch.undo()
     path2 = prepare_tokens(str(tmp_path / "d.jsonl"), tok, cache_dir=cache)
-    assert path2 != path and load_tokens(path2).tolist() == expected + tok.encode("more") + [0]
+    assert path2 == half and load_tokens(path2).tolist() == expected + tok.encode("more") + [0]
+
+
+def test_cache_key_uses_stat_not_contents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local source's cache key costs a stat per file; data.hash_contents reads the bytes."""
+    (tmp_path / "a.txt").write_text("hello")
+    reads: list[str] = []
+    real_open = open
+
+    def counting_open(file, mode="r", *args, **kwargs):  # noqa: ANN001, ANN202
+        if "b" in mode and str(file).endswith("a.txt"):
+            reads.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    import builtins
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    key = data_fingerprint(str(tmp_path), text_field="text", max_bytes=None)
+    assert reads == []
+    hashed = data_fingerprint(str(tmp_path), text_field="text", max_bytes=None, hash_contents=True)
+    assert len(reads) == 1 and hashed != key
+    monkeypatch.undo()
+    os.utime(tmp_path / "a.txt", ns=(1, 1))  # touched, same bytes: a new key, unless hashing contents
+    assert data_fingerprint(str(tmp_path), text_field="text", max_bytes=None) != key
+    assert data_fingerprint(str(tmp_path), text_field="text", max_bytes=None, hash_contents=True) == hashed
 
 
 def test_prepare_tokens_bytes_and_empty(tmp_path: Path) -> None:

@@ -575,19 +575,20 @@ def test_what_a_rank_would_meet_is_refused_before_start(ck, tmp_path, tetron_cli
 
 
 def test_a_damaged_token_cache_is_made_again(ck, tmp_path, tetron_cli):
-    """A truncated token file (or a damaged sidecar) in the cache is tokenized again before start."""
+    """A truncated shard (or a damaged index) of the cached token store is tokenized again before start."""
     _, raw = ck
     raw = {**raw, "data": {**raw["data"], "cache_dir": str(tmp_path / "cache")}, "out": str(tmp_path / "out")}
     config = write_yaml(tmp_path / "run.yaml", raw)
-    _, token_file = prepare_data(from_dict(raw))
-    size = token_file.stat().st_size
-    with open(token_file, "r+b") as f:
+    _, store = prepare_data(from_dict(raw))  # the cache entry: a token store folder
+    shard = next(store.glob("*.bin"))
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
         f.truncate(size // 2)
     code, out, err, launched = tetron_cli("train", config)
     assert code == 0 and launched, err
     assert re.search(r"the token cache .* is truncated or missing .*; tokenizing again", out), out
-    assert token_file.stat().st_size == size
-    token_file.with_suffix(".json").write_text("{ not json")
+    assert shard.stat().st_size == size
+    (store / "index.json").write_text("{ not json")
     code, out, err, launched = tetron_cli("train", config)
     assert code == 0 and launched and "is unreadable" in out, out + err
 

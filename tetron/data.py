@@ -1,20 +1,21 @@
-"""Data: a cached flat token file and a layout-free sampler (sources: sources.py, tokenizers: tokenizer.py).
+"""Data: token stores for the run and a layout-free sampler (sources: sources.py, tokenizers: tokenizer.py,
+stores: token_store.py, mixtures: mixture.py).
 
-Text is tokenized once into a flat memory-mapped token file and cut into windows of
-`seq_len + 1` tokens. The global batch of step s is a seeded list of windows that
+data.path is a token store made by `tetron tokenize`, or any other spec, tokenized once into a store in
+the cache (keyed by the files' sizes and mtimes, not their bytes). The store is one stream of tokens
+cut into windows of `seq_len + 1`. The global batch of step s is a seeded list of windows that
 depends only on (seed, step, sizes); each DP rank and each micro-batch then takes its
-contiguous share of those rows, so any (dp, grad_acc, micro_batch) layout with the
-same global batch sees the same data in the same order.
+contiguous share of those rows, so any (dp, grad_acc, micro_batch) layout with the same global batch
+sees the same data in the same order. data.sources mixes several stores by weight (mixture.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
-import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -22,13 +23,13 @@ import torch
 from tetron.checkpoint import find_latest
 from tetron.config import Config
 from tetron.errors import ConfigError, DataError
-from tetron.fs import fsync_file, read_bounded, temp_name, write_json
-from tetron.sources import BadRecords, data_fingerprint, iter_texts
+from tetron.sources import data_fingerprint
+from tetron.store_build import build_store
+from tetron.token_store import TokenStore, is_store
 from tetron.tokenizer import Tokenizer, load_tokenizer
 
-# Bump when the token file layout or the tokenization rules change, to invalidate caches.
-_CACHE_VERSION = "tetron-tokens-1"
-_ENCODE_BATCH = 256  # documents per encode_batch call
+# Bump when the token store layout or the tokenization rules change, to invalidate caches.
+_CACHE_VERSION = "tetron-tokens-2"
 
 
 def default_cache_dir() -> Path:
@@ -59,7 +60,15 @@ def tokenizer_spec(cfg: Config) -> str:
     if cfg.data.tokenizer is not None:
         return cfg.data.tokenizer
     folder = start_folder(cfg)
-    return str(folder) if _ships_tokenizer(folder) else "bytes"
+    if _ships_tokenizer(folder):
+        return str(folder)
+    first = data_specs(cfg)[0]
+    return str(Path(first).expanduser() / "tokenizer") if is_store(first) else "bytes"
+
+
+def data_specs(cfg: Config) -> list[str]:
+    """What the run trains on: data.path, or each of data.sources' paths."""
+    return [str(s["path"]) for s in cfg.data.sources] if cfg.data.sources else [cfg.data.path]
 
 
 def check_tokenizer_pairing(cfg: Config, tokenizer: Tokenizer) -> None:
@@ -74,49 +83,35 @@ def check_tokenizer_pairing(cfg: Config, tokenizer: Tokenizer) -> None:
                           f"checkpoint.new_tokenizer=true to train with another")
 
 
-def prepare_data(cfg: Config, *, say: Callable[[str], None] | None = None) -> tuple[Tokenizer, Path]:
-    """Tokenizer and flat token file for this config; both cached, so only the first call does work
-    (and tells `say` about it)."""
+def prepare_data(cfg: Config, *, say: Callable[[str], None] | None = None) -> tuple[Tokenizer, Path | list[Path]]:
+    """The tokenizer and the token store of data.path (a list of stores, one per source, with
+    data.sources); cached, so only the first call does work (and tells `say` about it)."""
     d = cfg.data
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
     skip_bad = d.on_bad_record == "skip"
     tokenizer = load_tokenizer(tokenizer_spec(cfg), data_spec=d.path, cache_dir=cache, text_field=d.text_field,
                                max_bytes=d.max_bytes, say=say, skip_bad=skip_bad)
-    tokens = prepare_tokens(d.path, tokenizer, cache_dir=cache, text_field=d.text_field, max_bytes=d.max_bytes,
-                            say=say, skip_bad=skip_bad)
-    return tokenizer, tokens
-
-
-# ----------------------------------------------------------------------------- token file
-
-
-def _token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
-
-
-def _encode_to(f: Any, tokenizer: Tokenizer, docs: Iterator[str], dtype: np.dtype) -> int:
-    """Append the token ids of `docs` (EOS after each, where the tokenizer has one) to the open file
-    `f`, in batches; returns how many were written."""
-    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]  # separates documents
-
-    def flush(batch: list[str]) -> int:
-        if tokenizer.backend is None:  # bytes: skip the Python lists
-            arr = np.frombuffer("".join(batch).encode("utf-8"), dtype=np.uint8).astype(dtype)
+    paths = []
+    for spec in data_specs(cfg):
+        if is_store(spec):
+            paths.append(open_store(Path(spec).expanduser(), tokenizer))
         else:
-            ids = tokenizer.encode_batch(batch)
-            for doc_ids in ids:
-                doc_ids.extend(eos)
-            arr = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=sum(map(len, ids)))
-        arr.tofile(f)
-        return arr.size
+            paths.append(prepare_tokens(spec, tokenizer, cache_dir=cache, text_field=d.text_field, say=say,
+                                        max_bytes=None if d.sources else d.max_bytes, skip_bad=skip_bad,
+                                        hash_contents=d.hash_contents))
+    return tokenizer, paths if d.sources else paths[0]
 
-    num_tokens, batch = 0, []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == _ENCODE_BATCH:
-            num_tokens += flush(batch)
-            batch = []
-    return num_tokens + (flush(batch) if batch else 0)
+
+def open_store(folder: Path, tokenizer: Tokenizer) -> Path:
+    """A store named in the config, checked (its index, its shards' sizes) against the run's tokenizer."""
+    store = TokenStore(folder)
+    if store.index.get("tokenizer") != tokenizer.fingerprint():
+        raise DataError(f"data: {folder} was tokenized with another tokenizer than this run's ({tokenizer!r}); "
+                        f"leave data.tokenizer unset to train with the store's own ({folder / 'tokenizer'})")
+    return folder
+
+
+# ----------------------------------------------------------------------------- token stores in the cache
 
 
 def prepare_tokens(
@@ -128,87 +123,47 @@ def prepare_tokens(
     max_bytes: int | None = None,
     say: Callable[[str], None] | None = None,
     skip_bad: bool = False,
+    hash_contents: bool = False,
 ) -> Path:
-    """Tokenize the data once into a flat token file (EOS after each document); cached by content.
-    `say` is told when tokenizing starts, of a damaged cache entry, and of records skipped (`skip_bad`)."""
-    data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes, skip_bad=skip_bad)
+    """Tokenize the data once into a token store in the cache (EOS after each document), keyed by the
+    tokenizer and the data (local files: sizes and mtimes, or their bytes with `hash_contents`). `say` is
+    told when tokenizing starts, of a damaged cache entry, and of records skipped (`skip_bad`)."""
+    data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes, skip_bad=skip_bad,
+                               hash_contents=hash_contents)
     key = hashlib.sha256(f"{_CACHE_VERSION}:{tokenizer.fingerprint()}:{data_fp}".encode()).hexdigest()
-    folder = Path(cache_dir) / "tokens"
-    path = folder / f"{key[:24]}.bin"
-    if path.exists() or path.with_suffix(".json").exists():
-        problem = token_file_problem(path, vocab_size=tokenizer.vocab_size)
+    folder = Path(cache_dir) / "tokens" / key[:24]
+    if is_store(folder):
+        problem = store_problem(folder, vocab_size=tokenizer.vocab_size)
         if problem is None:
-            return path
+            return folder
         if say is not None:
             say(f"the token cache {problem}; tokenizing again")
+        shutil.rmtree(folder, ignore_errors=True)
     if say is not None:
-        say(f"tokenizing {data_spec} (once; cached in {folder})")
-    folder.mkdir(parents=True, exist_ok=True)
-    dtype = _token_dtype(tokenizer.vocab_size)
-    tmp = temp_name(path)
-    skip = BadRecords() if skip_bad else None
-    try:
-        with open(tmp, "wb") as f:
-            texts = iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes, skip=skip)
-            num_tokens = _encode_to(f, tokenizer, texts, dtype)
-        if skip is not None and skip.count and say is not None:
-            say(f"skipped {skip.count} bad records (data.on_bad_record=skip), the first at {skip.first}")
-        if num_tokens == 0:
-            raise DataError(f"data: {data_spec} gave no tokens (is it empty, or is text_field={text_field!r} empty?)")
-        # Sidecar first, token file renamed last: the .bin existing means both are complete.
-        write_json(path.with_suffix(".json"), {
-            "dtype": dtype.name,
-            "num_tokens": num_tokens,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": tokenizer.eos_id,
-            "source": data_spec,
-            "text_field": text_field,
-            "max_bytes": max_bytes,
-        }, indent=2)
-        fsync_file(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+        say(f"tokenizing {data_spec} (once; cached in {folder.parent})")
+    index = build_store(data_spec, tokenizer, folder, text_field=text_field, skip_bad=skip_bad, max_bytes=max_bytes,
+                        stream_hf=False, say=say, wait=True)
+    if index["num_tokens"] == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise DataError(f"data: {data_spec} gave no tokens (is it empty, or is text_field={text_field!r} empty?)")
+    return folder
 
 
-def _token_meta(path: Path) -> dict[str, Any]:
-    """The sidecar of token file `path`, checked against the file: a DataError naming what is wrong."""
-    sidecar = path.with_suffix(".json")
+def store_problem(folder: Path, *, vocab_size: int | None = None) -> str | None:
+    """What is wrong with a token store (None: nothing)."""
     try:
-        meta = json.loads(read_bounded(sidecar, 1 << 20))
-    except (OSError, ValueError, RecursionError) as err:
-        raise DataError(f"{sidecar} is unreadable ({getattr(err, 'strerror', None) or type(err).__name__})") from None
-    ok = isinstance(meta, dict) and meta.get("dtype") in ("uint16", "uint32") and type(meta.get("num_tokens")) is int \
-        and meta["num_tokens"] > 0 and type(meta.get("vocab_size")) is int
-    if not ok:
-        raise DataError(f"{sidecar} is damaged (needs dtype uint16/uint32, positive num_tokens, vocab_size)")
-    try:
-        size = path.stat().st_size if path.is_file() else None
-    except OSError:
-        size = None
-    want = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
-    if size != want:
-        raise DataError(f"{path} is truncated or missing ({size} bytes; its sidecar says {want})")
-    return meta
-
-
-def token_file_problem(path: Path, *, vocab_size: int | None = None) -> str | None:
-    """What is wrong with a cached token file and its sidecar (None: nothing)."""
-    try:
-        meta = _token_meta(Path(path))
+        store = TokenStore(Path(folder))
     except DataError as err:
         return str(err)
-    if vocab_size is not None and meta["vocab_size"] != vocab_size:
-        return f"{path} was made for a vocabulary of {meta['vocab_size']}, not {vocab_size}"
+    if vocab_size is not None and store.vocab_size != vocab_size:
+        return f"{folder} was made for a vocabulary of {store.vocab_size}, not {vocab_size}"
     return None
 
 
-def load_tokens(path: Path) -> np.ndarray:
-    """The token file as a read-only memory map (nothing is loaded until it is indexed)."""
-    path = Path(path)
-    meta = _token_meta(path)
-    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["num_tokens"],))
+def load_tokens(path: Path | list[Path]) -> TokenStore:
+    """A token store (or several, as one stream), opened by reading its index (its shards are
+    memory-mapped as they are used)."""
+    return TokenStore(path)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -253,6 +208,13 @@ class BatchSampler:
         return out
 
 
+def micro_batches(windows: list, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Windows of seq_len+1 tokens (a rank's rows of a step) as (input_ids, targets) pairs, each int64
+    [micro_batch, seq_len], `micro_batch` rows at a time."""
+    rows = torch.from_numpy(np.stack([np.asarray(w, dtype=np.int64) for w in windows]))  # [rows, T + 1]
+    return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in rows.split(micro_batch)]
+
+
 class DataLoader:
     """This DP rank's micro-batches of each step, cut from a layout-independent global batch."""
 
@@ -287,13 +249,7 @@ class DataLoader:
         per_rank = self.micro_batch * self.grad_acc
         rows = self.sampler.indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         T = self.seq_len
-        windows = np.stack([np.asarray(self.tokens[i * T : i * T + T + 1], dtype=np.int64) for i in rows])
-        windows = torch.from_numpy(windows)  # [micro_batch * grad_acc, T + 1]
-        out = []
-        for k in range(self.grad_acc):
-            w = windows[k * self.micro_batch : (k + 1) * self.micro_batch]
-            out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
-        return out
+        return micro_batches([self.tokens[i * T : i * T + T + 1] for i in rows], self.micro_batch)
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The current step's micro-batches; then move to the next step."""

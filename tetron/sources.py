@@ -145,22 +145,38 @@ def _jsonl_record(line: bytes, where: str, text_field: str, skip: BadRecords | N
     return obj[text_field]
 
 
-def _iter_jsonl(path: Path, text_field: str, skip: BadRecords | None) -> Iterator[str]:
+def _skip_line(f: Any) -> None:
+    """Read past the rest of the current line, in bounded pieces."""
+    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+        pass
+
+
+def iter_jsonl(path: Path, text_field: str, skip: BadRecords | None, *, start: int = 0,
+               end: int | None = None) -> Iterator[str]:
+    """The texts of the lines of a .jsonl file that begin in bytes [start, end) (all of it by default); a
+    record is named by its line number when reading from the start, else by the byte it begins at."""
     with open(path, "rb") as f:
-        lineno = 0
-        while line := f.readline(MAX_RECORD_BYTES + 1):
+        if start:
+            f.seek(start - 1)
+            _skip_line(f)  # a line that began before `start` belongs to the range before
+        lineno, pos = 0, f.tell()
+        while (end is None or pos < end) and (line := f.readline(MAX_RECORD_BYTES + 1)):
             lineno += 1
+            where = f"{path} line {lineno}" if start == 0 else f"{path} line at byte {pos}"
             if len(line) > MAX_RECORD_BYTES:
-                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
-                    pass  # the remainder of the over-long line
-                _bad(f"{path} line {lineno}", f"is longer than {MAX_RECORD_BYTES} bytes", skip)
-                continue
-            text = _jsonl_record(line, f"{path} line {lineno}", text_field, skip)
-            if text is not None:
-                yield text
+                if not line.endswith(b"\n"):
+                    _skip_line(f)
+                _bad(where, f"is longer than {MAX_RECORD_BYTES} bytes", skip)
+            else:
+                text = _jsonl_record(line, where, text_field, skip)
+                if text is not None:
+                    yield text
+            pos = f.tell()
 
 
-def _iter_parquet(path: Path, text_field: str, skip: BadRecords | None) -> Iterator[str]:
+def iter_parquet(path: Path, text_field: str, skip: BadRecords | None, *,
+                 row_groups: tuple[int, int] | None = None) -> Iterator[str]:
+    """The texts of a parquet file's column (of row groups [a, b) if given), read in batches."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -169,14 +185,15 @@ def _iter_parquet(path: Path, text_field: str, skip: BadRecords | None) -> Itera
         names = pf.schema_arrow.names
         if text_field not in names:
             raise DataError(f"data: {path} has no column {text_field!r} (columns: {', '.join(names)}; set text_field)")
-        row = 0
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        groups = range(*row_groups) if row_groups else range(pf.num_row_groups)
+        row = sum(pf.metadata.row_group(i).num_rows for i in range(groups.start))
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024, row_groups=list(groups)):
             values = batch.column(0).to_pylist()
             yield from _texts(iter(values), lambda i, row=row: f"{path} row {row + i}", text_field, skip)
             row += len(values)
     except (pa.ArrowException, OSError) as err:  # a damaged file: its footer, a page, a codec
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"data: {path} is not a readable parquet file ({first})") from None
+        raise DataError(f"data: {path} is not a readable parquet file ({first}); replace or remove it") from None
 
 
 def _read_text(path: Path, limit: int | None) -> str:
@@ -186,6 +203,30 @@ def _read_text(path: Path, limit: int | None) -> str:
     # final=False drops a multi-byte character cut in half by the limit instead of replacing it.
     final = limit is None or len(raw) < limit
     return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=final)
+
+
+def iter_text_pieces(path: Path, piece_bytes: int) -> Iterator[str]:
+    """A text file as one document in pieces of about `piece_bytes` (constant memory for any size). A piece
+    ends after a newline that a non-space follows, where byte-level pre-tokenizers split anyway, so
+    byte-level BPE encodes the pieces as it would the whole file."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    carry = ""
+    with open(path, "rb") as f:
+        while block := f.read(piece_bytes):
+            text = carry + decoder.decode(block)
+            cut = max(text.rfind("\n", 0, len(text) - 1), 0)
+            while cut and text[cut + 1].isspace():
+                cut = text.rfind("\n", 0, cut)
+                cut = max(cut, 0)
+            carry = text[cut + 1:] if cut else text
+            if cut:
+                yield text[: cut + 1]
+            if len(carry) > 4 * piece_bytes:  # no such newline in a long stretch: cut it anyway
+                yield carry
+                carry = ""
+    carry += decoder.decode(b"", final=True)
+    if carry:
+        yield carry
 
 
 def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = None,
@@ -201,9 +242,9 @@ def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = N
             return
         for path in resolve_files(spec):
             if path.suffix == ".jsonl":
-                yield from _iter_jsonl(path, text_field, skip)
+                yield from iter_jsonl(path, text_field, skip)
             elif path.suffix == ".parquet":
-                yield from _iter_parquet(path, text_field, skip)
+                yield from iter_parquet(path, text_field, skip)
             else:
                 # Read no more than needed: a prefix of a huge file is enough.
                 yield _read_text(path, None if max_bytes is None else max_bytes - total)
@@ -223,23 +264,30 @@ def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = N
         yield doc
 
 
-def data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None, skip_bad: bool = False) -> str:
-    """A hash of the documents a spec yields, for cache keys; does not depend on where the data lies.
-    `skip_bad` (data.on_bad_record=skip) yields other documents from the same files: another key."""
-    head = {"text_field": text_field, "max_bytes": max_bytes, **({"skip_bad": True} if skip_bad else {})}
+def data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None, skip_bad: bool = False,
+                     hash_contents: bool = False) -> str:
+    """A key for the documents a spec yields, for caches. Local files count by their relative paths, sizes
+    and modification times (one stat per file, whatever their size), or with `hash_contents`
+    (data.hash_contents) by their bytes. `skip_bad` (data.on_bad_record=skip) yields other documents from
+    the same files: another key."""
+    head = {"text_field": text_field, "max_bytes": max_bytes, **({"skip_bad": True} if skip_bad else {}),
+            **({"hash_contents": True} if hash_contents else {})}
     h = hashlib.sha256(json.dumps(head).encode())
     if spec.startswith("hf:"):
         fp = getattr(_load_hf(spec, text_field), "_fingerprint", None)
         if fp:
             h.update(f"hf-fingerprint:{fp}".encode())
             return h.hexdigest()
-    elif max_bytes is None:
-        # Whole files: hashing their bytes is cheaper than parsing them.
+    elif not hash_contents or max_bytes is None:
         files = resolve_files(spec)
         root = Path(os.path.commonpath([str(p.parent) for p in files]))
         for p in files:
-            h.update(f"\0file:{p.relative_to(root).as_posix()}:{p.stat().st_size}\0".encode())
-            with open(p, "rb") as f:
+            st = p.stat()
+            h.update(f"\0file:{p.relative_to(root).as_posix()}:{st.st_size}".encode())
+            if not hash_contents:
+                h.update(f":{st.st_mtime_ns}\0".encode())
+                continue
+            with open(p, "rb") as f:  # whole files: hashing their bytes is cheaper than parsing them
                 while chunk := f.read(1 << 20):
                     h.update(chunk)
         return h.hexdigest()

@@ -1,0 +1,284 @@
+"""Token stores and `tetron tokenize`: parallel = serial = the documents encoded one by one, shards and
+document boundaries, resume after a kill, bad data in the parallel path, streaming hf: datasets, and a
+store as data.path."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tetron.cli import main as cli_main
+from tetron.config import from_dict
+from tetron.data import prepare_data
+from tetron.errors import DataError
+from tetron.sources import iter_texts
+from tetron.store_build import build_store
+from tetron.token_store import TokenStore
+from tetron.tokenizer import Tokenizer, load_tokenizer
+
+from conftest import run_training, tiny_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _jsonl(path: Path, texts: list, field: str = "text") -> Path:
+    with open(path, "w") as f:
+        for t in texts:
+            f.write(json.dumps({field: t}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    cache = tmp_path_factory.mktemp("tok")
+    return load_tokenizer("bpe:300", data_spec="stdlib", cache_dir=cache, max_bytes=100_000)
+
+
+@pytest.fixture(scope="module")
+def mixed_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """~400 KB: a .jsonl of stdlib modules, text files, a parquet file of two row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("src")
+    docs = list(iter_texts("stdlib", max_bytes=400_000))
+    _jsonl(root / "a.jsonl", docs[: len(docs) // 2])
+    for i, d in enumerate(docs[len(docs) // 2: len(docs) // 2 + 5]):
+        (root / f"b{i}.py").write_text(d)
+    pq.write_table(pa.table({"text": docs[-20:]}), root / "c.parquet", row_group_size=10)
+    return root
+
+
+def _expected(spec: str, tok: Tokenizer) -> list[int]:
+    return [i for t in iter_texts(spec) for i in (*tok.encode(t), tok.eos_id)]
+
+
+def test_parallel_equals_serial_and_the_documents(tmp_path, mixed_source, bpe):
+    serial = build_store(str(mixed_source), bpe, tmp_path / "s1", workers=1, shard_mb=0.03)
+    parallel = build_store(str(mixed_source), bpe, tmp_path / "s2", workers=2, shard_mb=0.03)
+    assert len(serial["shards"]) >= 5 and serial == parallel  # the same index, shard by shard
+    a, b = TokenStore(tmp_path / "s1"), TokenStore(tmp_path / "s2")
+    expected = _expected(str(mixed_source), bpe)
+    assert a.tolist() == expected and b.tolist() == expected
+    assert a.dtype == np.uint16 and serial["num_docs"] == len(list(iter_texts(str(mixed_source))))
+    ends = a.doc_ends()
+    assert len(ends) == serial["num_docs"] and ends[-1] == len(a)
+    assert (np.asarray(a)[ends - 1] == bpe.eos_id).all()  # each document ends with EOS, where recorded
+    # a window across a shard boundary reads both shards
+    edge = int(a.starts[1])
+    assert np.asarray(a[edge - 3: edge + 3]).tolist() == expected[edge - 3: edge + 3]
+    # the saved tokenizer is the one used
+    assert load_tokenizer(str(tmp_path / "s1" / "tokenizer"), data_spec=None,
+                          cache_dir=tmp_path).fingerprint() == bpe.fingerprint()
+
+
+def test_large_text_file_streams_in_pieces(tmp_path, bpe, monkeypatch):
+    """A text file above the piece size is encoded in pieces (constant memory), as one document, with
+    the same ids as encoding it whole (byte-level BPE)."""
+    from tetron import units
+
+    text = "".join(iter_texts("stdlib", max_bytes=60_000))
+    (tmp_path / "big.txt").write_text(text)
+    monkeypatch.setattr(units, "PIECE_BYTES", 5_000)
+    pieces = list(units.unit_pieces({"kind": "files", "paths": [str(tmp_path / "big.txt")]}, text_field="text",
+                                    skip=None))
+    assert len(pieces) > 8 and "".join(p for p, _ in pieces) == text
+    assert [end for _, end in pieces] == [False] * (len(pieces) - 1) + [True]
+    build_store(str(tmp_path / "big.txt"), bpe, tmp_path / "s", workers=1, shard_mb=1)
+    store = TokenStore(tmp_path / "s")
+    assert store.tolist() == bpe.encode(text) + [bpe.eos_id] and store.index["num_docs"] == 1
+
+
+def test_resume_keeps_finished_units(tmp_path, mixed_source, bpe, monkeypatch):
+    """An interrupted run (a unit without its done record, a temporary, a stray shard) resumes: finished
+    units are kept as they are, the rest redone; the result equals an uninterrupted run."""
+    out = tmp_path / "s"
+    build_store(str(mixed_source), bpe, out, workers=1, shard_mb=0.03)
+    expected = TokenStore(out).tolist()
+    (out / "index.json").unlink()
+    (out / "u00002.done.json").unlink()  # unit 2 was killed before finishing
+    (out / "u00004-000.bin").write_bytes(b"\0" * 5)  # unit 4's shard half-written (its record says otherwise)
+    (out / "u00003-000.bin.tmp-abcd").write_bytes(b"junk")
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("u0000[01]-*.bin")}
+    redone: list[int] = []
+    from tetron import store_build
+
+    real = store_build.encode_unit
+    monkeypatch.setattr(store_build, "encode_unit", lambda unit, i, **kw: redone.append(i) or real(unit, i, **kw))
+    lines: list[str] = []
+    build_store(str(mixed_source), bpe, out, workers=1, shard_mb=0.03, say=lines.append)
+    assert redone == [2, 4] and any("resuming" in x for x in lines)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("u0000[01]-*.bin")} == mtimes
+    assert TokenStore(out).tolist() == expected and not list(out.glob("*.tmp-*"))
+    # another tokenizer into the same folder is refused, naming it
+    with pytest.raises(DataError, match="holds another tokenization .*tokenizer"):
+        build_store(str(mixed_source), Tokenizer(None, None), out, workers=1, shard_mb=0.03)
+
+
+def _tokenize_cli(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tetron.cli", "tokenize", *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kw)
+
+
+def test_killed_run_resumes(tmp_path, bpe):
+    """`tetron tokenize` with 2 workers, killed (all its processes) once a unit is done, then run again:
+    the finished units' shards are kept and the store equals the documents encoded one by one."""
+    docs = list(iter_texts("stdlib", max_bytes=1_500_000))
+    src = _jsonl(tmp_path / "d.jsonl", docs)
+    bpe.save(tmp_path / "tok")
+    out = tmp_path / "store"
+    args = (str(src), "--tokenizer", str(tmp_path / "tok"), "--out", str(out), "--workers", "2", "--shard-mb", "0.05")
+    proc = _tokenize_cli(*args)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("u*.done.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "index.json").exists(), "finished before it could be killed: use more data"
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("u*.done.json")}
+    assert kept
+    proc = _tokenize_cli(*args)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "resuming" in err and "ETA" in err
+    assert all((out / name).stat().st_mtime_ns == t for name, t in kept.items())
+    assert TokenStore(out).tolist() == [i for d in docs for i in (*bpe.encode(d), bpe.eos_id)]
+
+
+# ----------------------------------------------------------------------------- bad data
+
+
+def test_bad_records_in_the_parallel_path(tmp_path, capsys):
+    """A malformed line deep in a file (a later unit), a non-UTF-8 line, a wrong column type, a corrupt
+    parquet file: one line naming the file and the position, no traceback, no index; or skipped and
+    counted with --on-bad-record skip."""
+    good = ["x" * 50] * 400
+    src = tmp_path / "d.jsonl"
+    _jsonl(src, good)
+    with open(src, "ab") as f:
+        offset = f.tell()
+        f.write(b'{"text": "unterminated\n')
+        f.write(b'{"text": "caf\xe9"}\n')
+        f.write(b'{"text": 7}\n')
+    _jsonl(tmp_path / "more.jsonl", good)
+    out = tmp_path / "s"
+    args = [str(tmp_path), "--tokenizer", "bytes", "--out", str(out), "--workers", "2", "--shard-mb", "0.005"]
+    assert cli_main(["tokenize", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"d.jsonl line at byte {offset} is not JSON" in err and "data.on_bad_record=skip" in err
+    assert not (out / "index.json").exists()
+    assert cli_main(["tokenize", *args, "--on-bad-record", "skip"]) == 2  # another plan: refused, named
+    assert "holds another tokenization (its skip_bad differs" in capsys.readouterr().err
+    out2 = tmp_path / "s2"
+    assert cli_main(["tokenize", *args[:3], "--out", str(out2), *args[5:], "--on-bad-record", "skip"]) == 0
+    captured = capsys.readouterr()
+    assert f"skipped 3 bad records (data.on_bad_record=skip), the first at {src} line at byte {offset}" in captured.err
+    assert len(TokenStore(out2)) == 800 * 50
+    # a corrupt parquet file: one line naming it
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "bad.parquet").write_bytes(b"PAR1 not really parquet")
+    assert cli_main(["tokenize", str(tmp_path / "p"), "--tokenizer", "bytes", "--out", str(tmp_path / "s3")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bad.parquet is not a readable parquet file" in err
+
+
+# ----------------------------------------------------------------------------- streaming hf: datasets
+
+
+def test_hf_streaming(tmp_path, bpe, monkeypatch):
+    """hf:FOLDER is read with datasets' streaming mode (shards of the dataset over the workers): nothing
+    is written to the datasets cache, and the store equals the rows encoded one by one."""
+    import datasets
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    rows = list(iter_texts("stdlib", max_bytes=60_000))
+    ds = datasets.Dataset.from_dict({"text": rows, "n": list(range(len(rows)))})
+    for k in range(3):  # three files: three shards of the streamed dataset
+        ds.shard(3, k, contiguous=True).to_parquet(str(folder / f"part-{k}.parquet"))
+    index = build_store(f"hf:{folder}", bpe, tmp_path / "s", workers=2, shard_mb=1)
+    assert len(index["shards"]) == 3 and index["num_docs"] == len(rows)
+    assert TokenStore(tmp_path / "s").tolist() == [i for r in rows for i in (*bpe.encode(r), bpe.eos_id)]
+    assert not any(p.suffix == ".arrow" for p in (tmp_path / "hf-cache").rglob("*"))  # never materialized
+    with pytest.raises(DataError, match=r"has a int in 'n', not text"):
+        build_store(f"hf:{folder}", bpe, tmp_path / "s2", workers=1, shard_mb=1, text_field="n")
+    with pytest.raises(DataError, match=r"has no column 'body'"):
+        build_store(f"hf:{folder}", bpe, tmp_path / "s3", workers=1, shard_mb=1, text_field="body")
+
+
+def test_datasets_only_imported_for_hf(tmp_path):
+    code = ("import sys; from pathlib import Path; from tetron.cli import main; "
+            f"assert main(['tokenize', {str(REPO / 'README.md')!r}, '--tokenizer', 'bytes', '--out', "
+            f"{str(tmp_path / 's')!r}, '--workers', '1']) == 0; assert 'datasets' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, timeout=120)
+
+
+# ----------------------------------------------------------------------------- a store as data.path
+
+
+def test_train_on_a_store(corpus, cache_dir, tmp_path, bpe):
+    """data.path naming a store trains exactly as the source it was made from; its own tokenizer is used
+    when data.tokenizer is unset; another tokenizer is refused."""
+    bpe.save(tmp_path / "tok")
+    build_store(str(corpus), bpe, tmp_path / "store", workers=1, shard_mb=0.02)  # several shards
+    assert len(TokenStore(tmp_path / "store").shards) > 3
+    model = {"vocab_size": 300}
+    from_text = tiny_config(corpus, cache_dir, tmp_path / "a", model=model, train={"steps": 3},
+                            data={"tokenizer": str(tmp_path / "tok")})
+    from_store = tiny_config(corpus, cache_dir, tmp_path / "b", model=model, train={"steps": 3},
+                             data={"path": str(tmp_path / "store"), "tokenizer": None})
+    assert run_training(from_store) == run_training(from_text)
+    tok, path = prepare_data(from_dict(from_store))
+    assert path == tmp_path / "store" and tok.fingerprint() == bpe.fingerprint()
+    with pytest.raises(DataError, match="was tokenized with another tokenizer"):
+        prepare_data(from_dict({**from_store, "data": {**from_store["data"], "tokenizer": "bytes"}}))
+
+
+def test_a_damaged_cached_store_is_made_again(corpus, tmp_path):
+    """A truncated shard or a damaged index of a cached store: said, and tokenized again."""
+    raw = tiny_config(corpus, tmp_path / "cache", tmp_path / "out")
+    _, store = prepare_data(from_dict(raw))
+    (shard,) = store.glob("*.bin")
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    lines: list[str] = []
+    assert prepare_data(from_dict(raw), say=lines.append)[1] == store
+    assert any(re.search(r"the token cache .* is truncated or missing .*; tokenizing again", x) for x in lines)
+    assert shard.stat().st_size == size
+    (store / "index.json").write_text("{ not json")
+    lines.clear()
+    prepare_data(from_dict(raw), say=lines.append)
+    assert "is unreadable" in lines[0] and len(TokenStore(store)) == size // 2
+
+
+def test_held_out_tail_of_a_store(corpus, cache_dir, tmp_path):
+    """data.val_fraction cuts the held-out tail off a multi-shard store lazily (a view: nothing read); the
+    training sampler never reaches it."""
+    from tetron.data import DataLoader
+    from tetron.evaluate import held_out_tokens, training_tokens
+
+    build_store(str(corpus), Tokenizer(None, None), tmp_path / "s", workers=1, shard_mb=0.02)
+    store = TokenStore(tmp_path / "s")
+    assert len(store.shards) > 5
+    cfg = from_dict(tiny_config(corpus, cache_dir, tmp_path / "o", data={"val_fraction": 0.1}))
+    train, held = training_tokens(store, cfg), held_out_tokens(store, cfg)
+    assert not store._maps  # views: no shard mapped yet
+    assert len(train) + len(held) == len(store) and len(held) >= 0.1 * len(store) - cfg.data.seq_len
+    assert np.array_equal(np.concatenate([np.asarray(train), np.asarray(held)]), np.asarray(store))
+    loader = DataLoader(train, cfg.data.seq_len, micro_batch=4, grad_acc=1, dp_size=1, dp_rank=0, seed=0)
+    last = max(int(w) for s in range(loader.sampler.num_windows // 4 + 1) for w in loader.sampler.indices(s))
+    assert (last + 1) * cfg.data.seq_len + 1 <= len(train)  # the last window sampled ends before the tail

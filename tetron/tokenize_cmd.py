@@ -1,0 +1,73 @@
+"""`tetron tokenize SOURCE --tokenizer T --out STORE [--workers N] [--shard-mb M]`: a data source into a
+token store that data.path or data.sources can name (the work: store_build.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn
+
+from tetron.data import default_cache_dir
+from tetron.errors import DataError
+from tetron.store_build import build_store
+from tetron.tokenizer import load_tokenizer
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line, as everywhere in tetron (not usage + error)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise DataError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def tokenize_command(args: list[str]) -> int:
+    """`tetron tokenize`: returns the exit status; a bad source or argument is one line on stderr."""
+    parser = _Parser(prog="tetron tokenize", description="Tokenize a data source into a token store that "
+                     "data.path or data.sources can name.")
+    parser.add_argument("source", help="a file, folder, glob, stdlib, or hf:NAME[:CONFIG][:SPLIT] (streamed)")
+    parser.add_argument("--tokenizer", required=True, help="bytes, bpe:N (trained on the source), a tokenizer "
+                        "folder or tokenizer.json, or a hub name")
+    parser.add_argument("--out", required=True, help="the store folder (a killed run resumes into it)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: all cores)")
+    parser.add_argument("--shard-mb", type=float, default=256.0, help="input per work unit and tokens per shard, MB")
+    parser.add_argument("--text-field", default="text", help="the text column of .jsonl/.parquet/hf data")
+    parser.add_argument("--on-bad-record", choices=("stop", "skip"), default="stop")
+    parser.add_argument("--cache-dir", default=None, help="where bpe:N tokenizers are cached")
+    try:
+        ns = parser.parse_args(args)
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
+    except DataError as err:
+        print(f"tetron: error: {err}", file=sys.stderr)
+        return 2
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        if ns.workers < 1 or not ns.shard_mb > 0:
+            raise DataError(f"--workers={ns.workers} must be >= 1 and --shard-mb={ns.shard_mb} positive")
+        if ns.tokenizer.startswith("bpe:") and ns.source.startswith("hf:"):
+            raise DataError(f"--tokenizer={ns.tokenizer} would train on all of {ns.source}, downloaded whole; train "
+                            f"it on a sample (tetron tokenize SAMPLE --tokenizer {ns.tokenizer} saves it in "
+                            f"STORE/tokenizer) and give that folder")
+        cache = Path(ns.cache_dir).expanduser() if ns.cache_dir else default_cache_dir()
+        tok = load_tokenizer(ns.tokenizer, data_spec=ns.source, cache_dir=cache, text_field=ns.text_field, say=say,
+                             skip_bad=ns.on_bad_record == "skip")
+        start = time.monotonic()
+        index = build_store(ns.source, tok, Path(ns.out), workers=ns.workers, shard_mb=ns.shard_mb,
+                            text_field=ns.text_field, skip_bad=ns.on_bad_record == "skip", say=say,
+                            say_done=True)
+    except DataError as err:
+        print(f"tetron: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"tetron: error: {err.filename or ns.out}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    secs = time.monotonic() - start
+    print(f"tetron: {ns.out}: {index['num_tokens']:,} tokens in {len(index['shards'])} shards, "
+          f"{index['num_docs']:,} documents ({secs:.1f} s); train on it with --data.path={ns.out}")
+    return 0
