@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import replace
 from datetime import timedelta
@@ -32,6 +33,7 @@ from tetron.config import Config, from_dict
 from tetron.errors import UserError
 from tetron.mesh import Mesh
 from tetron.metrics import say
+from tetron.rank_logs import RankLog
 from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line, watch_signals
 from tetron.train import train
 from tetron.watch import RankReport, RankWatch
@@ -125,6 +127,7 @@ def run_rank(raw_config: dict[str, Any], reports: str | None = None) -> None:
                             on_abort=lambda sig: _abort(sig, cfg.out, announce=rank == 0 and report is None),
                             same_request_s=repeat_s)
     launcher = os.getppid()
+    rank_log = RankLog.start(Path(cfg.out).expanduser(), rank, attempt=restart)  # OUT/logs/rank_N.log
     try:
         if report is not None:
             report.write("running")
@@ -140,6 +143,7 @@ def run_rank(raw_config: dict[str, Any], reports: str | None = None) -> None:
         restore()
         if dist.is_initialized():
             dist.destroy_process_group()
+        rank_log.restore()
 
 
 def _end_without_launcher(launcher: int) -> None:
@@ -208,6 +212,8 @@ def _rank_failed(err: Exception, cfg: Config, report: RankReport | None) -> None
     elif _is_peer_gone(err):
         kind, line = "peer", f"tetron: rank {rank}: another rank went away during a collective ({err})"
     else:
+        if report is not None:  # torch's launcher keeps a rank's traceback to itself: print it (and so log it)
+            traceback.print_exception(err)
         raise err
     if report is not None:
         report.write(kind, message=str(err))

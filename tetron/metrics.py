@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -14,8 +15,14 @@ from tetron.fs import write_text
 
 
 def say(message: str) -> None:
-    """One line of the run's story on the console (rank 0 or the launching process): `tetron: ...`."""
+    """One line of the run's story on the console (rank 0 or the launching process): `tetron: ...`; a
+    progress bar on the terminal is cleared for it and drawn again below."""
+    bar = ProgressBar.live
+    if bar is not None and bar.bar is not None:
+        bar.bar.clear()
     print(f"tetron: {message}", flush=True)
+    if bar is not None and bar.bar is not None:
+        bar.bar.refresh()
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, *, peak_tflops: float | None, world_size: int) -> float | None:
@@ -25,28 +32,60 @@ def mfu(tokens_per_s: float, flops_per_token: float, *, peak_tflops: float | Non
     return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * world_size)
 
 
-class ProgressBar:
-    """One line redrawn in place on a terminal; a plain line every `every` steps elsewhere (logs, CI)."""
+def duration(seconds: float) -> str:
+    """12s, 3m05s, 2h07m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
-    def __init__(self, total: int, *, every: int = 1, stream: TextIO = sys.stdout) -> None:
-        self.total, self.every, self.stream = total, every, stream
+
+class ProgressBar:
+    """On a terminal, a tqdm bar redrawn in place (rate, elapsed, ETA, the fields); elsewhere (logs, CI) one
+    plain line every `every` steps, and at the first and last, with the elapsed time and the ETA."""
+
+    live: ProgressBar | None = None  # the bar on this process's terminal, which `say` clears and redraws
+
+    def __init__(self, total: int, *, every: int = 1, first: int = 0, stream: TextIO = sys.stdout) -> None:
+        self.total, self.every, self.first, self.stream = total, every, first, stream
         self.tty = stream.isatty()
         self.start = time.perf_counter()
+        self.bar = None
+        if self.tty:
+            from tqdm import tqdm
+
+            # A thread lock, not tqdm's default multiprocessing one: a rank ended by os._exit would leak that
+            # one's semaphore, and the resource tracker would say so after tetron's last line.
+            tqdm.set_lock(threading.RLock())
+            # initial: a resumed run's ETA comes from the steps this launch runs
+            self.bar = tqdm(total=total, initial=first, file=stream, unit="step", dynamic_ncols=True, mininterval=0,
+                            bar_format="{l_bar}{bar}| {n}/{total} [{elapsed}<{remaining}, {rate_fmt}]{postfix}")
+            ProgressBar.live = self
 
     def update(self, step: int, fields: dict[str, Any]) -> None:
-        done = step == self.total
-        if not (done or step % self.every == 0 or step == 1):
-            return
-        width = 24
-        filled = int(width * step / self.total)
-        elapsed = time.perf_counter() - self.start
+        """Step `step` (1-based) is done; `fields` (name -> text) describe it."""
         text = " ".join(f"{k} {v}" for k, v in fields.items())
-        line = f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} {text} | {elapsed:.0f}s"
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + line + ("\n" if done else ""))
-        else:
-            self.stream.write(line + "\n")
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(step - self.bar.n)
+            if step == self.total:
+                self.close()
+            return
+        if not (step == self.total or step % self.every == 0 or step == self.first + 1):
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(step - self.first, 1) * (self.total - step)
+        self.stream.write(f"step {step}/{self.total} {text} | {duration(elapsed)}, ETA {duration(eta)}\n")
         self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if ProgressBar.live is self:
+            ProgressBar.live = None
 
 
 class MetricsLog:

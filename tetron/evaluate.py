@@ -1,0 +1,205 @@
+"""Validation: the mean loss over a fixed set of held-out windows, computed in whatever layout trains.
+
+Held-out data. Either `data.val_path`, a separate source tokenized with the run's tokenizer, or
+`data.val_fraction`: the last fraction of the token file's windows, cut off before the training
+sampler sees the file, so no training window shares a token with them. The windows evaluated are
+`train.eval_batches` global batches of them, spread evenly over the held-out part and fixed for the
+whole run: they depend on neither the layout nor the loader's position, so a resumed run and every
+layout evaluate the same tokens.
+
+Evaluation. Each global batch is cut like a training batch (each dp rank its rows, micro-batches of
+`train.micro_batch`, each cp rank its positions) and run forward only, under `torch.no_grad`: through
+this rank's chunk, or under pipeline parallelism through the stages in a forward-only order (every
+rank takes (micro-batch, virtual stage) pairs in the same global order, receives its input, runs the
+chunk, sends its output on: each receive is matched by a send posted earlier in that order, so no
+rank waits on one that waits on it). The summed token losses travel in one all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tetron.config import Config
+from tetron.data import default_cache_dir, load_tokens, open_store, prepare_data, prepare_tokens
+from tetron.errors import ConfigError
+from tetron.mesh import Mesh
+from tetron.parallel.parallelize import make_loss_fn
+from tetron.parallel.pipeline_parallel import activation_shape
+from tetron.parallel.pipeline_schedules import rank_of, stage_of, style_of
+from tetron.token_store import is_store
+from tetron.tokenizer import Tokenizer
+
+Batch = list[tuple[Tensor, Tensor]]  # one global batch's micro-batches on this rank: (input ids, targets)
+
+
+# ------------------------------------------------------------------------------------ the held-out windows
+
+
+def held_out_windows(num_tokens: int, cfg: Config) -> int:
+    """How many of the token file's `seq_len`-token windows data.val_fraction holds out (its last ones)."""
+    d = cfg.data
+    if d.val_path is not None or d.val_fraction <= 0:
+        return 0
+    windows = max(num_tokens - 1, 0) // d.seq_len
+    return min(windows, math.ceil(windows * d.val_fraction))
+
+
+def training_tokens(tokens: np.ndarray, cfg: Config) -> np.ndarray:
+    """The part of the token file training samples from: all of it, or the windows before the held-out
+    ones (window i is tokens[i*T : i*T+T+1], so the last training window ends at token kept*T)."""
+    held = held_out_windows(len(tokens), cfg)
+    if held == 0:
+        return tokens
+    kept = (len(tokens) - 1) // cfg.data.seq_len - held
+    return tokens[: kept * cfg.data.seq_len + 1]
+
+
+def held_out_tokens(tokens: np.ndarray, cfg: Config) -> np.ndarray:
+    """The tokens after the training part (val_fraction): they share none with any training window."""
+    return tokens[len(training_tokens(tokens, cfg)):]
+
+
+def prepare_val_tokens(cfg: Config, tokenizer: Tokenizer, token_path: Path | None = None) -> np.ndarray:
+    """The held-out token stream: data.val_path tokenized with the run's tokenizer (cached like the
+    training data), or the tail of the training token file (`token_path`, else found in the cache)."""
+    d = cfg.data
+    if d.val_path is None:
+        return held_out_tokens(load_tokens(token_path or prepare_data(cfg)[1]), cfg)
+    if is_store(d.val_path):  # made by tetron tokenize: checked against the run's tokenizer
+        return load_tokens(open_store(Path(d.val_path).expanduser(), tokenizer))
+    cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
+    path = prepare_tokens(d.val_path, tokenizer, cache_dir=cache, text_field=d.text_field,
+                          skip_bad=d.on_bad_record == "skip")
+    return load_tokens(path)
+
+
+def eval_windows(val_tokens: np.ndarray, cfg: Config) -> np.ndarray:
+    """Start offsets (in tokens) of the windows evaluated: eval_batches global batches of them, evenly
+    spread over the held-out part; a ConfigError when it has too few."""
+    T, needed = cfg.data.seq_len, cfg.train.eval_batches * cfg.global_batch
+    available = max(len(val_tokens) - 1, 0) // T
+    if available < needed:
+        source = f"data.val_path={cfg.data.val_path}" if cfg.data.val_path else \
+            f"data.val_fraction={cfg.data.val_fraction}"
+        raise ConfigError(f"{source} gives {available:,} held-out windows of data.seq_len+1={T + 1} tokens, fewer "
+                          f"than train.eval_batches={cfg.train.eval_batches} x global batch {cfg.global_batch} = "
+                          f"{needed:,}; hold out more data or lower train.eval_batches")
+    return (np.arange(needed, dtype=np.int64) * available // needed) * T
+
+
+def rank_batches(val_tokens: np.ndarray, cfg: Config, *, dp_rank: int, positions: Tensor) -> list[Batch]:
+    """This rank's share of every evaluated global batch: its dp rows, cut into micro-batches, at its
+    sequence `positions` (all of them, or its cp share)."""
+    t, T = cfg.train, cfg.data.seq_len
+    starts = eval_windows(val_tokens, cfg).reshape(t.eval_batches, cfg.global_batch)
+    per_rank = t.micro_batch * t.grad_acc
+    batches = []
+    for rows in starts[:, dp_rank * per_rank:(dp_rank + 1) * per_rank]:
+        windows = torch.from_numpy(np.stack([np.asarray(val_tokens[s:s + T + 1], dtype=np.int64) for s in rows]))
+        batch = []
+        for k in range(t.grad_acc):
+            w = windows[k * t.micro_batch:(k + 1) * t.micro_batch]  # [micro_batch, T + 1]
+            batch.append((w[:, :-1][:, positions].contiguous(), w[:, 1:][:, positions].contiguous()))
+        batches.append(batch)
+    return batches
+
+
+# ------------------------------------------------------------------------------------ the forward passes
+
+
+class Evaluator:
+    """This rank's fixed held-out micro-batches and the forward-only pass over them; every rank calls it."""
+
+    def __init__(self, cfg: Config, mesh: Mesh, chunks: list[nn.Module], val_tokens: np.ndarray, *,
+                 device: torch.device, dtype: torch.dtype, positions: Tensor) -> None:
+        self.cfg, self.mesh, self.chunks, self.device, self.dtype = cfg, mesh, chunks, device, dtype
+        self.positions = positions.to(device)  # [T/cp] RoPE positions of what this rank holds
+        self.batches = rank_batches(val_tokens, cfg, dp_rank=mesh.local_rank("dp"), positions=positions)
+        self.token_loss = make_loss_fn(cfg, mesh)  # summed over tokens (whole, from vocabulary shards under tp)
+        self.tokens = cfg.train.eval_batches * cfg.global_batch * cfg.data.seq_len  # target tokens in all
+
+    @torch.no_grad()
+    def __call__(self) -> float:
+        """The mean loss over every evaluated target token, the same on every rank."""
+        modes = [m.training for chunk in self.chunks for m in chunk.modules()]
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for batch in self.batches:
+                total += self._pipeline(batch) if self.mesh.size("pp") > 1 else self._local(batch)
+        finally:  # training goes on in the modes it had
+            for m, mode in zip((m for chunk in self.chunks for m in chunk.modules()), modes):
+                m.training = mode
+        # tp ranks hold the same sum, stages before the last hold zero: a world sum of sum/tp adds each
+        # dp*cp share once
+        total /= self.mesh.size("tp")
+        if self.mesh.world_size > 1:
+            dist.all_reduce(total)
+        return float(total) / self.tokens
+
+    def _local(self, batch: Batch) -> Tensor:
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for inputs, targets in batch:
+            logits = self.chunks[0](inputs.to(self.device), self.positions)  # [B, T/cp, vocab(/tp)]
+            loss += self.token_loss(logits, targets.to(self.device)).double()
+        return loss
+
+    def _pipeline(self, batch: Batch) -> Tensor:
+        """Forward only through the stages: (micro-batch, virtual stage) in lexicographic order on every
+        rank; blocking receives, asynchronous sends (kept until the end, with their tensors)."""
+        mesh, p = self.mesh, self.mesh.size("pp")
+        rank, last = mesh.local_rank("pp"), p * len(self.chunks) - 1
+        group, shape = mesh.group("pp"), activation_shape(self.cfg)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        sent: list[tuple[Tensor, dist.Work]] = []
+        style = style_of(self.cfg.parallel.pp_schedule)  # zbv places its stages in a V
+        handed: Tensor | None = None  # zbv at rank p-1: chunk 0's output is chunk 1's input, no P2P
+        for inputs, targets in batch:
+            for c, chunk in enumerate(self.chunks):
+                s = stage_of(c, rank, pp=p, style=style)  # the virtual stage
+                if s == 0:
+                    x = inputs.to(self.device)  # [B, T/cp] token ids
+                elif rank_of(s - 1, pp=p, style=style) == rank:
+                    x, handed = handed, None
+                else:
+                    x = torch.empty(shape, dtype=self.dtype, device=self.device)  # [B, T', hidden]
+                    dist.recv(x, mesh.stage_rank(rank_of(s - 1, pp=p, style=style)), group=group)
+                out = chunk(x, self.positions)
+                if s == last:
+                    loss += self.token_loss(out, targets.to(self.device)).double()
+                elif rank_of(s + 1, pp=p, style=style) == rank:
+                    handed = out
+                else:
+                    out = out.contiguous()
+                    sent.append((out, dist.isend(out, mesh.stage_rank(rank_of(s + 1, pp=p, style=style)),
+                                                 group=group)))
+        for _, work in sent:
+            work.wait()
+        return loss
+
+
+def build_evaluator(cfg: Config, mesh: Mesh, chunks: list[nn.Module], tokenizer: Tokenizer, *,
+                    device: torch.device, dtype: torch.dtype, positions: Tensor) -> Evaluator | None:
+    """The run's evaluator, None without train.eval_every. Rank 0 tokenizes data.val_path first (or finds it
+    cached) while the others wait."""
+    if cfg.train.eval_every <= 0:
+        return None
+    if cfg.data.val_path is not None and mesh.rank == 0:
+        prepare_val_tokens(cfg, tokenizer)
+    dist.barrier()
+    val_tokens = prepare_val_tokens(cfg, tokenizer)
+    return Evaluator(cfg, mesh, chunks, val_tokens, device=device, dtype=dtype, positions=positions)
+
+
+def check_held_out(cfg: Config, tokenizer: Tokenizer, token_path: Path) -> None:
+    """Before any rank starts: tokenize data.val_path (cached for the ranks) and check the held-out part
+    fills train.eval_batches global batches."""
+    if cfg.train.eval_every > 0:
+        eval_windows(prepare_val_tokens(cfg, tokenizer, token_path), cfg)

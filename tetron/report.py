@@ -1,0 +1,241 @@
+"""`tetron report RUN [RUN ...] [--out FILE.png] [--x step|tokens]`: the curves of one or more runs, and a
+summary table.
+
+The picture has six panels, every run overlaid and labelled with its layout: loss (training, and the
+validation loss where measured, dashed), learning rate, gradient norm, tokens/s, peak memory, and where
+a step's time goes (the median seconds per category of the runs that had logging.timers on). The
+layout comes from the run's latest checkpoint (trainer_state.json), else its Slurm config; a run still
+in progress is read as far as its metrics.jsonl goes. matplotlib draws off-screen (Agg), nothing opens
+a window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from tetron.checkpoint import STATE_FILE, find_latest
+from tetron.checkpoint_load import read_json
+from tetron.errors import ConfigError, UserError
+from tetron.fs import read_bounded
+from tetron.timers import CATEGORIES
+
+# (panel title, y label, metrics drawn, log scale)
+PANELS = [("loss", "loss", ("loss", "val_loss"), False),
+          ("learning rate", "lr", ("lr",), False),
+          ("gradient norm (before clipping)", "grad norm", ("grad_norm",), True),
+          ("throughput", "tokens/s", ("tokens_per_s",), False),
+          ("peak memory of rank 0", "MiB", ("peak_mem_mb",), False)]
+TIME_PANEL = "time per step (median; max over ranks)"
+MAX_METRICS_BYTES = 1 << 30
+
+
+@dataclass
+class RunData:
+    folder: Path
+    layout: str  # "dp2 tp2", "1 process", or "layout unknown"
+    records: list[dict[str, Any]]
+
+    @property
+    def label(self) -> str:
+        return f"{self.folder.name} ({self.layout})"
+
+    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+        """(x, value) of every record that has a finite number for `key` (a skipped step's NaN loss has none)."""
+        points = [(r[x], r[key]) for r in self.records
+                  if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        return [p[0] for p in points], [p[1] for p in points]
+
+
+def describe_layout(parallel: dict[str, Any]) -> str:
+    """The axes above 1 and the ZeRO stage: "dp2 pp2 (interleaved x2) zero1"; "1 process" when none."""
+    parts = [f"{a}{parallel[a]}" for a in ("dp", "tp", "pp", "cp") if parallel.get(a, 1) > 1]
+    if parallel.get("pp", 1) > 1 and parallel.get("pp_virtual", 1) > 1:
+        parts.append(f"(x{parallel['pp_virtual']} virtual)")
+    if parallel.get("zero"):
+        parts.append(f"zero{parallel['zero']}")
+    return " ".join(parts) or "1 process"
+
+
+def _layout(folder: Path) -> str:
+    """The layout of a run, from its latest checkpoint's trainer state, else its Slurm config."""
+    latest = find_latest(folder)
+    state = read_json(latest / STATE_FILE) if latest is not None else None
+    if isinstance(state, dict) and isinstance(state.get("config"), dict):
+        return describe_layout(state["config"].get("parallel") or {})
+    slurm = folder / "slurm" / "config.yaml"
+    if slurm.is_file():
+        raw = yaml.safe_load(read_bounded(slurm, 16 << 20)) or {}
+        return describe_layout(raw.get("parallel") or {})
+    return "layout unknown"
+
+
+def read_run(folder: str | Path) -> RunData:
+    """A run folder's records (a line torn by a kill is skipped) and layout."""
+    folder = Path(folder).expanduser()
+    log = folder / "metrics.jsonl"
+    if not log.is_file():
+        raise ConfigError(f"{folder}: no metrics.jsonl there (give a run folder, the out of tetron train)")
+    records = []
+    for line in read_bounded(log, MAX_METRICS_BYTES).decode("utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    if not records:
+        raise ConfigError(f"{log}: no step recorded yet")
+    return RunData(folder, _layout(folder), records)
+
+
+# ------------------------------------------------------------------------------------ the picture
+
+
+def median_times(run: RunData) -> dict[str, float]:
+    """The median over steps of each time_<category>_s the run logged (the first step left out: it
+    includes start-up work, when there are others)."""
+    records = run.records[1:] if len(run.records) > 1 else run.records
+    out = {}
+    for c in CATEGORIES:
+        values = [r[f"time_{c}_s"] for r in records if isinstance(r.get(f"time_{c}_s"), (int, float))]
+        if values:
+            out[c] = statistics.median(values)
+    return out
+
+
+def _time_panel(ax: Any, runs: list[RunData]) -> None:
+    """One horizontal bar per run, its median seconds per category stacked."""
+    timed = [(i, run) for i, run in enumerate(runs) if median_times(run)]
+    ax.set_title(TIME_PANEL)
+    if not timed:
+        ax.text(0.5, 0.5, "no timers in these runs\n(logging.timers: true)", ha="center", va="center",
+                transform=ax.transAxes, color="0.4")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    colors = {"compute": "0.75", "dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "cp": "tab:red"}
+    seen = set()
+    widest = max(sum(median_times(run).values()) for _, run in timed)
+    for row, (_, run) in enumerate(timed):
+        times = median_times(run)
+        left, total = 0.0, sum(times.values())
+        for category, seconds in times.items():
+            label = None if category in seen else category
+            seen.add(category)
+            ax.barh(row, seconds, left=left, color=colors[category], label=label, height=0.6)
+            if seconds > 0.08 * widest:  # wide enough on the axis to carry its share
+                ax.text(left + seconds / 2, row, f"{seconds / total:.0%}", ha="center", va="center", fontsize=8)
+            left += seconds
+    ax.set_yticks(range(len(timed)), [run.label for _, run in timed], fontsize=8)
+    ax.set_ylim(max(len(timed), 3) - 0.5, -0.5)  # first run on top; one bar stays a bar, not a wall
+    ax.set_xlabel("seconds per step")
+    ax.legend(fontsize=8, loc="lower right", ncols=len(seen))
+
+
+def figure(runs: list[RunData], *, x: str = "step") -> Any:
+    """The report's matplotlib Figure (not shown, not saved): its axes hold exactly the runs' numbers."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    axes = fig.subplots(2, 3).flatten()
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for ax, (title, ylabel, keys, log) in zip(axes, PANELS):
+        for run, color in zip(runs, colors):
+            for key in keys:
+                xs, ys = run.series(key, x)
+                if not xs:
+                    continue
+                val = key.startswith("val_")
+                ax.plot(xs, ys, color=color, linestyle="--" if val else "-", marker="o" if val else None,
+                        markersize=3, linewidth=1.2, label=f"{run.label}{' val' if val else ''}")
+        ax.set_title(title)
+        ax.set_xlabel("tokens" if x == "tokens" else "step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if log:
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    _time_panel(axes[5], runs)
+    names = ", ".join(str(run.folder) for run in runs)
+    fig.suptitle(f"tetron report: {names}", fontsize=11)
+    return fig
+
+
+# ------------------------------------------------------------------------------------ the table
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary(run: RunData) -> dict[str, Any]:
+    """Final and best losses, median tokens/s and MFU (the first step left out), peak memory."""
+    losses, vals = run.series("loss")[1], run.series("val_loss")[1]
+    later = run.records[1:] if len(run.records) > 1 else run.records
+    tps = [r["tokens_per_s"] for r in later if isinstance(r.get("tokens_per_s"), (int, float))]
+    mfus = [r["mfu"] for r in later if isinstance(r.get("mfu"), (int, float))]
+    mems = run.series("peak_mem_mb")[1]
+    return {"run": run.label, "steps": run.records[-1]["step"],
+            "loss": losses[-1] if losses else None, "best loss": min(losses) if losses else None,
+            "val loss": vals[-1] if vals else None, "best val": min(vals) if vals else None,
+            "tokens/s": statistics.median(tps) if tps else None,
+            "MFU": statistics.median(mfus) if mfus else None, "peak MiB": max(mems) if mems else None}
+
+
+def table(runs: list[RunData]) -> str:
+    """The summary per run, then the time breakdown of the runs with timers, as aligned text."""
+    specs = {"steps": "d", "loss": ".4f", "best loss": ".4f", "val loss": ".4f", "best val": ".4f",
+             "tokens/s": ",.0f", "MFU": ".1%", "peak MiB": ",.0f"}
+    rows = [[s["run"]] + [_fmt(s[k], spec) for k, spec in specs.items()] for s in map(summary, runs)]
+    text = _align(["run", *specs], rows)
+    timed = [(run, median_times(run)) for run in runs if median_times(run)]
+    if timed:
+        heads = [c for c in CATEGORIES if any(c in t for _, t in timed)]
+        rows = []
+        for run, times in timed:
+            total = sum(times.values())
+            rows.append([run.label] + [f"{times[c]:.4f} ({times[c] / total:.0%})" if c in times else "-"
+                                       for c in heads])
+        text += "\n\nmedian seconds per step (max over ranks):\n" + _align(["run", *heads], rows)
+    return text
+
+
+def _align(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in [head, *rows]]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ the command
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def report(args: list[str]) -> str:
+    """Run `tetron report` with `args`: write the picture, return the text to print."""
+    parser = _Parser(prog="tetron report", description="Plot and summarise runs (their metrics.jsonl).")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders (the out of tetron train)")
+    parser.add_argument("--out", help="the PNG to write (default: the first RUN's report.png)")
+    parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the x axis (default: step)")
+    ns = parser.parse_args(args)
+    runs = [read_run(folder) for folder in ns.runs]
+    out = Path(ns.out) if ns.out else runs[0].folder / "report.png"
+    fig = figure(runs, x=ns.x)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--out {out}: cannot write the picture ({getattr(err, 'strerror', None) or err})") from None
+    return f"{table(runs)}\n\ntetron: wrote {out}"
