@@ -455,8 +455,8 @@ def test_nan_loss_stops_training(corpus, cache_dir, tmp_path, monkeypatch):
     real_step = ShardedAdamW.step
     calls = []
 
-    def poisoned(self):
-        real_step(self)
+    def poisoned(self, found_inf=None):
+        real_step(self, found_inf)
         calls.append(1)
         if len(calls) == 2:
             with torch.no_grad():

@@ -1,14 +1,18 @@
-"""Training, in phases: build the run once, then for each step `train_step`, report, and save.
+"""Training, in phases: build the run once, then for each step dispatch it, report, and save.
 
-    build_run   data (rank 0 tokenizes first), the parallel model (parallel/parallelize.py), the
-                optimizer, the restored state of a checkpoint or model folder, the pipeline schedule
-    train_step  forward/backward over the micro-batches (or the pipeline schedule), the gradients
-                finished over the mesh, the global loss, clipping, the optimizer step
-    Reporter    metrics.jsonl and the progress bar, on rank 0
-    save        a checkpoint; at the end also OUT/model
+    build_run      data (rank 0 tokenizes first), the parallel model (parallel/parallelize.py), the
+                   optimizer, the restored state of a checkpoint or model folder, the pipeline schedule
+    dispatch_step  forward/backward over the micro-batches (or the pipeline schedule), the gradients
+                   finished over the mesh, the global loss, clipping, the optimizer step: all launched
+                   without the host waiting for the device (a non-finite step is skipped on the device)
+    report         every logging.log_every steps (and at saves, validations, the end): the pending
+                   steps' figures read back in one wait, checked, and written by rank 0's Reporter
+                   (metrics.jsonl, TensorBoard, the progress bar)
+    save           a checkpoint; at the end also OUT/model
 
-A stop request (a signal, stop.py) rides on each step's loss all-reduce: when any rank has one, every
-rank finishes that step, saves, and `train` returns early with `stopped_at` set.
+The next step's batch is fetched while the device computes the current one. A stop request (a signal,
+stop.py) rides on each step's loss all-reduce and is seen at the next report: every rank then saves and
+`train` returns early with `stopped_at` set.
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_f
 from tetron.config import Config
 from tetron.data import DataLoader, load_tokens, prepare_data, tokenizer_spec
 from tetron.errors import ConfigError
+from tetron.evaluate import training_tokens
 from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
 from tetron.metrics import MetricsLog, ProgressBar, mfu, say, trim_after
+from tetron.mixture import MixtureLoader, Source
 from tetron.model import Llama
+from tetron.observe import StepObservers
 from tetron.parallel.grads import clip_grads_
 from tetron.parallel.parallelize import (
     ParallelModel,
@@ -46,6 +53,7 @@ from tetron.parallel.parallelize import (
 from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activation_shape, layer_ranks
 from tetron.parallel.zero import ShardedAdamW
 from tetron.schedule import lr_at
+from tetron.sinks import open_sinks
 from tetron.stop import StopRequest
 from tetron.tokenizer import Tokenizer
 
@@ -70,10 +78,11 @@ class Run:
     pipeline: Pipeline | None  # the schedule runner under pp, else None
     layer_ranks: list[int]  # the pipeline rank of each decoder layer, for checkpoints
     stop: StopRequest | None = None  # set by a signal: finish the step, save, return
+    halted: Tensor | None = None  # on the device, under on_nonfinite=stop: 1 once a step was not finite
 
 
-def load_data(cfg: Config, mesh: Mesh) -> tuple[Tokenizer, DataLoader]:
-    """Rank 0 tokenizes (or finds the cache) while the others wait, then every rank maps the token file."""
+def load_data(cfg: Config, mesh: Mesh) -> tuple[Tokenizer, DataLoader | MixtureLoader]:
+    """Rank 0 tokenizes (or finds the cache) while the others wait, then every rank opens the token stores."""
     if mesh.rank == 0:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -84,10 +93,15 @@ def load_data(cfg: Config, mesh: Mesh) -> tuple[Tokenizer, DataLoader]:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
                          f"model.vocab_size={cfg.model.vocab_size}")
-    t = cfg.train
-    loader = DataLoader(load_tokens(token_path), cfg.data.seq_len, micro_batch=t.micro_batch, grad_acc=t.grad_acc,
-                        dp_size=mesh.size("dp"), dp_rank=mesh.local_rank("dp"), seed=t.seed)
-    return tokenizer, loader
+    t, d = cfg.train, cfg.data
+    shape = dict(micro_batch=t.micro_batch, grad_acc=t.grad_acc, dp_size=mesh.size("dp"),
+                 dp_rank=mesh.local_rank("dp"), seed=t.seed)
+    if isinstance(token_path, list):  # data.sources: a weighted mixture of stores
+        sources = [Source(load_tokens(path), float(s.get("weight", 1.0)), s.get("epochs"), name=str(s["path"]))
+                   for path, s in zip(token_path, d.sources)]
+        return tokenizer, MixtureLoader(sources, d.seq_len, **shape)  # validate refuses val_fraction here
+    tokens = training_tokens(load_tokens(token_path), cfg)  # data.val_fraction's held-out tail cut off
+    return tokenizer, DataLoader(tokens, d.seq_len, **shape)
 
 
 def restore(run: Run) -> None:
@@ -120,7 +134,8 @@ def describe(run: Run) -> None:
     sharded = f" (ZeRO-3: a 1/{dp_cp} slice of it between uses)" if cfg.parallel.zero == 3 and dp_cp > 1 else ""
     say(f"model: {total:,} parameters, {mine:,} on rank 0{sharded}")
     tokens_per_step = cfg.global_batch * cfg.data.seq_len
-    epochs = t.steps * cfg.global_batch / run.loader.sampler.num_windows
+    windows = sum(run.loader.num_windows) if cfg.data.sources else run.loader.sampler.num_windows
+    epochs = t.steps * cfg.global_batch / windows
     say(f"data: {len(run.loader.tokens):,} tokens; {tokens_per_step:,} tokens per step; {t.steps} steps = "
         f"{t.steps * tokens_per_step:,} tokens, {epochs:.2f} epochs")
 
@@ -191,21 +206,22 @@ def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Te
     return loss_sum
 
 
-def global_loss(run: Run, loss_sum: Tensor) -> tuple[float, bool]:
-    """The step's mean loss over the global batch, the same on every rank, and whether any rank has been
-    asked to stop. Both travel in one all-reduce of two floats over the world, which replaces the loss's
-    own over dp*cp and pp: the stop request costs one float more (under tp alone, this is the one tiny
-    collective a step gains)."""
+def global_loss(run: Run, loss_sum: Tensor) -> Tensor:
+    """[the step's mean loss over the global batch, whether any rank has been asked to stop (1/0)], the
+    same on every rank, on the device (nothing waits for it). Both travel in one all-reduce of two floats
+    over the world, which replaces the loss's own over dp*cp and pp: the stop request costs one float
+    more (under tp alone, this is the one tiny collective a step gains)."""
     mesh = run.mesh
-    stop = run.stop is not None and run.stop.requested
+    stop = float(run.stop is not None and run.stop.requested)
     if mesh.world_size == 1:
-        return float(loss_sum), stop
+        return torch.stack([loss_sum.float(), torch.full((), stop, device=loss_sum.device)])
     # Each rank adds loss / (dp*cp*tp): the tp ranks of a stage hold the same loss, every stage but the last
     # holds zero, so the sum is the mean over dp*cp of the last stage's loss, on every rank.
     share = loss_sum.float() / (mesh.size("dp_cp") * mesh.size("tp"))
-    both = torch.stack([share, torch.tensor(float(stop), device=share.device)])
+    # torch.full writes the flag by a kernel: a host-to-device copy would wait for the queued work
+    both = torch.stack([share, torch.full((), stop, device=share.device)])
     dist.all_reduce(both)
-    return float(both[0]), bool(both[1] > 0)
+    return both
 
 
 def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
@@ -225,42 +241,87 @@ def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
     return figures
 
 
-def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigures:
-    """Optimizer step `step` (0-based): the loader's next batch through the model, the update."""
+@dataclass
+class PendingStep:
+    """One step as the device left it: its figures are read back (one wait for the device) when reported."""
+
+    step: int  # 0-based
+    values: Tensor  # fp32 [4] on the device: loss, grad norm, non-finite (1) or not (0), stop requested (1/0)
+    lr: float
+    start: float  # perf_counter when the step began
+    memory: dict[str, float] | None = None
+    aside_s: float = 0.0  # seconds after it spent on other things (a validation): not the step's time
+
+
+def next_batch(run: Run) -> list[tuple[Tensor, Tensor]]:
+    """The loader's next step: this rank's positions of each micro-batch, on the device (on a GPU copied
+    asynchronously, so that the batch of step s+1 travels while step s computes)."""
+    mine = run.positions
+    return [(dev.to_device(inputs[:, mine], run.device), dev.to_device(targets[:, mine], run.device))
+            for inputs, targets in run.loader.next_batch()]
+
+
+def dispatch_step(run: Run, step: int, batch: list[tuple[Tensor, Tensor]], *,
+                  measure_memory: bool = False) -> PendingStep:
+    """Optimizer step `step` (0-based) on `batch`, without waiting for the device: a non-finite loss or
+    gradient norm makes the fused AdamW skip the update on the device's word (found_inf); under
+    on_nonfinite=stop every later update is skipped too, so the weights stay those before the bad step
+    until the host reads it back and stops."""
     t = run.cfg.train
-    dev.reset_peak_memory(run.device)
     start = time.perf_counter()
     lr = lr_at(step, t)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    mine = run.positions
-    micro_batches = [(inputs[:, mine], targets[:, mine]) for inputs, targets in run.loader.next_batch()]
     meter = ActivationMeter(run.model.params) if measure_memory else None
     with meter or contextlib.nullcontext():
-        loss_sum = forward_backward(run, micro_batches)
+        loss_sum = forward_backward(run, batch)
     finish_gradients(run.model, run.mesh, run.optimizer)
-    loss, stop = global_loss(run, loss_sum)  # the same on every rank, so every rank takes the same branch below
-    skipped = not math.isfinite(loss)
-    if skipped and t.on_nonfinite == "stop":
-        raise FloatingPointError(f"step {step + 1}: loss is {loss}; stopping before the weights are updated "
-                                 f"(train.on_nonfinite=skip skips such steps)")
-    grad_norm = float("nan")
-    if not skipped:
-        grad_norm = clip_grads_(run.optimizer.grads(), t.grad_clip, run.mesh,
-                                sharded_over_dp=run.cfg.parallel.zero >= 1)
-        run.optimizer.step()
+    loss_stop = global_loss(run, loss_sum)  # the same on every rank, as is the norm: every rank skips alike
+    grad_norm = clip_grads_(run.optimizer.grads(), t.grad_clip, run.mesh, sharded_over_dp=run.cfg.parallel.zero >= 1)
+    bad = (~(torch.isfinite(loss_stop[0]) & torch.isfinite(grad_norm))).float()
+    found_inf = bad
+    if t.on_nonfinite == "stop":
+        found_inf = run.halted = bad if run.halted is None else torch.maximum(bad, run.halted)
+    run.optimizer.step(found_inf)
     memory = memory_figures(run, meter) if meter is not None else None  # after the step: moments exist
     run.model.zero_grad()
-    dev.synchronize(run.device)
-    return StepFigures(loss=loss, grad_norm=grad_norm, lr=lr, skipped=skipped, time_s=time.perf_counter() - start,
-                       memory=memory, stop=stop)
+    return PendingStep(step, torch.stack([loss_stop[0], grad_norm, bad, loss_stop[1]]), lr, start, memory)
+
+
+def read_back(pending: list[PendingStep]) -> list[StepFigures]:
+    """The figures of the steps dispatched since the last read-back, in one wait for the device; each
+    step's time is the interval's mean (dispatch runs ahead of the device, so only the interval is real)."""
+    values = torch.stack([p.values for p in pending]).tolist()
+    each = (time.perf_counter() - pending[0].start - sum(p.aside_s for p in pending)) / len(pending)
+    return [StepFigures(loss=loss, grad_norm=float("nan") if bad else norm, lr=p.lr, skipped=bool(bad), time_s=each,
+                        memory=p.memory, stop=stop > 0) for p, (loss, norm, bad, stop) in zip(pending, values)]
+
+
+def check_finite(run: Run, step: int, f: StepFigures) -> None:
+    """Under on_nonfinite=stop, a step whose loss or gradient norm is not finite ends the run (its update
+    and every later one were skipped on the device)."""
+    if f.skipped and run.cfg.train.on_nonfinite == "stop":
+        what = f"loss is {f.loss}" if not math.isfinite(f.loss) else "the gradient norm is not finite"
+        raise FloatingPointError(f"step {step + 1}: {what}; stopping before the weights are updated "
+                                 f"(train.on_nonfinite=skip skips such steps)")
+
+
+def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigures:
+    """Optimizer step `step` (0-based) on the loader's next batch, read back at once (the loop in `train`
+    reads back every logging.log_every steps instead)."""
+    dev.reset_peak_memory(run.device)
+    pending = dispatch_step(run, step, next_batch(run), measure_memory=measure_memory)
+    figures = read_back([pending])[0]
+    check_finite(run, step, figures)
+    return figures
 
 
 # ------------------------------------------------------------------------------------ report and save
 
 
 class Reporter:
-    """Rank 0's record of the run: a line per step in OUT/metrics.jsonl and the progress bar."""
+    """Rank 0's record of the run: a line per step in OUT/metrics.jsonl (and TensorBoard, W&B: sinks.py)
+    and the progress bar."""
 
     def __init__(self, run: Run) -> None:
         cfg, device = run.cfg, run.device
@@ -268,14 +329,17 @@ class Reporter:
         if cfg.checkpoint.resume is not None:  # continuing this run folder (from step 0 if nothing was saved)
             trim_after(out / "metrics.jsonl", run.loader.step)
         self.log = MetricsLog(out / "metrics.jsonl")
-        self.bar = ProgressBar(cfg.train.steps, every=cfg.logging.log_every) if cfg.logging.progress else None
+        self.sinks = open_sinks(cfg, first_step=run.loader.step + 1)
+        self.bar = ProgressBar(cfg.train.steps, every=cfg.logging.log_every,
+                               first=run.loader.step) if cfg.logging.progress else None
         self.tokens_per_step = cfg.global_batch * cfg.data.seq_len
         self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
         dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
         self.peak = cfg.logging.peak_tflops or dev.peak_tflops(device, dtype)
         self.world_size, self.device = run.mesh.world_size, device
 
-    def step(self, step: int, f: StepFigures) -> None:
+    def step(self, step: int, f: StepFigures, extra: dict[str, float] | None = None) -> None:
+        """Step `step` (0-based) done: its figures, and `extra` ones (validation, timers) on its record."""
         tokens_per_s = self.tokens_per_step / f.time_s
         record: dict[str, Any] = {
             "step": step + 1,
@@ -292,12 +356,22 @@ class Reporter:
             record["skipped"] = True
         if f.memory is not None:
             record.update(f.memory)
+        record.update(extra or {})
         self.log.write(record)
+        for sink in self.sinks:
+            sink.write(step + 1, record)
         if self.bar:
-            self.bar.update(step + 1, {"loss": f"{f.loss:.4f}", "lr": f"{f.lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"})
+            fields = {"loss": f"{f.loss:.4f}", "lr": f"{f.lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
+            if "val_loss" in record:
+                fields["val_loss"] = f"{record['val_loss']:.4f}"
+            self.bar.update(step + 1, fields)
 
     def close(self) -> None:
         self.log.close()
+        if self.bar:
+            self.bar.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def save(run: Run) -> None:
@@ -335,11 +409,30 @@ class TrainResult:
     pipeline_trace: PipelineTrace | None = None  # with trace under pp: this rank's actions, last step
     dp_collectives: int | None = None  # with trace: gradient all-reduces issued by data parallelism
     stopped_at: int | None = None  # the step saved when a stop request ended the run early, else None
+    timings: list[dict[str, float]] = field(default_factory=list)  # with logging.timers: this rank's seconds
+    # per category of each step, and the step's own step_time_s
 
     @property
     def model(self) -> Llama:
         """The bare model on this rank (under pp: its first chunk)."""
         return self.chunks[0]
+
+
+def report(run: Run, reporter: Reporter | None, result: TrainResult,
+           pending: list[tuple[PendingStep, dict[str, float], dict[str, float]]]) -> bool:
+    """Read back the steps dispatched since the last report and record each (rank 0 writes them); a
+    non-finite one under on_nonfinite=stop raises once the steps before it are recorded. Returns whether
+    any rank was asked to stop."""
+    stop = False
+    for (dispatched, extra, seconds), figures in zip(pending, read_back([p for p, _, _ in pending])):
+        check_finite(run, dispatched.step, figures)
+        result.losses.append(figures.loss)
+        if seconds:
+            result.timings.append({**seconds, "step_time_s": figures.time_s})
+        if reporter:
+            reporter.step(dispatched.step, figures, extra)
+        stop = stop or figures.stop
+    return stop
 
 
 def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace: bool = False,
@@ -354,17 +447,33 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace:
                           f"use train.steps >= {first}")
     reporter = Reporter(run) if mesh.rank == 0 else None
     result = TrainResult(chunks=run.model.chunks)
+    observers = StepObservers(cfg, mesh, run.model.chunks, run.tokenizer, device=run.device, dtype=run.dtype,
+                              positions=run.positions)
+    pending: list[tuple[PendingStep, dict[str, float], dict[str, float]]] = []
+    batch = next_batch(run) if first < t.steps else []
+    dev.reset_peak_memory(run.device)
     for step in range(first, t.steps):
-        figures = train_step(run, step, measure_memory=step == first)
-        result.losses.append(figures.loss)
-        if reporter:
-            reporter.step(step, figures)
+        with observers.step(step):
+            dispatched = dispatch_step(run, step, batch, measure_memory=step == first)
+            aside = time.perf_counter()
+        extra = observers.figures(step)  # every rank: timers' max and the validation loss are collectives
+        dispatched.aside_s = time.perf_counter() - aside  # the observers' own work (a profile's export too)
+        pending.append((dispatched, extra, dict(observers.seconds)))
+        last = step + 1 == t.steps
         periodic = bool(save_every) and (step + 1) % save_every == 0
-        if (periodic or figures.stop) and step + 1 < t.steps:
+        if not (last or periodic or extra or (step + 1) % cfg.logging.log_every == 0):
+            batch = next_batch(run)  # the next step's batch, while the device computes this one
+            continue
+        stop = report(run, reporter, result, pending)  # the one wait for the device in log_every steps
+        pending = []
+        dev.reset_peak_memory(run.device)
+        if (periodic or stop) and not last:
             save(run)
-        if figures.stop and step + 1 < t.steps:
+        if stop and not last:
             result.stopped_at = step + 1
             break
+        if not last:
+            batch = next_batch(run)
     if reporter:
         reporter.close()
     if trace:

@@ -10,42 +10,45 @@ from tetron.mesh import Mesh
 from tetron.parallel.layout import layout_of
 
 
+def _sum_of_squares(grads: list[Tensor], device: torch.device) -> Tensor:
+    """The sum of the squares of every element of `grads`, in fp32: one batched norm per call."""
+    if not grads:
+        return torch.zeros((), device=device, dtype=torch.float32)
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+
+
 @torch.no_grad()
 def clip_grads_(grads: list[tuple[Tensor, nn.Parameter]], max_norm: float, mesh: Mesh, *,
-                sharded_over_dp: bool = False) -> float:
-    """Clip `grads` (each with its parameter) by their global norm; returns the norm before clipping.
+                sharded_over_dp: bool = False) -> Tensor:
+    """Clip `grads` (each with its parameter) by their global norm; returns the norm before clipping,
+    a device scalar (reading it is the caller's choice: it waits for the device).
 
     Each element counts once: squares of tensor-parallel shards (layout `tp` set) are summed over
     tp, replicated tensors are taken as they are, stages are summed over pp, and the last stage's
     copy of a tied embedding (layout `tied_copy`) is left out of the sum (the first stage counts it).
     With ZeRO each rank holds different pieces of every gradient (`sharded_over_dp`): the sums of
     both kinds are also summed over dp*cp."""
-    counted = [(g, p) for g, p in grads if not layout_of(p).tied_copy]
     device = grads[0][0].device if grads else torch.device("cpu")
-    total = torch.zeros((), device=device, dtype=torch.float32)
-    shard_sq = torch.zeros((), device=device, dtype=torch.float32)
-    for g, _ in counted:
-        total += g.float().pow(2).sum()
-    for g, p in counted:
-        if layout_of(p).tp is not None:
-            shard_sq += g.float().pow(2).sum()
+    replicated, sharded = [], []
+    for g, p in grads:
+        layout = layout_of(p)
+        if not layout.tied_copy:
+            (sharded if layout.tp is not None else replicated).append(g)
+    sums = torch.stack([_sum_of_squares(replicated, device), _sum_of_squares(sharded, device)])
     if sharded_over_dp and mesh.size("dp_cp") > 1:
-        both = torch.stack([total, shard_sq])
-        dist.all_reduce(both, group=mesh.group("dp_cp"))
-        total, shard_sq = both[0], both[1]
+        dist.all_reduce(sums, group=mesh.group("dp_cp"))
     if mesh.size("tp") > 1:
-        total -= shard_sq
-        dist.all_reduce(shard_sq, group=mesh.group("tp"))
-        total += shard_sq
+        dist.all_reduce(sums[1:], group=mesh.group("tp"))  # the shards' squares; replicated ones count once
+    total = sums.sum()
     if mesh.size("pp") > 1:
         dist.all_reduce(total, group=mesh.group("pp"))
     norm = total.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([g for g, _ in grads], coef)
-    return float(norm)
+    return norm
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, mesh: Mesh) -> float:
-    """clip_grads_ over the parameters' .grad (those that have one)."""
-    return clip_grads_([(p.grad, p) for p in params if p.grad is not None], max_norm, mesh)
+    """clip_grads_ over the parameters' .grad (those that have one); the norm read back."""
+    return float(clip_grads_([(p.grad, p) for p in params if p.grad is not None], max_norm, mesh))

@@ -22,8 +22,14 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    set_checkpoint_early_stop,
+)
 
 from tetron.config import Recompute
 from tetron.model import Llama
@@ -50,9 +56,11 @@ ATTENTION_OPS = _ops([
 
 
 def _storages(tree: Any) -> set[int]:
-    """The storages (by address) of the tensors in an op's arguments or outputs."""
+    """The storages (by address) of the tensors in an op's arguments or outputs. None while torch.compile
+    traces (fake tensors have no memory): there collectives are functional, never in place, so the
+    policy is by op alone."""
     return {t.untyped_storage().data_ptr() for t in tree_leaves(tree)
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()}
+            if isinstance(t, torch.Tensor) and not is_fake(t) and t.untyped_storage().nbytes()}
 
 
 class _KeepMatmuls:
@@ -101,7 +109,14 @@ def _recomputed(forward: Callable[..., torch.Tensor], context_fn: Callable[[], t
     gradients reach the parameters through their usual AccumulateGrad nodes and hooks."""
     if context_fn is None:
         return checkpoint(forward, *args, use_reentrant=False)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
+    # Selective: recompute the whole layer. Stopping early (once the needed tensors exist) leaves the
+    # outputs kept for later ops unconsumed, and with an in-place collective among them (tp's all-reduce)
+    # they form a cycle through the autograd graph that is never freed: every step leaked a layer's worth.
+    # (Compiled, the checkpoint is traced into the graph instead, and the switch would break the graph.)
+    if torch.compiler.is_compiling():
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
+    with set_checkpoint_early_stop(False):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
 
 
 def apply_recompute(model: Llama, mode: Recompute) -> Llama:

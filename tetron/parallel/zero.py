@@ -93,13 +93,24 @@ class ShardedAdamW:
         masters = [piece.master for piece in self.pieces]
         decay = [piece.master for piece in self.pieces if piece.param.ndim >= 2]
         keep = [piece.master for piece in self.pieces if piece.param.ndim < 2]
+        # The fused kernel (CPU and CUDA) is the fastest form (on this CPU 4x the for-loop, 7x foreach),
+        # and it can skip a step on the device's word (found_inf), without the host waiting for it.
+        self.fused = bool(masters) and masters[0].device.type in ("cpu", "cuda")
         self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                         {"params": keep, "weight_decay": 0.0}],
-                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                                       **({"fused": True} if self.fused else {"foreach": True}))
         self.param_groups = self.inner.param_groups
         self.masters = masters
-        # Optimizer steps taken (or loaded): the same on every rank, even one whose slices hold only padding.
-        self.steps = 0.0
+        # Optimizer steps called (or loaded) and, on the device, those its found_inf skipped: the same on
+        # every rank, even one whose slices hold only padding.
+        self.calls = 0.0
+        self.skipped = torch.zeros((), device=masters[0].device if masters else "cpu")
+
+    @property
+    def steps(self) -> float:
+        """Optimizer steps taken (reading it waits for the device)."""
+        return self.calls - float(self.skipped)
 
     def _pieces(self, bucket: _Bucket) -> list[Piece]:
         """This rank's pieces of the bucket's parameters: their overlap with slice `rank`."""
@@ -138,14 +149,25 @@ class ShardedAdamW:
     # ------------------------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, found_inf: Tensor | None = None) -> None:
         """AdamW on the masters (their .grad: the pieces' averaged gradients), then the parameters
-        from the masters: cast in place, or all-gathered from every rank's slice under ZeRO."""
+        from the masters: cast in place, or all-gathered from every rank's slice under ZeRO. Where the
+        device scalar `found_inf` is 1 nothing changes (no update, no moment decay, no step counted)."""
         if not self.plain:
             for piece in self.pieces:
                 piece.master.grad = piece.grad
-        self.inner.step()
-        self.steps += 1
+        if found_inf is not None and not self.fused:
+            if bool(found_inf):  # only the fused kernel skips on the device's word; elsewhere the host does
+                self.skipped += 1
+            else:
+                self.inner.step()
+        else:
+            self.inner.found_inf = found_inf  # read by the fused kernel, which skips when it is 1
+            self.inner.step()
+            self.inner.found_inf = None
+            if found_inf is not None:
+                self.skipped += found_inf
+        self.calls += 1
         if self.plain:
             return
         for piece in self.pieces:
@@ -208,7 +230,7 @@ class ShardedAdamW:
 
     def has_state(self) -> bool:
         """Whether AdamW has moments to save (not before its first step). The same on every rank."""
-        return self.steps > 0
+        return self.calls > 0
 
     @torch.no_grad()
     def load(self, param: nn.Parameter, *, master: Tensor | None = None, exp_avg: Tensor | None = None,
@@ -217,7 +239,7 @@ class ShardedAdamW:
         The parameters themselves are the caller's to fill, except under ZeRO-3, where only their
         slices exist between uses: those are filled here."""
         if step is not None:
-            self.steps = float(step)
+            self.calls, self.skipped = float(step), torch.zeros_like(self.skipped)
         for piece in self.piece_of.get(id(param), []):
             n = piece.master.numel()
             part = slice(piece.start, piece.start + n)
@@ -227,7 +249,8 @@ class ShardedAdamW:
                 piece.bucket.params_slice[piece.slice_offset:piece.slice_offset + n].copy_(master.reshape(-1)[part])
             if exp_avg is not None:
                 self.inner.state[piece.master] = {
-                    "step": torch.tensor(float(step), dtype=torch.float32),
+                    "step": torch.tensor(float(step), dtype=torch.float32,
+                                         device=piece.master.device if self.fused else "cpu"),
                     "exp_avg": exp_avg.reshape(-1)[part].clone().view_as(piece.master),
                     "exp_avg_sq": exp_avg_sq.reshape(-1)[part].clone().view_as(piece.master),
                 }
