@@ -138,6 +138,7 @@ SHORT_FLAG_CASES = {
     "dp-impl": ("naive", lambda c: c.parallel.dp_impl, "naive"),
     "sp": ("true", lambda c: c.parallel.sp, True),
     "cp-layout": ("contiguous", lambda c: c.parallel.cp_layout, "contiguous"),
+    "cp-impl": ("ulysses", lambda c: c.parallel.cp_impl, "ulysses"),
     "pp-schedule": ("interleaved", lambda c: c.parallel.pp_schedule, "interleaved"),
     "pp-virtual": ("3", lambda c: c.parallel.pp_virtual, 3),
     "save-every": ("5", lambda c: c.checkpoint.save_every, 5),
@@ -147,6 +148,7 @@ SHORT_FLAG_CASES = {
     "zero": ("2", lambda c: c.parallel.zero, 2),
     "recompute": ("full", lambda c: c.train.recompute, "full"),
     "force": ("true", lambda c: c.parallel.ignore_memory_limit, True),
+    "profile": ("5:7", lambda c: c.logging.profile, "5:7"),
 }
 
 
@@ -279,7 +281,7 @@ BAD_VALUES = [
     (["--cp", "2", "--cp-layout", "contiguous", "--tp", "2", "--sp", "--seq-len", "30"],
      ["parallel.sp", "seq_len=30", "cp=2", "tp=2"]),
     (["--pp", "3"], ["parallel.pp=3", "model.num_hidden_layers=2", "pp <= 2"]),
-    (["--pp-schedule", "gpipe"], ["parallel.pp_schedule='gpipe'", "afab, 1f1b or interleaved"]),
+    (["--pp-schedule", "gpipe"], ["parallel.pp_schedule='gpipe'", "afab, 1f1b, interleaved, zbh1 or zbv"]),
     (["--pp-virtual", "2"], ["parallel.pp_virtual=2", "pp_schedule=interleaved"]),
     (["--pp-virtual", "0", "--pp-schedule", "interleaved"], ["parallel.pp_virtual=0"]),
     (["--pp-schedule", "interleaved"], ["pp_schedule=interleaved", "pp >= 2", "pp=1"]),

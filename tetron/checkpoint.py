@@ -28,6 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from tetron import device as dev
 from tetron.errors import StorageError
 from tetron.fs import (
     fsync_dir,
@@ -120,11 +121,11 @@ def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str
 
 
 def stage_of(name: str, layer_ranks: list[int], pp: int) -> int:
-    """The pipeline rank that holds parameter `name`: layers by `layer_ranks`, the embedding on the first,
-    the final norm and head on the last."""
+    """The pipeline rank that holds parameter `name`: layers by `layer_ranks`, the embedding with the
+    first layer, the final norm and head with the last (under zbv both on rank 0)."""
     if name.startswith("model.layers."):
         return layer_ranks[int(name.split(".")[2])]
-    return 0 if name.startswith("model.embed_tokens.") else pp - 1
+    return layer_ranks[0] if name.startswith("model.embed_tokens.") else layer_ranks[-1]
 
 
 def model_specs(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> list[Spec]:
@@ -214,8 +215,9 @@ def _gather_rng(mesh: Mesh, device: torch.device) -> dict[str, Tensor]:
     """Every rank's generator states on rank 0: CPU ("rank_{i}"), and CUDA ("cuda_rank_{i}") on GPUs.
     All the same size, so a tensor all-gather carries them (all_gather_object would pickle)."""
     states = {"rank": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda_rank"] = torch.cuda.get_rng_state(device)
+    device_state = dev.rng_state(device)
+    if device_state is not None:
+        states["cuda_rank"] = device_state
     out: dict[str, Tensor] = {}
     for prefix, state in states.items():
         parts = [torch.empty_like(state, device=device) for _ in range(mesh.world_size)]
@@ -290,10 +292,13 @@ def find_latest(out: Path) -> Path | None:
 
 
 def is_run_folder(out: Path) -> bool:
-    """Whether the folder `out` is empty or recognisably a tetron run folder: its log, its lock, a
-    checkpoints/ with `latest` or a step_N, or a model/ with tetron's tokenizer file."""
+    """Whether the folder `out` is empty or recognisably a tetron run folder: its log, its lock, only
+    its ranks' logs, a checkpoints/ with `latest` or a step_N, or a model/ with tetron's tokenizer file."""
     names = {p.name for p in out.iterdir()}
     if not names or names & {"metrics.jsonl", RUN_LOCK}:
+        return True
+    logs = out / "logs"  # the ranks' logs come first: under torchrun another rank may have begun them
+    if names == {"logs"} and logs.is_dir() and all(re.fullmatch(r"rank_\d+\.log", p.name) for p in logs.iterdir()):
         return True
     root = checkpoints_dir(out)
     if root.is_dir() and any(p.name == "latest" or STEP_DIR.match(p.name.split(".tmp-")[0]) for p in root.iterdir()):

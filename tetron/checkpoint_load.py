@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from tetron import device as dev
 from tetron.checkpoint import FORMAT, STATE_FILE, STEP_DIR, model_specs, optimizer_specs, seal
 from tetron.errors import CheckpointError, DataError, check
 from tetron.fs import read_bounded, sha256
@@ -410,7 +411,7 @@ def load_checkpoint(folder: Path, *, chunks: list[nn.Module], optimizer: Sharded
             torch.set_rng_state(reader.read(f"rank_{mesh.rank}"))
             device = next(chunks[0].parameters()).device
             if device.type == "cuda" and reader.info(f"cuda_rank_{mesh.rank}") is not None:
-                torch.cuda.set_rng_state(reader.read(f"cuda_rank_{mesh.rank}"), device)
+                dev.set_rng_state(device, reader.read(f"cuda_rank_{mesh.rank}"))
     else:
         torch.manual_seed(name_seed(cfg.train.seed, f"resume:{state['step']}:{mesh.rank}"))
     dist.barrier()

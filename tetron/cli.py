@@ -24,6 +24,7 @@ from tetron.config import SECTIONS, SHORT_FLAGS, Config, field_docs, from_dict, 
 from tetron.data import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
 from tetron.device import cuda_count
 from tetron.errors import ConfigError, DataError, UserError, check
+from tetron.evaluate import check_held_out, training_tokens
 from tetron.fs import FolderLock
 from tetron.launch import launch
 from tetron.metrics import say
@@ -38,7 +39,9 @@ USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] 
                    (tetron plan --help: rank the layouts that fit, predicted memory and step time)
        tetron slurm CONFIG --nodes N --gpus-per-node G [--partition P --time T --account A] [--submit]
        tetron convert SRC DST   (a checkpoint to a Hugging Face folder, or a HF folder to a checkpoint)
+       tetron tokenize SOURCE --tokenizer T --out STORE [--workers N] [--shard-mb M]   (a token store)
        tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]
+       tetron report RUN [RUN ...] [--out FILE.png] [--x step|tokens]   (curves and a summary of runs)
        tetron --version"""
 
 
@@ -59,7 +62,8 @@ def _check_data(cfg: Config) -> None:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
                           f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
-    num_tokens, d = len(load_tokens(token_path)), cfg.data
+    num_tokens, d = len(training_tokens(load_tokens(token_path), cfg)), cfg.data  # without a held-out tail
+    check_held_out(cfg, tokenizer, token_path)
     windows = max(num_tokens - 1, 0) // d.seq_len
     if windows < cfg.global_batch:
         raise ConfigError(f"data.path={d.path}: {num_tokens:,} tokens make {windows:,} windows of data.seq_len+1="
@@ -187,6 +191,16 @@ def generate_command(args: list[str]) -> int:
     except (UserError, ValueError) as err:  # checked before loading: a damaged or mismatched model folder
         return _fail(str(err))
     print(text)
+    return 0
+
+
+def report_command(args: list[str]) -> int:
+    from tetron.report import report
+
+    try:
+        print(report(args))
+    except UserError as err:
+        return _fail(str(err))
     return 0
 
 
@@ -348,7 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         return plan_command(rest)
     if command == "slurm":
         return slurm_command(rest)
-    return _fail(f"unknown command {command!r}; use train, plan, slurm, convert or generate")
+    if command == "tokenize":
+        from tetron.tokenize_cmd import tokenize_command
+
+        return tokenize_command(rest)
+    if command == "report":
+        return report_command(rest)
+    return _fail(f"unknown command {command!r}; use train, plan, slurm, convert, generate, tokenize or report")
 
 
 if __name__ == "__main__":

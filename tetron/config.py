@@ -27,9 +27,10 @@ from tetron.model import LlamaConfig
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Every choice a config field offers, in one place: the field's type says it, from_dict checks it.
-PpSchedule = Literal["afab", "1f1b", "interleaved"]
+PpSchedule = Literal["afab", "1f1b", "interleaved", "zbh1", "zbv"]
 DpImpl = Literal["naive", "bucket"]
 CpLayout = Literal["zigzag", "contiguous"]
+CpImpl = Literal["ring", "ulysses"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
 Recompute = Literal["none", "selective", "full"]
@@ -44,10 +45,13 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks (within a node)
     pp: int = 1  # pipeline stages
     cp: int = 1  # context-parallel ranks (ring attention)
-    pp_schedule: PpSchedule = "1f1b"  # pipeline schedule: "afab" (all forward, all backward), "1f1b" or "interleaved"
-    pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank; above 1 only with pp_schedule=interleaved
+    pp_schedule: PpSchedule = "1f1b"  # pipeline schedule: "afab" (all forward, all backward), "1f1b",
+    # "interleaved", or zero-bubble "zbh1" (1F1B's memory) and "zbv" (two chunks per rank in a V; pp_virtual=2)
+    pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank: above 1 with interleaved; 2 with zbv
     pp_split: list[int] | None = None  # layers per pipeline stage (virtual-stage order); None: as even as possible
     cp_layout: CpLayout = "zigzag"  # the sequence over cp: "zigzag" (balanced for causal attention) or "contiguous"
+    cp_impl: CpImpl = "ring"  # attention over cp: "ring" (P2P of k/v blocks, any cp) or "ulysses" (all-to-all to
+    # heads; query heads per tp rank must be divisible by cp)
     sp: bool = False  # sequence parallelism: split activations outside attention/MLP along the sequence over tp
     vocab_pad_multiple: int = 1  # pad the vocabulary to a multiple of tp * this (64 or 128 speeds up GPU matmuls)
     dp_impl: DpImpl = "bucket"  # "naive": an all-reduce hook per parameter; "bucket": fp32 buckets, overlapped
@@ -63,7 +67,11 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "stdlib"  # file, folder, glob of .txt/.jsonl/.parquet, "stdlib", or hf:NAME[:SPLIT]
+    path: str = "stdlib"  # file, folder, glob of .txt/.jsonl/.parquet, "stdlib", hf:NAME[:SPLIT], or a token
+    # store folder (tetron tokenize)
+    sources: list[dict[str, Any]] | None = None  # a mixture instead of path: [{path: STORE_OR_SPEC, weight: W,
+    # epochs: E}], rows drawn by weight; a source leaves after `epochs` passes (optional; none: no limit)
+    hash_contents: bool = False  # key the token cache of local files by their bytes, not their sizes and mtimes
     tokenizer: str | None = None  # "bytes", "bpe:N", a HF tokenizer folder or hub name; None: the tokenizer of
     # the checkpoint or model folder the run starts from, else "bytes"
     text_field: str = "text"  # the text column of .jsonl/.parquet/hf datasets
@@ -72,6 +80,9 @@ class DataConfig:
     cache_dir: str | None = None  # token and tokenizer cache; default ~/.cache/tetron
     on_bad_record: OnBadRecord = "stop"  # a record that cannot be read (bad JSON or UTF-8, no text): "stop" naming
     # its file and line or row, or "skip" it (the number skipped is said once)
+    val_fraction: float = 0.0  # hold out the last fraction of data.path's windows for validation (never trained on)
+    val_path: str | None = None  # held-out text for validation, tokenized with the run's tokenizer (instead of
+    # val_fraction); same forms as path
 
 
 @dataclass
@@ -93,7 +104,11 @@ class TrainConfig:
     seed: int = 0  # seeds the weights, the data order and the sampler
     dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads)
     recompute: Recompute = "none"  # activation recomputation per decoder layer: "none", "selective" or "full"
+    compile: bool = False  # torch.compile each decoder layer (regional compilation): faster steps on GPUs, a
+    # slower start (a minute or so per distinct layer shape); off by default
     on_nonfinite: OnNonfinite = "stop"  # a NaN/inf loss: "stop" the run naming the step, or "skip" the step's update
+    eval_every: int = 0  # validation loss (val_loss, val_ppl) every this many steps and at the last; 0: never
+    eval_batches: int = 4  # global batches of held-out windows per validation (the same windows every time)
 
 
 @dataclass
@@ -118,6 +133,10 @@ class LoggingConfig:
     peak_tflops: float | None = None  # the device's peak TFLOP/s per rank, for MFU where not known
     sample_tokens: int = 120  # tokens generated from the trained model at the end; 0 disables
     sample_prompt: str = "def "  # the prompt of that sample
+    tensorboard: bool = False  # also write every metric as TensorBoard events under OUT/tensorboard
+    wandb: str | None = None  # also log every metric to this Weights & Biases project (pip install tetron[wandb])
+    timers: bool = False  # per step, the time in compute and waiting on each axis' communication (max over ranks)
+    profile: str | None = None  # torch.profiler traces of these steps, "A:B" (A to B) or "A", in OUT/profile/
 
 
 @dataclass
@@ -164,6 +183,7 @@ SHORT_FLAGS = {
     "pp-schedule": "parallel.pp_schedule",
     "pp-virtual": "parallel.pp_virtual",
     "cp-layout": "parallel.cp_layout",
+    "cp-impl": "parallel.cp_impl",
     "save-every": "checkpoint.save_every",
     "resume": "checkpoint.resume",
     "init-from": "checkpoint.init_from",
@@ -171,6 +191,7 @@ SHORT_FLAGS = {
     "zero": "parallel.zero",
     "recompute": "train.recompute",
     "force": "parallel.ignore_memory_limit",
+    "profile": "logging.profile",
 }
 # Flags that may stand alone, meaning true: `--sp`, `--force`.
 BOOL_FLAGS = {"sp", "force"}

@@ -6,6 +6,7 @@ path the run writes, the checkpoint or model folder it starts from, a hub name i
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -14,22 +15,46 @@ from pathlib import Path
 from tetron.checkpoint import find_latest, is_run_folder
 from tetron.checkpoint_load import inspect_checkpoint, read_model_config
 from tetron.config import CONFIGS_DIR, Config
-from tetron.data import tokenizer_spec
-from tetron.device import device_problem
+from tetron.data import data_specs, tokenizer_spec
+from tetron.device import compile_problem, device_problem
 from tetron.errors import CheckpointError, ConfigError, DataError
 from tetron.errors import check as _check
 from tetron.hub import hub_problem
+from tetron.profiling import parse_steps
 from tetron.sources import resolve_files
 from tetron.stop import parse_signal
+from tetron.token_store import is_store
+
+
+def _validate_zero_bubble(cfg: Config) -> None:
+    """zbh1 and zbv split each backward into B (input gradient) and W (weight gradients, later)."""
+    p, t, name = cfg.parallel, cfg.train, f"parallel.pp_schedule={cfg.parallel.pp_schedule}"
+    if p.pp_schedule == "zbv":
+        _check(p.pp_virtual == 2, f"{name} runs exactly two chunks per pipeline rank (a V): set "
+               f"parallel.pp_virtual=2, not {p.pp_virtual}")
+        _check(p.pp >= 2, f"{name} needs pp >= 2, not pp={p.pp}; use pp >= 2")
+        _check(2 * p.pp <= cfg.model.num_hidden_layers, f"{name} cuts the model into 2*pp={2 * p.pp} stages, "
+               f"more than model.num_hidden_layers={cfg.model.num_hidden_layers}; use pp <= "
+               f"{cfg.model.num_hidden_layers // 2} or zbh1")
+        _check(not cfg.model.tie_word_embeddings, f"{name} holds the first and the last stage on one rank, "
+               f"where model.tie_word_embeddings is not supported; use pp_schedule=zbh1 or untied embeddings")
+    _check(p.zero < 3, f"{name} with parallel.zero=3: ZeRO-3 frees a layer's gathered weights once its "
+           f"gradients are in, which W (after later forwards) defeats; use zero <= 2 or pp_schedule=1f1b")
+    _check(t.recompute == "none", f"{name} with train.recompute={t.recompute}: B and W would each redo the "
+           f"layer's forward; use recompute=none or pp_schedule=1f1b")
+    _check(not t.compile, f"{name} with train.compile: a compiled layer's backward cannot be split into "
+           f"B and W; use compile=false or pp_schedule=1f1b")
 
 
 def _validate_pipeline(cfg: Config) -> None:
     """The pipeline checks: stages vs layers, the schedule's needs in micro-batches, the split."""
     p, layers, m = cfg.parallel, cfg.model.num_hidden_layers, cfg.train.grad_acc
     _check(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be at least 1")
-    _check(p.pp_virtual == 1 or p.pp_schedule == "interleaved",
+    _check(p.pp_virtual == 1 or p.pp_schedule in ("interleaved", "zbv"),
            f"parallel.pp_virtual={p.pp_virtual} needs pp_schedule=interleaved; use pp_virtual=1 with "
            f"pp_schedule={p.pp_schedule}")
+    if p.pp_schedule in ("zbh1", "zbv"):
+        _validate_zero_bubble(cfg)
     _check(p.pp <= layers, f"parallel.pp={p.pp} is more than model.num_hidden_layers={layers}; use pp <= {layers}")
     stages = p.pp * p.pp_virtual
     if p.pp_schedule == "interleaved":
@@ -150,6 +175,11 @@ def _validate_layout(cfg: Config, world_size: int | None) -> None:
     _check(not p.sp or (d.seq_len // p.cp) % p.tp == 0,
            f"parallel.sp needs data.seq_len={d.seq_len} / cp={p.cp} divisible by tp={p.tp}; "
            f"use a seq_len that is a multiple of {p.cp * p.tp}")
+    heads = m.num_attention_heads // p.tp  # query heads per tp rank (kv heads are repeated where too few)
+    _check(p.cp_impl != "ulysses" or heads % p.cp == 0,
+           f"parallel.cp_impl=ulysses needs the query heads per tp rank (num_attention_heads="
+           f"{m.num_attention_heads} / tp={p.tp} = {heads}) divisible by cp={p.cp}; use a cp that divides "
+           f"{heads}, or cp_impl=ring")
     _validate_pipeline(cfg)
 
 
@@ -160,13 +190,14 @@ def _validate_data(cfg: Config) -> None:
     _check(d.seq_len <= m.max_position_embeddings,
            f"data.seq_len={d.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
     _check(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes={d.max_bytes} must be positive")
-    if not d.path.startswith("hf:") and d.path != "stdlib":
-        try:
-            resolve_files(d.path)
-        except DataError as err:
-            raise ConfigError(f"data.path={d.path}: {err}") from None
+    _validate_sources(cfg)
     tok = tokenizer_spec(cfg)
     if tok.startswith("bpe:"):
+        specs = data_specs(cfg)
+        _check(not d.sources and not is_store(d.path),
+               f"data.tokenizer={tok} is trained on text, and {'data.sources is' if d.sources else 'data.path is a'} "
+               f"{'set' if d.sources else 'token store'}: leave data.tokenizer unset to use the store's, or give a "
+               f"tokenizer folder (tetron tokenize {specs[0]} --tokenizer {tok} makes a store with one)")
         n = tok[4:]
         _check(n.isdigit() and int(n) >= 257,
                f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
@@ -175,6 +206,32 @@ def _validate_data(cfg: Config) -> None:
                f"use bpe:{m.vocab_size} or a larger vocab_size")
     elif tok == "bytes":
         _check(m.vocab_size >= 256, f"data.tokenizer=bytes needs model.vocab_size >= 256, not {m.vocab_size}")
+
+
+def _validate_sources(cfg: Config) -> None:
+    """data.path, or each entry of data.sources: {path, weight, epochs}, each path resolvable (not read)."""
+    d = cfg.data
+    entries = d.sources if d.sources is not None else [{"path": d.path}]
+    _check(len(entries) > 0, "data.sources is empty: give [{path: ..., weight: ...}, ...] or null (data.path)")
+    _check(not d.sources or (d.val_fraction <= 0 and d.max_bytes is None),
+           "data.sources: data.val_fraction and data.max_bytes apply to data.path only; give data.val_path "
+           "for validation data")
+    for i, e in enumerate(entries):
+        where = f"data.sources[{i}]" if d.sources is not None else "data.path"
+        _check(isinstance(e, dict) and isinstance(e.get("path"), str) and not set(e) - {"path", "weight", "epochs"},
+               f"{where}={e!r}: give {{path: STORE_OR_SPEC, weight: W, epochs: E (optional)}}")
+        weight, epochs = e.get("weight", 1.0), e.get("epochs")
+        _check(d.sources is None or (type(weight) in (int, float) and math.isfinite(weight) and weight > 0),
+               f"{where}.weight={weight!r} must be a positive number")
+        _check(epochs is None or (type(epochs) in (int, float) and math.isfinite(epochs) and epochs > 0),
+               f"{where}.epochs={epochs!r} must be a positive number (or absent: no limit)")
+        path = e["path"]
+        if is_store(path) or path.startswith("hf:") or path == "stdlib":
+            continue
+        try:
+            resolve_files(path)
+        except DataError as err:
+            raise ConfigError(f"{where}={path}: {err}") from None
 
 
 def _validate_train(cfg: Config) -> None:
@@ -194,6 +251,8 @@ def _validate_train(cfg: Config) -> None:
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2 must be in [0, 1)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _check(p.max_restarts >= 0, f"parallel.max_restarts={p.max_restarts} must be >= 0")
+    problem = compile_problem(p.device) if t.compile else None
+    _check(problem is None, f"train.compile=true: {problem}; install it or set train.compile=false")
 
 
 def _validate_numbers(cfg: Config) -> None:
@@ -247,6 +306,30 @@ def _validate_out(cfg: Config) -> None:
                                           f"(checkpoints, the model, the log); make it writable or choose another out")
 
 
+def _validate_observing(cfg: Config) -> None:
+    """Validation data and schedule, the profiled steps, the W&B extra."""
+    d, t, lg = cfg.data, cfg.train, cfg.logging
+    _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1) (0: nothing held out)")
+    _check(d.val_path is None or d.val_fraction == 0,
+           f"data.val_path and data.val_fraction={d.val_fraction} both set: hold out one way, not both")
+    _check(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0: no validation)")
+    _check(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be at least 1")
+    _check(t.eval_every == 0 or d.val_path is not None or d.val_fraction > 0,
+           f"train.eval_every={t.eval_every} needs held-out data: set data.val_fraction (e.g. 0.01) or data.val_path")
+    if d.val_path is not None and not (d.val_path.startswith("hf:") or d.val_path == "stdlib" or is_store(d.val_path)):
+        try:
+            resolve_files(d.val_path)
+        except DataError as err:
+            raise ConfigError(f"data.val_path={d.val_path}: {err}") from None
+    if lg.profile is not None:
+        try:
+            parse_steps(lg.profile)
+        except ValueError as err:
+            raise ConfigError(f"logging.profile={lg.profile!r}: {err} (e.g. --profile 5:7)") from None
+    _check(lg.wandb is None or importlib.util.find_spec("wandb") is not None,
+           f"logging.wandb={lg.wandb} needs the wandb package: pip install 'tetron[wandb]' (or unset logging.wandb)")
+
+
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Every check that needs no process group; raises ConfigError with one line naming the field."""
     names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
@@ -263,4 +346,5 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _check(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be at least 1")
     _check(lg.sample_tokens >= 0, f"logging.sample_tokens={lg.sample_tokens} must be >= 0")
     _check(lg.peak_tflops is None or lg.peak_tflops > 0, f"logging.peak_tflops={lg.peak_tflops} must be positive")
+    _validate_observing(cfg)
     _validate_out(cfg)

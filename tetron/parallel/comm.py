@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tetron.timers import timer
+
 # One collective into (or from) a flat tensor cut into equal parts; torch 2.13 renamed them and
 # deprecated the old names, which older versions (2.11 on the GPU machines) still need.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,7 +38,8 @@ def all_gather_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()  # the collective works on dim 0
     out = torch.empty((world * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, front, group=group)
+    with timer(group):
+        dist.all_gather_single(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -47,7 +50,8 @@ def reduce_scatter_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()
     out = torch.empty((front.shape[0] // world, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, front, group=group)
+    with timer(group):
+        dist.reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -62,7 +66,8 @@ class _CopyToGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        with timer(ctx.group):
+            dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -72,7 +77,8 @@ class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        with timer(group):
+            dist.all_reduce(x, group=group)
         return x
 
     @staticmethod

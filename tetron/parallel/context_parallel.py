@@ -21,6 +21,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.mesh import Mesh
+from tetron.parallel.block_attention import (  # noqa: F401  (the block kernels, also imported from here)
+    _math_block,
+    _math_block_backward,
+    block_attention,
+    block_attention_backward,
+)
+from tetron.parallel.ulysses import ulysses_attention
+from tetron.timers import timer
 
 # ----------------------------------------------------------------------------- which tokens a rank holds
 
@@ -33,52 +41,6 @@ def shard_indices(seq_len: int, cp: int, rank: int, *, layout: str = "zigzag") -
     n = seq_len // (2 * cp)
     return torch.cat([torch.arange(rank * n, (rank + 1) * n),
                       torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n)])
-
-
-# ----------------------------------------------------------------------------- one block of attention
-
-
-def _math_block(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
-    """Attention of q [B, H, Tq, D] on k/v [B, H, Tk, D] -> (out like q, lse [B, H, Tq] fp32)."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, Tq, Tk]
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    lse = scores.logsumexp(dim=-1)
-    out = (scores - lse.unsqueeze(-1)).exp() @ v.float()
-    return out.to(q.dtype), lse
-
-
-def _math_block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                         causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block given the FINAL out and lse of the whole attention (flash-style)."""
-    scale = q.shape[-1] ** -0.5
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), dout.float()
-    scores = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-    probs = (scores - lse.unsqueeze(-1)).exp()  # this block's share of the final softmax
-    dv = probs.transpose(-1, -2) @ dof
-    dprobs = dof @ vf.transpose(-1, -2)
-    delta = (dof * out.float()).sum(-1, keepdim=True)  # [B, H, Tq, 1]
-    dscores = probs * (dprobs - delta) * scale
-    return (dscores @ kf).to(q.dtype), (dscores.transpose(-1, -2) @ qf).to(k.dtype), dv.to(v.dtype)
-
-
-def block_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
-    """(out, lse) of one block; the fused CPU kernel where available, the plain math elsewhere."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal)
-    return _math_block(q, k, v, causal)
-
-
-def block_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                             causal: bool) -> tuple[Tensor, Tensor, Tensor]:
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-            lse.contiguous(), 0.0, causal)
-    return _math_block_backward(dout, q, k, v, out, lse, causal)
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -101,8 +63,9 @@ class _Ring:
 
 
 def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
+    with timer("cp"):
+        for work in works:
+            work.wait()
 
 
 def _parts(step: int, rank: int, cp: int, layout: str, tq: int) -> tuple[slice, slice, bool] | None:
@@ -212,11 +175,17 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: Mesh, layout: str =
     return _RingAttention.apply(q, k, v, ring, layout)
 
 
-def apply_context_parallel(model: nn.Module, mesh: Mesh, *, layout: str = "zigzag") -> nn.Module:
-    """Swap every attention module's attention function for ring attention over the cp group."""
+def apply_context_parallel(model: nn.Module, mesh: Mesh, *, layout: str = "zigzag", impl: str = "ring") -> nn.Module:
+    """Swap every attention module's attention function for ring attention (impl="ring") or Ulysses
+    all-to-all attention (impl="ulysses", parallel/ulysses.py) over the cp group."""
     if mesh.size("cp") == 1:
         return model
+    if impl == "ulysses":
+        shards = functools.partial(shard_indices, layout=layout)
+        attention = functools.partial(ulysses_attention, mesh=mesh, shards=shards)
+    else:
+        attention = functools.partial(ring_attention, mesh=mesh, layout=layout)
     for module in model.modules():
         if hasattr(module, "attn_fn"):
-            module.attn_fn = functools.partial(ring_attention, mesh=mesh, layout=layout)
+            module.attn_fn = attention
     return model

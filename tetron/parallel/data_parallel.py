@@ -23,6 +23,7 @@ from torch import nn
 
 from tetron.config import DpImpl
 from tetron.parallel.comm import reduce_scatter_flat
+from tetron.timers import timer
 
 # Gloo and NCCL both average natively; a sum followed by a division would cost an extra pass.
 AVG = dist.ReduceOp.AVG
@@ -73,7 +74,8 @@ class DataParallelNaive(DataParallel):
 
     def _hook(self, param: nn.Parameter) -> None:
         if self.require_sync:
-            self._all_reduce(param.grad)
+            with timer("dp"):
+                self._all_reduce(param.grad)
 
 
 class _Bucket:
@@ -248,7 +250,8 @@ class DataParallelBucket(DataParallel):
     def _complete(self, bucket: _Bucket) -> None:
         """Wait for the bucket's reduction, finish it, and under ZeRO-2/3 release its full buffer."""
         if bucket.handle is not None:
-            bucket.handle.wait()
+            with timer("dp"):
+                bucket.handle.wait()
             bucket.handle = None
         if bucket.after_wait is not None:
             bucket.after_wait()
@@ -260,7 +263,8 @@ class DataParallelBucket(DataParallel):
         for bucket in self.buckets:
             if bucket.pending:
                 # Parameters unused in this backward never fire their hook: reduce what is there.
-                self._reduce(bucket, async_op=False)
+                with timer("dp"):
+                    self._reduce(bucket, async_op=False)
             else:
                 self._complete(bucket)
             bucket.pending = set(bucket.params)

@@ -1,15 +1,16 @@
 """The recipe: what is done to the plain model, in order, so that this rank trains its part of it.
 
     build on meta -> pipeline split -> tensor parallel -> materialize + init -> context parallel -> recompute
-    -> data parallel
+    -> compile -> data parallel
 
 `parallelize` is the only caller of the axes' `apply_*` functions; each axis lives in its own file.
 The order matters: the pipeline split decides which modules exist on this rank, tensor parallelism
 then swaps those for sharded ones (still on meta, so nothing is allocated twice), storage and initial
 values come only then, each rank filling its own slices; context parallelism swaps the attention
 function; recompute then wraps each decoder layer's forward, once the layer holds its final
-(sharded, ring-attention) code, since that is what must run again in the backward pass; and data
-parallelism wraps the finished chunk to average its gradients.
+(sharded, ring-attention) code, since that is what must run again in the backward pass; compile
+(train.compile) then compiles each finished layer, recomputation included; and data parallelism
+wraps the finished chunk to average its gradients, its hooks outside the compiled code.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tetron.config import Config
 from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
 from tetron.model import Llama
+from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
 from tetron.parallel.layout import layout_of
@@ -38,6 +40,7 @@ from tetron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from tetron.parallel.zero import ShardedAdamW, units_of
+from tetron.timers import timer
 
 
 @dataclass
@@ -71,8 +74,9 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         materialize_(chunk, device)
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
-        apply_context_parallel(chunk, mesh, layout=p.cp_layout)
+        apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
         apply_recompute(chunk, cfg.train.recompute)
+        apply_compile(chunk, cfg.train.compile)
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
@@ -98,7 +102,8 @@ def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedAdamW) 
     tied = tied_embedding(model.chunks, mesh)
     if tied is not None:
         grad = optimizer.full_grad(tied)
-        dist.all_reduce(grad, group=mesh.group("embed"))
+        with timer("pp"):
+            dist.all_reduce(grad, group=mesh.group("embed"))
         optimizer.set_full_grad(tied, grad)
     sync_sequence_parallel_grads([g for g, p in optimizer.grads() if layout_of(p).sequence_parallel],
                                  mesh.group("tp"))

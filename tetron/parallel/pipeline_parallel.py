@@ -5,19 +5,23 @@ or as `parallel.pp_split` says; virtual stage s lives on pipeline rank s % p as 
 The first stage also embeds the tokens, the last also applies the final norm, the head and the loss.
 Each chunk is a plain `Llama` whose other parts are deleted (or None), so its parameters keep their
 Hugging Face names and init, checkpoints and tests see the same tensors as in the whole model.
+Under zbv the stages go down the ranks and back up (a V: rank r holds stages r and 2p-1-r), so rank 0
+holds the first and the last stage, and rank p-1 hands its chunk 0's output to its own chunk 1.
 
 Communication. What crosses a stage boundary is the residual stream, [micro_batch, seq_len, hidden]
 (seq_len divided by cp, and by tp under sequence parallelism): known from the config, so receivers
 allocate it without a handshake. After each action a rank posts one batch of P2P operations: the
-output it just produced, and the receive of the next action that needs one, posted that early so
-the data arrives while the rank computes (Megatron's send_forward_recv_backward and friends). On
-every link the messages are received in the order they were sent, which NCCL requires (and gloo,
-without tags); the schedules' orders guarantee it (tests/test_pipeline_parallel.py checks).
+output it just produced, and the receives whose turn has come in the order of p2p_order.py, in which
+every rank posts its messages by one global key (so that no schedule can deadlock on NCCL, where a
+receive posted too early holds up its rank's later sends); receives go out as early as that order
+allows, so the data arrives while the rank computes. On every link the messages are received in the
+order they were sent, which NCCL requires (and gloo, without tags).
 
 Memory. Once a stage output is sent, its data is released and only its autograd graph is kept
 (Megatron's deallocate_output_tensor): the next stage holds the only copy of that tensor. The
 backward is then started through the autograd engine directly, which does not compare the gradient's
-shape with the (now empty) output's.
+shape with the (now empty) output's. Under the zero-bubble schedules (zbh1, zbv) a backward is B then
+W (weight_grad.py): B sends the input's gradient back at once, the graph is kept until W.
 """
 
 from __future__ import annotations
@@ -36,7 +40,20 @@ from tetron.config import Config
 from tetron.mesh import Mesh
 from tetron.model import Llama
 from tetron.parallel.layout import set_layout
-from tetron.parallel.pipeline_schedules import Action, receives, schedule
+from tetron.parallel.p2p_order import posting_plan
+from tetron.parallel.pipeline_schedules import (
+    Action,
+    Message,
+    rank_of,
+    receives,
+    schedule,
+    sends,
+    splits_backward,
+    stage_of,
+    style_of,
+)
+from tetron.parallel.weight_grad import backward_input, backward_weight
+from tetron.timers import timer
 
 # --------------------------------------------------------------------------------------- stages
 
@@ -57,7 +74,8 @@ def layer_ranks(cfg: Config) -> list[int]:
     """The pipeline rank that holds each decoder layer."""
     p = cfg.parallel
     ranges = split_layers(cfg.model.num_hidden_layers, p.pp * p.pp_virtual, p.pp_split)
-    return [s % p.pp for s, layers in enumerate(ranges) for _ in layers]
+    style = style_of(p.pp_schedule)
+    return [rank_of(s, pp=p.pp, style=style) for s, layers in enumerate(ranges) for _ in layers]
 
 
 def apply_pipeline_stage(model: Llama, layers: range, *, first: bool, last: bool) -> Llama:
@@ -85,7 +103,9 @@ def rank_stages(cfg: Config, pp_rank: int) -> list[tuple[range, bool, bool]]:
     p = cfg.parallel
     stages = p.pp * p.pp_virtual
     ranges = split_layers(cfg.model.num_hidden_layers, stages, p.pp_split)
-    return [(ranges[s], s == 0, s == stages - 1) for s in range(pp_rank, stages, p.pp)]
+    style = style_of(p.pp_schedule)
+    held = [stage_of(c, pp_rank, pp=p.pp, style=style) for c in range(p.pp_virtual)]
+    return [(ranges[s], s == 0, s == stages - 1) for s in held]
 
 
 def activation_shape(cfg: Config) -> tuple[int, int, int]:
@@ -112,7 +132,7 @@ class PipelineTrace:
     """What one rank did in one step: the compute interval of each action and the activations held."""
 
     rank: int
-    events: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # (F|B, chunk, micro, start, end)
+    events: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # (F|B|W, chunk, micro, start, end)
     peak_in_flight: int = 0  # most (chunk, micro-batch) pairs whose activations were held at once
     peak_output_elements: int = 0  # most elements of sent stage outputs still held (0: all released)
 
@@ -138,7 +158,7 @@ class Pipeline:
     """Runs one schedule over this rank's chunks: forwards, backwards and the P2P between them.
 
     `chunks` are this rank's chunks in virtual-stage order, each possibly wrapped for data
-    parallelism (then its gradients are synchronised on its last backward of the step only)."""
+    parallelism (then its gradients are synchronised during its last backward, or W, of the step)."""
 
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, schedule_name: str, micro_batches: int,
                  shape: tuple[int, ...], loss_fn: Callable[[Tensor, Tensor], Tensor],
@@ -148,8 +168,17 @@ class Pipeline:
         self.p, self.rank, self.v = mesh.size("pp"), mesh.local_rank("pp"), len(chunks)
         self.stages = self.p * self.v
         self.m = micro_batches
-        self.actions = schedule(schedule_name, pp=self.p, virtual=self.v, micro_batches=micro_batches,
-                                rank=self.rank)
+        self.style, self.split = style_of(schedule_name), splits_backward(schedule_name)
+        orders = [schedule(schedule_name, pp=self.p, virtual=self.v, micro_batches=micro_batches, rank=r)
+                  for r in range(self.p)]
+        self.actions = orders[self.rank]
+        # the P2P batch to post before the first action (0) and after each action k (k+1)
+        self.plan = posting_plan(schedule_name, pp=self.p, virtual=self.v, micro_batches=micro_batches,
+                                 rank=self.rank)
+        # each chunk's gradients are reduced over dp during the last action that accumulates them
+        accumulates = [k for k, a in enumerate(self.actions) if a.weight or (a.backward and not self.split)]
+        self.sync_at = {self.actions[k].chunk: k for k in accumulates}
+        self.params = [[q for q in chunk.parameters() if q.requires_grad] for chunk in chunks]
         self.shape, self.dtype = tuple(shape), dtype
         self.device = device or torch.device("cpu")
         self.loss_fn = loss_fn
@@ -157,60 +186,80 @@ class Pipeline:
         self.group = mesh.group("pp")
         # With NCCL the first operation on a group must involve all its ranks, which P2P does not.
         dist.barrier(group=self.group)
-        self.stored: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}  # (chunk, micro) -> (input, output)
+        # (chunk, micro) -> (input, output) after F; (None, None, what W needs) after a split B
+        self.stored: dict[tuple[int, int], tuple] = {}
         self.sends: list[dist.Work] = []  # posted sends not yet known to be complete
-        self.receives: dict[int, tuple[Tensor, dist.Work]] = {}  # action index -> posted receive
-        self.to_receive: list[int] = []  # indices of the actions whose receive is not posted yet
+        self.posted: dict[Message, tuple[Tensor, dist.Work]] = {}  # receives in flight
+        self.arrived: dict[Message, Tensor] = {}  # handed over on this rank (zbv's turn), not yet used
         self.tracing = trace  # record each action's times and the activations held (tests, benchmarks)
         self.trace: PipelineTrace | None = None  # the last step's, when tracing
 
+    def _stage(self, chunk: int) -> int:
+        return stage_of(chunk, self.rank, pp=self.p, style=self.style)
+
     # --- P2P: one batch after each action ---
 
-    def _source(self, action: Action) -> int | None:
-        """The pipeline rank that sends `action` its input (activation or gradient), None if none."""
-        need = receives(action, pp=self.p, virtual=self.v, rank=self.rank)
-        return None if need is None else need[1]
-
-    def _post(self, outbound: tuple[Tensor, int] | None) -> None:
-        """Send `outbound` (a tensor, to a pipeline rank) and, unless one is still pending, post the
-        receive of the next action that needs one, as one batch. The receive goes out as early as
-        that, so the peer's data arrives while this rank computes; one at a time and in the order
-        of the actions, which is the order the peer sends in."""
-        ops = []
+    def _post(self, point: int, outbound: tuple[Tensor, Message, int] | None) -> None:
+        """Post the batch planned at `point` (0 before the first action, k+1 right after action k): the
+        send of `outbound` (action k's output: a tensor, its name, a pipeline rank) and the receives whose
+        turn has come."""
+        payload = None
         if outbound is not None:
-            tensor, dst = outbound
+            tensor, message, dst = outbound
             if tensor.shape != self.shape or tensor.dtype != self.dtype:
                 raise RuntimeError(f"pipeline stage output is {tuple(tensor.shape)} {tensor.dtype}, but the next "
                                    f"stage expects {self.shape} {self.dtype}")
-            # contiguous: P2P sends flat memory (sequence parallelism leaves a strided residual stream)
-            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), self.mesh.stage_rank(dst), self.group))
+            if dst == self.rank:  # zbv's turn at rank p-1: chunk 0 to chunk 1 (and back), no P2P
+                self.arrived[message] = tensor.detach()
+            else:
+                # contiguous: P2P sends flat memory (sequence parallelism leaves a strided residual stream)
+                payload = tensor.detach().contiguous()
             if tensor.requires_grad and tensor._base is None:
-                # Release the data: the P2P op holds its own reference until sent; autograd needs only the graph.
+                # Release the data: the P2P op (or the hand-over) holds its own reference; autograd
+                # needs only the graph.
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        index = None
-        if not self.receives and self.to_receive:
-            index = self.to_receive.pop(0)
-            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buffer, self.mesh.stage_rank(self._source(self.actions[index])),
-                                  self.group))
+        batch = self.plan[point]
+        ops = []
+        for op in batch:
+            if op.kind == "send":
+                if payload is None or op.message != outbound[1]:
+                    raise RuntimeError(f"pipeline P2P plan sends {op.message} at point {point}, not {outbound}")
+                ops.append(dist.P2POp(dist.isend, payload, self.mesh.stage_rank(op.peer), self.group))
+            else:
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buffer, self.mesh.stage_rank(op.peer), self.group))
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
         self.sends = [w for w in self.sends if not w.is_completed()]  # drop finished sends (and their tensors)
-        if outbound is not None:
-            self.sends.append(works[0])
-        if index is not None:
-            self.receives[index] = (buffer, works[-1])
+        for op, p2p, work in zip(batch, ops, works):
+            if op.kind == "send":
+                self.sends.append(work)
+            else:
+                self.posted[op.message] = (p2p.tensor, work)
+
+    def _take(self, action: Action) -> Tensor | None:
+        """The activation or gradient `action` needs: its receive, posted by the plan by now, waited for."""
+        need = receives(action, pp=self.p, virtual=self.v, rank=self.rank, style=self.style)
+        if need is None:
+            return None
+        message = need[0]
+        if message in self.arrived:
+            return self.arrived.pop(message)
+        buffer, work = self.posted.pop(message)
+        with timer("pp"):
+            work.wait()
+        return buffer
 
     # --- compute ---
 
     def _forward(self, action: Action, received: Tensor | None,
-                 batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int] | None:
-        s = action.chunk * self.p + self.rank
+                 batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Message, int] | None:
+        s = self._stage(action.chunk)
         if s == 0:
             x = batch[0].to(self.device)  # [B, T] token ids
         else:
-            x = received.requires_grad_()  # [B, T', hidden], a leaf: its .grad is what goes back
+            x = received.requires_grad_()  # [B, T', hidden], a leaf: its gradient is what goes back
         out = self.chunks[action.chunk](x, self.positions)  # [B, T', hidden], or [B, T', vocab] logits
         if s == self.stages - 1:
             loss = self.loss_fn(out, batch[1].to(self.device))
@@ -218,17 +267,29 @@ class Pipeline:
             self.stored[(action.chunk, action.micro)] = (x, loss)
             return None
         self.stored[(action.chunk, action.micro)] = (None if s == 0 else x, out)
-        return out, (s + 1) % self.p
+        message, dst = sends(action, pp=self.p, virtual=self.v, rank=self.rank, style=self.style)
+        return out, message, dst
 
-    def _backward(self, action: Action, received: Tensor | None) -> tuple[Tensor, int] | None:
-        s = action.chunk * self.p + self.rank
-        x, out = self.stored.pop((action.chunk, action.micro))
-        chunk = self.chunks[action.chunk]
-        # Data parallelism reduces this chunk's gradients during its last backward of the step only.
-        last = action.micro == self.m - 1
-        with contextlib.nullcontext() if last else getattr(chunk, "no_sync", contextlib.nullcontext)():
-            _run_backward(out, received)
-        return None if s == 0 else (x.grad, (s - 1) % self.p)
+    def _backward(self, index: int, action: Action, received: Tensor | None) -> tuple[Tensor, Message, int] | None:
+        key, chunk = (action.chunk, action.micro), self.chunks[action.chunk]
+        # Data parallelism reduces this chunk's gradients during its last accumulating action of the step.
+        syncing = contextlib.nullcontext() if self.sync_at[action.chunk] == index else \
+            getattr(chunk, "no_sync", contextlib.nullcontext)()
+        if action.weight:
+            (_, _, pending) = self.stored.pop(key)
+            with syncing:
+                backward_weight(pending)
+            return None
+        x, out = self.stored.pop(key)
+        if self.split:  # B: the input's gradient only, nothing accumulated; W runs later
+            dx, pending = backward_input(out, received, x, self.params[action.chunk])
+            self.stored[key] = (None, None, pending)
+        else:
+            with syncing:
+                _run_backward(out, received)
+            dx = None if x is None else x.grad
+        out_msg = sends(action, pp=self.p, virtual=self.v, rank=self.rank, style=self.style)
+        return None if out_msg is None else (dx, *out_msg)
 
     def step(self, batches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Forward and backward of every micro-batch (input_ids, targets); gradients accumulate in the
@@ -237,30 +298,27 @@ class Pipeline:
             raise ValueError(f"the schedule was built for {self.m} micro-batches, got {len(batches)}")
         self.loss = torch.zeros((), device=self.device)
         self.trace = PipelineTrace(rank=self.rank) if self.tracing else None
-        self.to_receive = [k for k, a in enumerate(self.actions) if self._source(a) is not None]
-        self._post(None)
+        self._post(0, None)
         for k, action in enumerate(self.actions):
-            received = None
-            if k in self.receives:
-                received, work = self.receives.pop(k)
-                work.wait()
+            received = self._take(action)
             start = time.perf_counter()
             if action.backward:
-                outbound = self._backward(action, received)
+                outbound = self._backward(k, action, received)
             else:
                 outbound = self._forward(action, received, batches[action.micro])
             end = time.perf_counter()
-            self._post(outbound)
+            self._post(k + 1, outbound)
             if self.trace:
                 self._record(action, start, end)  # after the post: a sent output is released by then
-        for work in self.sends:
-            work.wait()
+        with timer("pp"):
+            for work in self.sends:
+                work.wait()
         self.sends.clear()
         return self.loss
 
     def _record(self, action: Action, start: float, end: float) -> None:
         trace = self.trace
-        trace.events.append(("B" if action.backward else "F", action.chunk, action.micro, start, end))
+        trace.events.append((action.kind, action.chunk, action.micro, start, end))
         trace.peak_in_flight = max(trace.peak_in_flight, len(self.stored))
-        held = sum(out.numel() for _, out in self.stored.values() if out.dim() > 0)
+        held = sum(kept[1].numel() for kept in self.stored.values() if kept[1] is not None and kept[1].dim() > 0)
         trace.peak_output_elements = max(trace.peak_output_elements, held)

@@ -33,6 +33,7 @@ from tetron.parallel.comm import (
     reduce_scatter_to_sequence,
 )
 from tetron.parallel.layout import Shard, set_layout
+from tetron.timers import timer
 
 
 def _shard_param(old: nn.Parameter, shape: tuple[int, ...], *, dim: int, group: dist.ProcessGroup,
@@ -126,16 +127,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         cols = torch.arange(start, start + logits.shape[1], device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # padding gets no probability
         row_max = logits.max(dim=1).values
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        with timer(group):
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - row_max.unsqueeze(1)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=1)
-        dist.all_reduce(sum_exp, group=group)
+        with timer(group):
+            dist.all_reduce(sum_exp, group=group)
         local_target = targets - start
         mine = (local_target >= 0) & (local_target < logits.shape[1])
         index = local_target.clamp(0, logits.shape[1] - 1).unsqueeze(1)
         target_logit = shifted.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
-        dist.all_reduce(target_logit, group=group)
+        with timer(group):
+            dist.all_reduce(target_logit, group=group)
         loss = (sum_exp.log() - target_logit).sum()
         softmax = exp.div_(sum_exp.unsqueeze(1))  # reuse the buffer: [N, V/t]
         ctx.save_for_backward(softmax, index, mine)
@@ -221,7 +225,8 @@ def sync_sequence_parallel_grads(grads: list[Tensor], group: dist.ProcessGroup) 
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
+    with timer(group):
+        dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -25,8 +25,9 @@ from dataclasses import dataclass, replace
 
 from tetron.config import Config
 from tetron.parallel.pipeline_parallel import split_layers
-from tetron.parallel.pipeline_schedules import Action, receives, schedule, sends
+from tetron.parallel.pipeline_schedules import Action, receives, schedule, sends, splits_backward, stage_of, style_of
 from tetron.parallel.tensor_parallel import padded_vocab_size
+from tetron.parallel.ulysses import kv_repeats
 
 F32, I64 = 4, 8  # bytes of an fp32 and an int64 element
 
@@ -54,23 +55,30 @@ class Sizes:
     tp: int
     cp: int
     sp: bool  # sequence parallelism (with tp > 1)
+    ulysses_kv: int = 0  # Ulysses attention (parallel.cp_impl): key/value width on this rank after the heads are
+    # repeated for cp (hkv, or more); 0 under ring attention or without cp
+    ulysses_views: bool = False  # Ulysses, contiguous layout: q, k, v stay views of the all-to-all's buffer
 
     @classmethod
     def of(cls, cfg: Config) -> Sizes:
         m, p, t = cfg.model, cfg.parallel, cfg.train
         return _sizes(m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.intermediate_size,
                       m.vocab_size, p.tp, p.cp, p.sp, p.vocab_pad_multiple, cfg.data.seq_len, t.micro_batch,
-                      t.dtype == "bfloat16")
+                      t.dtype == "bfloat16", p.cp_impl, p.cp_layout)
 
 
 @functools.lru_cache(maxsize=4096)
 def _sizes(h: int, heads: int, kv_heads: int, hd: int, inter: int, vocab: int, tp: int, cp: int, sp: bool,
-           pad: int, seq_len: int, micro_batch: int, bf16: bool) -> Sizes:
+           pad: int, seq_len: int, micro_batch: int, bf16: bool, cp_impl: str = "ring",
+           cp_layout: str = "zigzag") -> Sizes:
     seq = seq_len // cp
     n = micro_batch * seq
+    ulysses = cp_impl == "ulysses" and cp > 1 and (heads // tp) % cp == 0
+    kv = kv_heads // tp * (kv_repeats(heads // tp, kv_heads // tp, cp) if ulysses else 1) * hd
     return Sizes(d=2 if bf16 else 4, h=h, hq=heads // tp * hd, hkv=kv_heads // tp * hd, heads=heads // tp,
                  inter=inter // tp, vocab=padded_vocab_size(vocab, tp, pad) // tp if tp > 1 else vocab, hd=hd,
-                 n=n, n_res=n // tp if sp else n, seq=seq, tp=tp, cp=cp, sp=sp and tp > 1)
+                 n=n, n_res=n // tp if sp else n, seq=seq, tp=tp, cp=cp, sp=sp and tp > 1,
+                 ulysses_kv=kv if ulysses else 0, ulysses_views=ulysses and cp_layout == "contiguous")
 
 
 # ------------------------------------------------------------------------------------ parameters
@@ -90,7 +98,8 @@ def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
     p = cfg.parallel
     stages = p.pp * p.pp_virtual
     ranges = split_layers(cfg.model.num_hidden_layers, stages, p.pp_split)
-    return [Chunk(len(ranges[s]), s == 0, s == stages - 1) for s in range(pp_rank, stages, p.pp)]
+    held = [stage_of(c, pp_rank, pp=p.pp, style=style_of(p.pp_schedule)) for c in range(p.pp_virtual)]
+    return [Chunk(len(ranges[s]), s == 0, s == stages - 1) for s in held]
 
 
 def layer_numels(cfg: Config) -> list[int]:
@@ -254,9 +263,17 @@ def _attention(s: Sizes) -> int:
     the fp32 log-sum-exp per head. The fused kernel keeps no [s, s] scores (Korthikanti's 5as/h term is
     gone). Without cp, GQA's k and v are repeated to every query head before the kernel (hq each), and
     the output is already laid out for o_proj. Ring attention keeps its own contiguous k and v (hkv
-    each) and its output in [B, H, T, D], which o_proj's input reshape copies (one more hq)."""
+    each) and its output in [B, H, T, D], which o_proj's input reshape copies (one more hq). Ulysses
+    attention keeps what the kernel keeps (q, its k and v: repeated to every query head where the rank's
+    heads are grouped, its output) and o_proj's copy; under the contiguous layout the kernel's q is a view
+    of the all-to-all's buffer, which then stays whole (its k and v parts too)."""
     if s.cp == 1:
         return s.n * (4 * s.d * s.hq + F32 * s.heads)
+    if s.ulysses_kv:
+        grouped = s.ulysses_kv < s.hq
+        kernel_kv = s.hq if grouped else s.ulysses_kv
+        buffer = 2 * s.ulysses_kv if s.ulysses_views and grouped else 0  # k, v parts that the q view keeps
+        return s.n * (s.d * (3 * s.hq + 2 * kernel_kv + buffer) + F32 * s.heads)
     return s.n * (s.d * (3 * s.hq + 2 * s.hkv) + F32 * s.heads)
 
 
@@ -441,8 +458,13 @@ def _timeline(name: str, pp: int, virtual: int, micro_batches: int, backward_cos
     takes 1, a backward `backward_cost`, each starts once its rank is free and its input has been sent
     (pipeline_schedules.simulate's rule)."""
     orders = [_schedule(name, pp, virtual, micro_batches, r) for r in range(pp)]
-    needs = [[receives(a, pp=pp, virtual=virtual, rank=r) for a in order] for r, order in enumerate(orders)]
-    gives = [[sends(a, pp=pp, virtual=virtual, rank=r) for a in order] for r, order in enumerate(orders)]
+    style = style_of(name)
+    needs = [[receives(a, pp=pp, virtual=virtual, rank=r, style=style) for a in order]
+             for r, order in enumerate(orders)]
+    gives = [[sends(a, pp=pp, virtual=virtual, rank=r, style=style) for a in order]
+             for r, order in enumerate(orders)]
+    # the zero-bubble schedules' B and W take half a backward each
+    cost = (lambda a: backward_cost / 2) if splits_backward(name) else (lambda a: backward_cost)
     times: list[list[tuple[float, float]]] = [[] for _ in orders]
     sent: dict = {}
     clock = [0.0] * pp
@@ -456,7 +478,7 @@ def _timeline(name: str, pp: int, virtual: int, micro_batches: int, backward_cos
                 if need is not None and need[0] not in sent:
                     break
                 start = max(clock[r], sent[need[0]] if need else 0.0)
-                clock[r] = start + (backward_cost if order[k].backward else 1.0)
+                clock[r] = start + (cost(order[k]) if order[k].backward else 1.0)
                 times[r].append((start, clock[r]))
                 if gives[r][k] is not None:
                     sent[gives[r][k][0]] = clock[r]
@@ -482,21 +504,23 @@ def _buffers(name: str, pp: int, virtual: int, micro_batches: int, backward_cost
     """pipeline_buffers of every rank of one schedule."""
     times = _timeline(name, pp, virtual, micro_batches, backward_cost)
     orders = [_schedule(name, pp, virtual, micro_batches, r) for r in range(pp)]
+    style = style_of(name)
     posted = {}  # message -> when its receive was posted
     for r, order in enumerate(orders):
         previous = 0.0
         for k, action in enumerate(order):
-            need = receives(action, pp=pp, virtual=virtual, rank=r)
+            need = receives(action, pp=pp, virtual=virtual, rank=r, style=style)
             if need is not None:
                 posted[need[0]] = previous
                 previous = times[r][k][1]
     result = []
     for r, order in enumerate(orders):
         ends = [end for _, end in times[r]]
-        last = max((k for k, a in enumerate(order) if receives(a, pp=pp, virtual=virtual, rank=r)), default=-1)
+        last = max((k for k, a in enumerate(order) if receives(a, pp=pp, virtual=virtual, rank=r, style=style)),
+                   default=-1)
         held = [int(k <= last) for k in range(len(order))]
         for k, action in enumerate(order):
-            out = sends(action, pp=pp, virtual=virtual, rank=r)
+            out = sends(action, pp=pp, virtual=virtual, rank=r, style=style)
             if out is None:
                 continue
             done = max(ends[k], posted[out[0]])
@@ -548,6 +572,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     best = replace(base, moment="between steps")
     acts = loss = 0
     buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
+    split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule)
     done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-3, grad_acc > 1)
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
     best_total = best.total
@@ -568,7 +593,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
                                logits=loss + extra.get("logits", 0), comm=comm,
                                temporaries=extra.get("temporaries", 0), moment=name)
                 best_total = best.total
-        if action.backward:
+        if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
             acts, loss = acts - h.activations, loss - h.loss
             if st.chunk_units and cfg.train.grad_acc > 1:
                 done.add(action.chunk)

@@ -14,7 +14,8 @@ volume per rank (the Ultra-Scale Playbook's table: all-reduce 2(n-1)/n, reduce-s
 ranks are: tp innermost, then cp, dp, pp, as mesh.py lays them out), plus a latency per message.
 Overlap: the bucketed gradient reduction runs during the backward pass (only what exceeds the last
 micro-batch's backward, or at least the last bucket, is exposed), ring attention's key/value transfer
-during the block computations, ZeRO-3's prefetched gathers during compute.
+during the block computations, ZeRO-3's prefetched gathers during compute. Ulysses attention's four
+all-to-alls per layer (each rank sends (cp-1)/cp of its q, k, v or output, or their gradients) block.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import functools
 from dataclasses import dataclass
 
 from tetron.config import Config
-from tetron.parallel.pipeline_schedules import simulate
+from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.hardware import Hardware
 from tetron.plan.memory import Sizes, chunk_buckets, layer_kept, layer_none, layer_numels, rank_chunks
 
@@ -36,7 +37,7 @@ class TimeEstimate:
     compute_s: float  # the busiest pipeline rank's forward, backward and recompute at the efficiency figure
     bubble: float  # idle fraction of the pipeline span (0 without pp)
     tp_s: float  # tensor-parallel collectives (not overlapped)
-    cp_s: float  # ring attention's transfers that the block computations do not hide
+    cp_s: float  # ring attention's transfers that the block computations do not hide, or Ulysses' all-to-alls
     pp_s: float  # stage-to-stage P2P
     dp_s: float  # gradient reduction (and ZeRO's gathers) not hidden by the backward pass
     optimizer_s: float  # the optimizer step: its state streamed through memory once or twice
@@ -73,6 +74,10 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     attention = s.n * 2 * cfg.data.seq_len * s.hq / rate
     cp_fwd = max(0.0, (p.cp - 1) * (hw.latency_s + kv / cp_bw) - attention) if p.cp > 1 else 0.0
     cp_bwd = 3 * cp_fwd  # the blocks again, and their fp32 gradients travelling with them
+    if s.ulysses_kv:  # Ulysses: all-to-all of q, k, v, then of the output (backward: the inverses), not hidden
+        cp_fwd = (_ring(hw, s.n * s.d * (s.hq + 2 * s.ulysses_kv), p.cp, 1.0, cp_bw)
+                  + _ring(hw, s.n * s.d * s.hq, p.cp, 1.0, cp_bw))
+        cp_bwd = cp_fwd * (2 if cfg.train.recompute == "full" else 1)  # recomputation repeats the forward's
     p2p = hw.latency_s + act / _bandwidth(hw, p.dp * p.cp * p.tp * 2, gpus_per_node) if p.pp > 1 else 0.0
     recompute = cfg.train.recompute == "full"
     # selective recomputation redoes only element-wise work: memory-bound, its tensors written and read once
@@ -117,9 +122,11 @@ def _idle(name: str, pp: int, virtual: int, micro_batches: int, relative: tuple[
     """pipeline_schedules.simulate with these forward and backward durations (rank by rank, chunk by chunk)."""
     half = len(relative) // 2
 
+    split = 2 if splits_backward(name) else 1  # zbh1, zbv: B and W take half a backward each
+
     def duration(rank: int, index: int, action) -> float:
         k = rank * virtual + action.chunk
-        return relative[half + k] if action.backward else relative[k]
+        return relative[half + k] / split if action.backward else relative[k]
 
     return simulate(name, pp=pp, virtual=virtual, micro_batches=micro_batches, duration=duration)
 
