@@ -15,7 +15,8 @@ with labels, backward, `clip_grad_norm_`, `torch.optim.AdamW` (torch's CPU defau
 implementation), `zero_grad`, and `loss.item()` for the log line every step.
 
 Timing: the two alternate in rounds of `--steps` steps (machine drift hits both alike); each step
-starts after a barrier; tokens/s is the median over all timed steps. Then one tetron step is profiled
+starts after a barrier; tokens/s is the median over all timed steps, and the spread of the rounds'
+own ratios shows the noise. Then one tetron step is profiled
 (torch.profiler, single process) and split into forward, backward, gradient sync wait, the loss
 all-reduce and its read-back, clipping, optimizer and bookkeeping (the rest of the step's wall time).
 """
@@ -203,8 +204,12 @@ def run_setting(name: str, args: argparse.Namespace, tmp: str) -> dict:
     for p in procs:
         p.join()
     tokens = micro_batch * grad_acc * ranks * args.seq
-    return {impl: tokens / statistics.median(t) for impl, t in result["times"].items()} | {
-        "breakdown": result["breakdown"]}
+    times, k = result["times"], args.steps
+    # the noise: the ratio of each round's medians (the two ran back to back in it)
+    rounds = [statistics.median(times["transformers"][i:i + k]) / statistics.median(times["tetron"][i:i + k])
+              for i in range(0, len(times["tetron"]), k)]
+    return {impl: tokens / statistics.median(t) for impl, t in times.items()} | {
+        "breakdown": result["breakdown"], "rounds": rounds}
 
 
 def main() -> None:
@@ -224,7 +229,8 @@ def main() -> None:
           f"median tokens/s over {args.rounds} interleaved rounds of {args.steps} steps")
     for name, r in results.items():
         print(f"  {name:15s} tetron {r['tetron']:9,.0f}  transformers {r['transformers']:9,.0f}  "
-              f"tetron/transformers = {r['tetron'] / r['transformers']:.3f}  (above 1: tetron is faster)")
+              f"tetron/transformers = {r['tetron'] / r['transformers']:.3f}  (above 1: tetron is faster; "
+              f"rounds {min(r['rounds']):.3f}-{max(r['rounds']):.3f})")
     breakdown = results.get("single process", {}).get("breakdown")
     if breakdown:
         step = breakdown.pop("step")

@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tetron.config import Config
 from tetron.init import init_weights_, materialize_
+from tetron.loss import cross_entropy_sum
 from tetron.mesh import Mesh
 from tetron.model import Llama
 from tetron.parallel.compile import apply_compile
@@ -113,8 +113,7 @@ def make_loss_fn(cfg: Config, mesh: Mesh) -> Callable[[Tensor, Tensor], Tensor]:
     """Summed cross entropy over the target tokens: plain, or from vocab-sharded logits under tp."""
     tp = mesh.size("tp")
     if tp == 1:
-        return lambda logits, targets: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                                       reduction="sum")
+        return cross_entropy_sum
     padded = padded_vocab_size(cfg.model.vocab_size, tp, cfg.parallel.vocab_pad_multiple)
     start = mesh.local_rank("tp") * padded // tp
     return lambda logits, targets: vocab_parallel_cross_entropy(
