@@ -36,8 +36,6 @@ def _validate_zero_bubble(cfg: Config) -> None:
         _check(2 * p.pp <= cfg.model.num_hidden_layers, f"{name} cuts the model into 2*pp={2 * p.pp} stages, "
                f"more than model.num_hidden_layers={cfg.model.num_hidden_layers}; use pp <= "
                f"{cfg.model.num_hidden_layers // 2} or zbh1")
-        _check(not cfg.model.tie_word_embeddings, f"{name} holds the first and the last stage on one rank, "
-               f"where model.tie_word_embeddings is not supported; use pp_schedule=zbh1 or untied embeddings")
     _check(p.zero < 3, f"{name} with parallel.zero=3: ZeRO-3 frees a layer's gathered weights once its "
            f"gradients are in, which W (after later forwards) defeats; use zero <= 2 or pp_schedule=1f1b")
     _check(t.recompute == "none", f"{name} with train.recompute={t.recompute}: B and W would each redo the "

@@ -31,7 +31,7 @@ from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
 from tetron.parallel.layout import layout_of
-from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embedding
+from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embeddings
 from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -99,12 +99,16 @@ def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedAdamW) 
     """What each axis adds to the averaged gradients (data parallelism averaged them during the
     backward pass), wherever they are (whole, or this rank's ZeRO pieces): tied embedding copies
     summed over the pipeline's ends, sequence-parallel norm weights summed over tp."""
-    tied = tied_embedding(model.chunks, mesh)
-    if tied is not None:
-        grad = optimizer.full_grad(tied)
-        with timer("pp"):
-            dist.all_reduce(grad, group=mesh.group("embed"))
-        optimizer.set_full_grad(tied, grad)
+    copies = tied_embeddings(model.chunks, mesh)
+    if copies:
+        grad = optimizer.full_grad(copies[0])
+        if len(copies) == 1:  # the other copy is on the pipeline's other end
+            with timer("pp"):
+                dist.all_reduce(grad, group=mesh.group("embed"))
+        else:  # zbv: both ends on this rank
+            grad = grad + optimizer.full_grad(copies[1])
+        for copy in copies:
+            optimizer.set_full_grad(copy, grad)
     sync_sequence_parallel_grads([g for g, p in optimizer.grads() if layout_of(p).sequence_parallel],
                                  mesh.group("tp"))
 

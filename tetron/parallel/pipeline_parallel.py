@@ -115,13 +115,15 @@ def activation_shape(cfg: Config) -> tuple[int, int, int]:
     return (cfg.train.micro_batch, seq, cfg.model.hidden_size)
 
 
-def tied_embedding(chunks: list[Llama], mesh: Mesh) -> nn.Parameter | None:
-    """With tied embeddings under pp, this rank's copy of the shared tensor (the first stage's embedding,
-    the last stage's head): its gradient is summed with the other copy's over the "embed" group before
-    each step, so both take the same step. None elsewhere."""
-    if mesh.group("embed") is None or not chunks[0].config.tie_word_embeddings:
-        return None
-    return chunks[0].model.embed_tokens.weight if mesh.is_first_stage else chunks[-1].lm_head.weight
+def tied_embeddings(chunks: list[Llama], mesh: Mesh) -> list[nn.Parameter]:
+    """With tied embeddings under pp, this rank's copies of the shared tensor: the first stage's embedding,
+    the last stage's head, or both where one rank holds both ends (zbv's V). Their gradients are summed
+    (over the "embed" group when the copies are on two ranks) before each step, so all take the same
+    step. Empty elsewhere."""
+    if mesh.size("pp") == 1 or not chunks[0].config.tie_word_embeddings:
+        return []
+    return ([c.model.embed_tokens.weight for c in chunks if c.model.embed_tokens is not None]
+            + [c.lm_head.weight for c in chunks if c.lm_head is not None])
 
 
 # ---------------------------------------------------------------------------------- the schedule
