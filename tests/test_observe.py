@@ -225,7 +225,7 @@ def wandb_history(run_file: Path) -> list[dict]:
 
 
 def test_wandb_offline_gets_every_metric(corpus, cache_dir, tmp_path, monkeypatch):
-    pytest.importorskip("wandb")  # the optional extra: pip install tetron[wandb]
+    import wandb  # noqa: F401  the optional extra (pip install tetron[wandb]), in the test extra too
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
@@ -308,7 +308,8 @@ def test_val_path_is_held_out_text(corpus, cache_dir, tmp_path, form):
 
 
 def test_wandb_that_does_not_start_is_one_line(corpus, cache_dir, tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+    import wandb  # the test extra installs it
+
     from tetron.sinks import WandbSink
 
     def refuse(**kwargs):
