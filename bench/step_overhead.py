@@ -108,7 +108,7 @@ def rank_main(rank: int, ranks: int, threads: int, raw: dict, args: argparse.Nam
                             timeout=timedelta(seconds=600))
     cfg = from_dict(raw)
     run = tetron_train.build_run(cfg, Mesh(dp=ranks), torch.device("cpu"))
-    reporter = tetron_train.Reporter(run) if rank == 0 else None
+    reporter = tetron_train.Reporter(cfg, device=run.device, world_size=ranks, first_step=0) if rank == 0 else None
     hf = hf_model(run, args)
     wrapped = DistributedDataParallel(hf) if ranks > 1 else hf
     decay = [p for p in hf.parameters() if p.ndim >= 2]

@@ -7,7 +7,7 @@
                    without the host waiting for the device (a non-finite step is skipped on the device)
     report         every logging.log_every steps (and at saves, validations, the end): the pending
                    steps' figures read back in one wait, checked, and written by rank 0's Reporter
-                   (metrics.jsonl, TensorBoard, the progress bar)
+                   (step_report.py: metrics.jsonl, TensorBoard, the progress bar)
     save           a checkpoint; at the end also OUT/model
 
 The next step's batch is fetched while the device computes the current one. A stop request (a signal,
@@ -18,11 +18,10 @@ stop.py) rides on each step's loss all-reduce and is seen at the next report: ev
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,7 @@ from tetron.errors import ConfigError
 from tetron.evaluate import training_tokens
 from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
-from tetron.metrics import MetricsLog, ProgressBar, mfu, say, trim_after
+from tetron.metrics import say
 from tetron.mixture import MixtureLoader, Source
 from tetron.model import Llama
 from tetron.observe import StepObservers
@@ -53,7 +52,7 @@ from tetron.parallel.parallelize import (
 from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activation_shape, layer_ranks
 from tetron.parallel.zero import ShardedAdamW
 from tetron.schedule import lr_at
-from tetron.sinks import open_sinks
+from tetron.step_report import PendingStep, Reporter, StepFigures, check_finite, read_back
 from tetron.stop import StopRequest
 from tetron.tokenizer import Tokenizer
 
@@ -172,19 +171,6 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
 # ------------------------------------------------------------------------------------ one step
 
 
-@dataclass
-class StepFigures:
-    """What one step reports."""
-
-    loss: float  # the global mean loss over every target token of the step
-    grad_norm: float  # before clipping; nan when the step was skipped
-    lr: float
-    skipped: bool  # a non-finite loss under on_nonfinite=skip: no update
-    time_s: float
-    memory: dict[str, float] | None = None  # MiB this rank holds, by kind (measured on a launch's first step)
-    stop: bool = False  # some rank was asked to stop: every rank saves after this step and returns
-
-
 def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
     """Every micro-batch forward and backward through this rank's chunks; gradients accumulate and are
     averaged over dp*cp once, during the last backward. Returns this rank's summed loss (under pp: the
@@ -241,18 +227,6 @@ def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
     return figures
 
 
-@dataclass
-class PendingStep:
-    """One step as the device left it: its figures are read back (one wait for the device) when reported."""
-
-    step: int  # 0-based
-    values: Tensor  # fp32 [4] on the device: loss, grad norm, non-finite (1) or not (0), stop requested (1/0)
-    lr: float
-    start: float  # perf_counter when the step began
-    memory: dict[str, float] | None = None
-    aside_s: float = 0.0  # seconds after it spent on other things (a validation): not the step's time
-
-
 def next_batch(run: Run) -> list[tuple[Tensor, Tensor]]:
     """The loader's next step: this rank's positions of each micro-batch, on the device (on a GPU copied
     asynchronously, so that the batch of step s+1 travels while step s computes)."""
@@ -288,90 +262,17 @@ def dispatch_step(run: Run, step: int, batch: list[tuple[Tensor, Tensor]], *,
     return PendingStep(step, torch.stack([loss_stop[0], grad_norm, bad, loss_stop[1]]), lr, start, memory)
 
 
-def read_back(pending: list[PendingStep]) -> list[StepFigures]:
-    """The figures of the steps dispatched since the last read-back, in one wait for the device; each
-    step's time is the interval's mean (dispatch runs ahead of the device, so only the interval is real)."""
-    values = torch.stack([p.values for p in pending]).tolist()
-    each = (time.perf_counter() - pending[0].start - sum(p.aside_s for p in pending)) / len(pending)
-    return [StepFigures(loss=loss, grad_norm=float("nan") if bad else norm, lr=p.lr, skipped=bool(bad), time_s=each,
-                        memory=p.memory, stop=stop > 0) for p, (loss, norm, bad, stop) in zip(pending, values)]
-
-
-def check_finite(run: Run, step: int, f: StepFigures) -> None:
-    """Under on_nonfinite=stop, a step whose loss or gradient norm is not finite ends the run (its update
-    and every later one were skipped on the device)."""
-    if f.skipped and run.cfg.train.on_nonfinite == "stop":
-        what = f"loss is {f.loss}" if not math.isfinite(f.loss) else "the gradient norm is not finite"
-        raise FloatingPointError(f"step {step + 1}: {what}; stopping before the weights are updated "
-                                 f"(train.on_nonfinite=skip skips such steps)")
-
-
 def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigures:
     """Optimizer step `step` (0-based) on the loader's next batch, read back at once (the loop in `train`
     reads back every logging.log_every steps instead)."""
     dev.reset_peak_memory(run.device)
     pending = dispatch_step(run, step, next_batch(run), measure_memory=measure_memory)
     figures = read_back([pending])[0]
-    check_finite(run, step, figures)
+    check_finite(run.cfg, step, figures)
     return figures
 
 
 # ------------------------------------------------------------------------------------ report and save
-
-
-class Reporter:
-    """Rank 0's record of the run: a line per step in OUT/metrics.jsonl (and TensorBoard, W&B: sinks.py)
-    and the progress bar."""
-
-    def __init__(self, run: Run) -> None:
-        cfg, device = run.cfg, run.device
-        out = Path(cfg.out)
-        if cfg.checkpoint.resume is not None:  # continuing this run folder (from step 0 if nothing was saved)
-            trim_after(out / "metrics.jsonl", run.loader.step)
-        self.log = MetricsLog(out / "metrics.jsonl")
-        self.sinks = open_sinks(cfg, first_step=run.loader.step + 1)
-        self.bar = ProgressBar(cfg.train.steps, every=cfg.logging.log_every,
-                               first=run.loader.step) if cfg.logging.progress else None
-        self.tokens_per_step = cfg.global_batch * cfg.data.seq_len
-        self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
-        dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-        self.peak = cfg.logging.peak_tflops or dev.peak_tflops(device, dtype)
-        self.world_size, self.device = run.mesh.world_size, device
-
-    def step(self, step: int, f: StepFigures, extra: dict[str, float] | None = None) -> None:
-        """Step `step` (0-based) done: its figures, and `extra` ones (validation, timers) on its record."""
-        tokens_per_s = self.tokens_per_step / f.time_s
-        record: dict[str, Any] = {
-            "step": step + 1,
-            "loss": f.loss,
-            "lr": f.lr,
-            "grad_norm": f.grad_norm,
-            "tokens": (step + 1) * self.tokens_per_step,
-            "tokens_per_s": tokens_per_s,
-            "step_time_s": f.time_s,
-            "peak_mem_mb": dev.peak_memory_mb(self.device),
-            "mfu": mfu(tokens_per_s, self.flops_per_token, peak_tflops=self.peak, world_size=self.world_size),
-        }
-        if f.skipped:
-            record["skipped"] = True
-        if f.memory is not None:
-            record.update(f.memory)
-        record.update(extra or {})
-        self.log.write(record)
-        for sink in self.sinks:
-            sink.write(step + 1, record)
-        if self.bar:
-            fields = {"loss": f"{f.loss:.4f}", "lr": f"{f.lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
-            if "val_loss" in record:
-                fields["val_loss"] = f"{record['val_loss']:.4f}"
-            self.bar.update(step + 1, fields)
-
-    def close(self) -> None:
-        self.log.close()
-        if self.bar:
-            self.bar.close()
-        for sink in self.sinks:
-            sink.close()
 
 
 def save(run: Run) -> None:
@@ -425,7 +326,7 @@ def report(run: Run, reporter: Reporter | None, result: TrainResult,
     any rank was asked to stop."""
     stop = False
     for (dispatched, extra, seconds), figures in zip(pending, read_back([p for p, _, _ in pending])):
-        check_finite(run, dispatched.step, figures)
+        check_finite(run.cfg, dispatched.step, figures)
         result.losses.append(figures.loss)
         if seconds:
             result.timings.append({**seconds, "step_time_s": figures.time_s})
@@ -445,7 +346,8 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace:
     if first > t.steps:  # validate refuses this before start; a checkpoint named step_{steps} must hold that step
         raise ConfigError(f"train.steps={t.steps} is below the step the run resumes at ({first}); "
                           f"use train.steps >= {first}")
-    reporter = Reporter(run) if mesh.rank == 0 else None
+    reporter = Reporter(cfg, device=run.device, world_size=mesh.world_size,
+                        first_step=first) if mesh.rank == 0 else None
     result = TrainResult(chunks=run.model.chunks)
     observers = StepObservers(cfg, mesh, run.model.chunks, run.tokenizer, device=run.device, dtype=run.dtype,
                               positions=run.positions)

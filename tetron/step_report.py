@@ -1,0 +1,116 @@
+"""What a step reports, and rank 0's record of it: the figures read back from the device (every
+logging.log_every steps, in one wait), the non-finite check, metrics.jsonl, TensorBoard/W&B and the
+progress bar."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tetron import device as dev
+from tetron.config import Config
+from tetron.metrics import MetricsLog, ProgressBar, mfu, trim_after
+from tetron.sinks import open_sinks
+
+
+@dataclass
+class StepFigures:
+    """What one step reports."""
+
+    loss: float  # the global mean loss over every target token of the step
+    grad_norm: float  # before clipping; nan when the step was skipped
+    lr: float
+    skipped: bool  # a non-finite loss under on_nonfinite=skip: no update
+    time_s: float
+    memory: dict[str, float] | None = None  # MiB this rank holds, by kind (measured on a launch's first step)
+    stop: bool = False  # some rank was asked to stop: every rank saves after this step and returns
+
+
+@dataclass
+class PendingStep:
+    """One step as the device left it: its figures are read back (one wait for the device) when reported."""
+
+    step: int  # 0-based
+    values: Tensor  # fp32 [4] on the device: loss, grad norm, non-finite (1) or not (0), stop requested (1/0)
+    lr: float
+    start: float  # perf_counter when the step began
+    memory: dict[str, float] | None = None
+    aside_s: float = 0.0  # seconds after it spent on other things (a validation): not the step's time
+
+
+def read_back(pending: list[PendingStep]) -> list[StepFigures]:
+    """The figures of the steps dispatched since the last read-back, in one wait for the device; each
+    step's time is the interval's mean (dispatch runs ahead of the device, so only the interval is real)."""
+    values = torch.stack([p.values for p in pending]).tolist()
+    each = (time.perf_counter() - pending[0].start - sum(p.aside_s for p in pending)) / len(pending)
+    return [StepFigures(loss=loss, grad_norm=float("nan") if bad else norm, lr=p.lr, skipped=bool(bad), time_s=each,
+                        memory=p.memory, stop=stop > 0) for p, (loss, norm, bad, stop) in zip(pending, values)]
+
+
+def check_finite(cfg: Config, step: int, f: StepFigures) -> None:
+    """Under on_nonfinite=stop, a step whose loss or gradient norm is not finite ends the run (its update
+    and every later one were skipped on the device)."""
+    if f.skipped and cfg.train.on_nonfinite == "stop":
+        what = f"loss is {f.loss}" if not math.isfinite(f.loss) else "the gradient norm is not finite"
+        raise FloatingPointError(f"step {step + 1}: {what}; stopping before the weights are updated "
+                                 f"(train.on_nonfinite=skip skips such steps)")
+
+
+class Reporter:
+    """Rank 0's record of the run: a line per step in OUT/metrics.jsonl (and TensorBoard, W&B: sinks.py)
+    and the progress bar."""
+
+    def __init__(self, cfg: Config, *, device: torch.device, world_size: int, first_step: int) -> None:
+        out = Path(cfg.out)
+        if cfg.checkpoint.resume is not None:  # continuing this run folder (from step 0 if nothing was saved)
+            trim_after(out / "metrics.jsonl", first_step)
+        self.log = MetricsLog(out / "metrics.jsonl")
+        self.sinks = open_sinks(cfg, first_step=first_step + 1)
+        self.bar = ProgressBar(cfg.train.steps, every=cfg.logging.log_every,
+                               first=first_step) if cfg.logging.progress else None
+        self.tokens_per_step = cfg.global_batch * cfg.data.seq_len
+        self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+        dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+        self.peak = cfg.logging.peak_tflops or dev.peak_tflops(device, dtype)
+        self.world_size, self.device = world_size, device
+
+    def step(self, step: int, f: StepFigures, extra: dict[str, float] | None = None) -> None:
+        """Step `step` (0-based) done: its figures, and `extra` ones (validation, timers) on its record."""
+        tokens_per_s = self.tokens_per_step / f.time_s
+        record: dict[str, Any] = {
+            "step": step + 1,
+            "loss": f.loss,
+            "lr": f.lr,
+            "grad_norm": f.grad_norm,
+            "tokens": (step + 1) * self.tokens_per_step,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": f.time_s,
+            "peak_mem_mb": dev.peak_memory_mb(self.device),
+            "mfu": mfu(tokens_per_s, self.flops_per_token, peak_tflops=self.peak, world_size=self.world_size),
+        }
+        if f.skipped:
+            record["skipped"] = True
+        if f.memory is not None:
+            record.update(f.memory)
+        record.update(extra or {})
+        self.log.write(record)
+        for sink in self.sinks:
+            sink.write(step + 1, record)
+        if self.bar:
+            fields = {"loss": f"{f.loss:.4f}", "lr": f"{f.lr:.2e}", "tok/s": f"{tokens_per_s:,.0f}"}
+            if "val_loss" in record:
+                fields["val_loss"] = f"{record['val_loss']:.4f}"
+            self.bar.update(step + 1, fields)
+
+    def close(self) -> None:
+        self.log.close()
+        if self.bar:
+            self.bar.close()
+        for sink in self.sinks:
+            sink.close()
