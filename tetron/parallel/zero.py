@@ -24,6 +24,7 @@ assembles one from every rank's pieces and `load` takes this rank's pieces back.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 from tetron.config import TrainConfig
 from tetron.parallel.comm import all_gather_flat
 from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
+from tetron.timers import timer
 
 Kind = Literal["master", "exp_avg", "exp_avg_sq"]
 
@@ -182,8 +184,9 @@ class ShardedAdamW:
             piece.bucket.params_slice[piece.slice_offset:piece.slice_offset + piece.master.numel()].copy_(piece.master)
         if self.sharding is not None:
             return  # ZeRO-3: each unit's forward gathers the slices it needs
-        for bucket in self.buckets:
-            all_gather_flat(bucket.params_flat, bucket.params_slice, group=self.group)
+        with timer("dp"):
+            for bucket in self.buckets:
+                all_gather_flat(bucket.params_flat, bucket.params_slice, group=self.group)
 
     def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
         """Every averaged gradient this rank holds, with its parameter: whole parameters' without ZeRO,
@@ -314,11 +317,13 @@ class ParameterSharding:
     def gather(self, unit: _Unit, *, async_op: bool = False) -> None:
         if unit.gathered or unit.work is not None:
             if unit.work is not None and not async_op:
-                unit.work.wait()
+                with timer("dp"):  # the gathers ride on dp*cp: waiting for one is that axis' time
+                    unit.work.wait()
                 unit.work, unit.gathered = None, True
             return
         unit.flat.untyped_storage().resize_(unit.nbytes)
-        work = all_gather_flat(unit.flat, unit.bucket.params_slice, group=self.group, async_op=async_op)
+        with timer("dp") if not async_op else contextlib.nullcontext():
+            work = all_gather_flat(unit.flat, unit.bucket.params_slice, group=self.group, async_op=async_op)
         if async_op:
             unit.work = work
         else:
