@@ -11,7 +11,6 @@ import yaml
 
 from tetron.config import (
     CONFIGS_DIR,
-    SHORT_FLAGS,
     Config,
     ConfigError,
     DataConfig,
@@ -22,6 +21,7 @@ from tetron.config import (
     load_config,
 )
 from tetron.model import LlamaConfig
+from tetron.overrides import SHORT_FLAGS
 from tetron.validate import validate
 
 from conftest import tiny_config

@@ -20,7 +20,7 @@ import yaml
 
 from tetron.checkpoint import RUN_LOCK, STATE_FILE, find_latest
 from tetron.checkpoint_load import read_json
-from tetron.config import SECTIONS, SHORT_FLAGS, Config, field_docs, from_dict, load_config
+from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
 from tetron.data import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
 from tetron.device import cuda_count
 from tetron.errors import ConfigError, DataError, UserError, check
@@ -28,6 +28,7 @@ from tetron.evaluate import check_held_out, training_tokens
 from tetron.fs import FolderLock
 from tetron.launch import launch
 from tetron.metrics import say
+from tetron.overrides import SHORT_FLAGS
 from tetron.plan.fit import check_fits
 from tetron.schedule import schedule_change
 from tetron.validate import validate
@@ -194,6 +195,12 @@ def generate_command(args: list[str]) -> int:
     return 0
 
 
+def tokenize_command(args: list[str]) -> int:
+    from tetron.tokenize_cmd import tokenize_command as run  # its worker pool only when asked for
+
+    return run(args)
+
+
 def report_command(args: list[str]) -> int:
     from tetron.report import report
 
@@ -336,6 +343,10 @@ def print_config(config_path: str | None, args: list[str]) -> int:
     return 0
 
 
+COMMANDS = {"plan": plan_command, "slurm": slurm_command, "convert": convert_command, "generate": generate_command,
+            "tokenize": tokenize_command, "report": report_command}  # besides train
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -354,22 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             config_path = rest.pop(0) if rest and not rest[0].startswith("--") else None
             return print_config(config_path, rest)
         return train_command(rest)
-    if command == "generate":
-        return generate_command(rest)
-    if command == "convert":
-        return convert_command(rest)
-    if command == "plan":
-        return plan_command(rest)
-    if command == "slurm":
-        return slurm_command(rest)
-    if command == "tokenize":
-        from tetron.tokenize_cmd import tokenize_command
-
-        return tokenize_command(rest)
-    if command == "report":
-        return report_command(rest)
-    return _fail(f"unknown command {command!r}; use train, plan, slurm, convert, generate, tokenize or report")
-
+    handler = COMMANDS.get(command)
+    if handler is None:
+        return _fail(f"unknown command {command!r}; use train, {', '.join(COMMANDS)}")
+    return handler(rest)
 
 if __name__ == "__main__":
     sys.exit(main())
