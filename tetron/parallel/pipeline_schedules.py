@@ -264,35 +264,44 @@ def peak_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def simulate(name: str, *, pp: int, virtual: int, micro_batches: int,
-             duration: Callable[[int, int, Action], float]) -> list[float]:
+def replay(name: str, *, pp: int, virtual: int, micro_batches: int,
+           duration: Callable[[int, int, Action], float]) -> list[list[tuple[float, float]]]:
     """Play every rank's actions against each other with free communication: action k of rank r
     takes duration(r, k, action) and starts once its rank is free and its input has been sent.
-    Returns each rank's idle fraction of the whole; raises if some rank waits forever (a deadlock)."""
+    Returns the (start, end) of each rank's actions; raises if some rank waits forever (a deadlock)."""
     orders = [schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=r) for r in range(pp)]
     style = style_of(name)
     ready: dict[Message, float] = {}  # message -> when it was sent
-    clock, busy, done = [0.0] * pp, [0.0] * pp, [0] * pp
+    times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
+    clock = [0.0] * pp
     moved = True
     while moved:
         moved = False
         for r in range(pp):
-            while done[r] < len(orders[r]):
-                action = orders[r][done[r]]
+            while len(times[r]) < len(orders[r]):
+                k = len(times[r])
+                action = orders[r][k]
                 need = receives(action, pp=pp, virtual=virtual, rank=r, style=style)
                 if need is not None and need[0] not in ready:
                     break
-                cost = duration(r, done[r], action)
-                clock[r] = max(clock[r], ready[need[0]] if need else 0.0) + cost
-                busy[r] += cost
+                start = max(clock[r], ready[need[0]] if need else 0.0)
+                clock[r] = start + duration(r, k, action)
+                times[r].append((start, clock[r]))
                 out = sends(action, pp=pp, virtual=virtual, rank=r, style=style)
                 if out is not None:
                     ready[out[0]] = clock[r]
-                done[r] += 1
                 moved = True
-    if done != [len(order) for order in orders]:
+    if [len(t) for t in times] != [len(order) for order in orders]:
         raise RuntimeError(f"schedule {name} (pp={pp}, virtual={virtual}, micro_batches={micro_batches}) deadlocks")
-    return [1 - b / max(clock) for b in busy]
+    return times
+
+
+def simulate(name: str, *, pp: int, virtual: int, micro_batches: int,
+             duration: Callable[[int, int, Action], float]) -> list[float]:
+    """`replay`'s idle fraction of each rank over the whole span; raises on a deadlock."""
+    times = replay(name, pp=pp, virtual=virtual, micro_batches=micro_batches, duration=duration)
+    span = max(t[-1][1] for t in times if t)
+    return [1 - sum(end - start for start, end in t) / span for t in times]
 
 
 def unit_duration(name: str, virtual: int) -> Callable[[int, int, Action], float]:

@@ -25,7 +25,16 @@ from dataclasses import dataclass, replace
 
 from tetron.config import Config
 from tetron.parallel.pipeline_parallel import split_layers
-from tetron.parallel.pipeline_schedules import Action, receives, schedule, sends, splits_backward, stage_of, style_of
+from tetron.parallel.pipeline_schedules import (
+    Action,
+    receives,
+    replay,
+    schedule,
+    sends,
+    splits_backward,
+    stage_of,
+    style_of,
+)
 from tetron.parallel.tensor_parallel import padded_vocab_size
 from tetron.parallel.ulysses import kv_repeats
 
@@ -456,33 +465,11 @@ def _schedule(name: str, pp: int, virtual: int, micro_batches: int, rank: int) -
 def _timeline(name: str, pp: int, virtual: int, micro_batches: int, backward_cost: float) -> tuple:
     """(start, end) of every action of every pipeline rank, replayed with free communication: a forward
     takes 1, a backward `backward_cost`, each starts once its rank is free and its input has been sent
-    (pipeline_schedules.simulate's rule)."""
-    orders = [_schedule(name, pp, virtual, micro_batches, r) for r in range(pp)]
-    style = style_of(name)
-    needs = [[receives(a, pp=pp, virtual=virtual, rank=r, style=style) for a in order]
-             for r, order in enumerate(orders)]
-    gives = [[sends(a, pp=pp, virtual=virtual, rank=r, style=style) for a in order]
-             for r, order in enumerate(orders)]
+    (pipeline_schedules.replay)."""
     # the zero-bubble schedules' B and W take half a backward each
-    cost = (lambda a: backward_cost / 2) if splits_backward(name) else (lambda a: backward_cost)
-    times: list[list[tuple[float, float]]] = [[] for _ in orders]
-    sent: dict = {}
-    clock = [0.0] * pp
-    moved = True
-    while moved:
-        moved = False
-        for r, order in enumerate(orders):
-            while len(times[r]) < len(order):
-                k = len(times[r])
-                need = needs[r][k]
-                if need is not None and need[0] not in sent:
-                    break
-                start = max(clock[r], sent[need[0]] if need else 0.0)
-                clock[r] = start + (cost(order[k]) if order[k].backward else 1.0)
-                times[r].append((start, clock[r]))
-                if gives[r][k] is not None:
-                    sent[gives[r][k][0]] = clock[r]
-                moved = True
+    cost = backward_cost / 2 if splits_backward(name) else backward_cost
+    times = replay(name, pp=pp, virtual=virtual, micro_batches=micro_batches,
+                   duration=lambda r, k, a: cost if a.backward else 1.0)
     return tuple(tuple(t) for t in times)
 
 
