@@ -181,8 +181,7 @@ def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Te
         return run.pipeline.step(micro_batches)
     wrapped, positions = run.model.dp_chunks[0], run.device_positions
     loss_sum = torch.zeros((), device=run.device)
-    for k, (inputs, targets) in enumerate(micro_batches):
-        inputs, targets = inputs.to(run.device), targets.to(run.device)
+    for k, (inputs, targets) in enumerate(micro_batches):  # on the device already (next_batch)
         last = k == len(micro_batches) - 1
         with contextlib.nullcontext() if last else wrapped.no_sync():
             logits = wrapped(inputs, positions)  # [B, T/cp, vocab(/tp)]
