@@ -23,6 +23,7 @@ import torch
 from tetron.checkpoint import find_latest
 from tetron.config import Config
 from tetron.errors import ConfigError, DataError
+from tetron.hf_source import hf_streams
 from tetron.sources import data_fingerprint
 from tetron.store_build import build_store
 from tetron.token_store import TokenStore, is_store
@@ -126,8 +127,9 @@ def prepare_tokens(
     hash_contents: bool = False,
 ) -> Path:
     """Tokenize the data once into a token store in the cache (EOS after each document), keyed by the
-    tokenizer and the data (local files: sizes and mtimes, or their bytes with `hash_contents`). `say` is
-    told when tokenizing starts, of a damaged cache entry, and of records skipped (`skip_bad`)."""
+    tokenizer and the data (local files and hf: dataset folders: sizes and mtimes, or their bytes with
+    `hash_contents`; a hub dataset: its commit). `say` is told when tokenizing starts, of a damaged cache
+    entry, and of records skipped (`skip_bad`)."""
     data_fp = data_fingerprint(data_spec, text_field=text_field, max_bytes=max_bytes, skip_bad=skip_bad,
                                hash_contents=hash_contents)
     key = hashlib.sha256(f"{_CACHE_VERSION}:{tokenizer.fingerprint()}:{data_fp}".encode()).hexdigest()
@@ -141,8 +143,10 @@ def prepare_tokens(
         shutil.rmtree(folder, ignore_errors=True)
     if say is not None:
         say(f"tokenizing {data_spec} (once; cached in {folder.parent})")
+    # hf: a local folder or a hub dataset of known commit is streamed; offline, the cached copy is loaded.
+    stream_hf = data_spec.startswith("hf:") and hf_streams(data_spec)
     index = build_store(data_spec, tokenizer, folder, text_field=text_field, skip_bad=skip_bad, max_bytes=max_bytes,
-                        stream_hf=False, say=say, wait=True)
+                        stream_hf=stream_hf, say=say, wait=True)
     if index["num_tokens"] == 0:
         shutil.rmtree(folder, ignore_errors=True)
         raise DataError(f"data: {data_spec} gave no tokens (is it empty, or is text_field={text_field!r} empty?)")

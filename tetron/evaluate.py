@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from tetron.config import Config
 from tetron.data import default_cache_dir, load_tokens, open_store, prepare_data, prepare_tokens
 from tetron.errors import ConfigError
+from tetron.hf_source import share_hub_commits
 from tetron.mesh import Mesh
 from tetron.parallel.parallelize import make_loss_fn
 from tetron.parallel.pipeline_parallel import activation_shape
@@ -193,7 +194,7 @@ def build_evaluator(cfg: Config, mesh: Mesh, chunks: list[nn.Module], tokenizer:
         return None
     if cfg.data.val_path is not None and mesh.rank == 0:
         prepare_val_tokens(cfg, tokenizer)
-    dist.barrier()
+    share_hub_commits(mesh.rank, mesh.world_size, device)  # rank 0's answers for hf: data; the wait for it
     val_tokens = prepare_val_tokens(cfg, tokenizer)
     return Evaluator(cfg, mesh, chunks, val_tokens, device=device, dtype=dtype, positions=positions)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tetron.errors import DataError
-from tetron.hub import hub_problem
+from tetron.hf_source import folder_files, hf_folder, hf_streams, hub_sha, load_hf, open_hf_stream, parse_hf
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".py", ".md")
 MAX_RECORD_BYTES = 256 << 20  # the longest .jsonl line read
@@ -83,35 +83,6 @@ def resolve_files(spec: str) -> list[Path]:
     raise DataError(f"data: {spec} does not exist (give a file, a folder, a glob, 'stdlib' or hf:NAME)")
 
 
-def _parse_hf(spec: str) -> tuple[str, str | None, str]:
-    """`hf:NAME`, `hf:NAME:SPLIT` or `hf:NAME:CONFIG:SPLIT` -> (name, config, split)."""
-    parts = spec[len("hf:"):].split(":")
-    if not parts[0] or len(parts) > 3:
-        raise DataError(f"data: cannot parse {spec} (use hf:NAME, hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT)")
-    if len(parts) == 1:
-        return parts[0], None, "train"
-    if len(parts) == 2:
-        return parts[0], None, parts[1]
-    return parts[0], parts[1], parts[2]
-
-
-def _load_hf(spec: str, text_field: str) -> Any:
-    name, config, split = _parse_hf(spec)
-    if not Path(name).expanduser().exists() and (problem := hub_problem(name, "dataset")) is not None:
-        raise DataError(f"data: {spec}: {problem}")  # at once, not after a minute of retries
-    import datasets  # slow to import; only needed for hf: specs
-
-    try:
-        ds = datasets.load_dataset(name, config, split=split)
-    except Exception as e:  # datasets raises many types; all mean "cannot load this"
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"data: cannot load {spec}: {msg} (give a local dataset folder or a cached hub name)") from e
-    if text_field not in ds.column_names:
-        columns = ", ".join(ds.column_names)
-        raise DataError(f"data: {spec} has no column {text_field!r} (columns: {columns}; set text_field)")
-    return ds
-
-
 def _texts(values: Iterator[Any], where: Callable[[int], str], text_field: str,
            skip: BadRecords | None) -> Iterator[str]:
     """The strings of a text column (null: an empty document); any other value is a bad record."""
@@ -122,8 +93,31 @@ def _texts(values: Iterator[Any], where: Callable[[int], str], text_field: str,
             _bad(where(i), f"has a {type(text).__name__} in {text_field!r}, not text (set data.text_field)", skip)
 
 
+def iter_hf_rows(ds: Any, where: str, text_field: str, skip: BadRecords | None) -> Iterator[str]:
+    """The texts of a streamed dataset (or one shard of it), named `where` in errors: a file of the dataset
+    that cannot be read is one DataError naming the row it stopped after."""
+    row = 0
+    try:
+        for batch in ds.iter(batch_size=1000):
+            if text_field not in batch:
+                raise DataError(f"data: {where} has no column {text_field!r} (columns: {', '.join(batch)}; "
+                                f"set data.text_field)")
+            yield from _texts(iter(batch[text_field]), lambda i, r=row: f"{where} row {r + i}", text_field, skip)
+            row += len(batch[text_field])
+    except DataError:
+        raise
+    except Exception as e:  # a damaged file inside the dataset: arrow, json or parquet errors
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"data: {where} after row {row}: cannot read ({msg}); fix or remove that file of the "
+                        f"dataset") from None
+
+
 def _iter_hf(spec: str, text_field: str, skip: BadRecords | None) -> Iterator[str]:
-    ds = _load_hf(spec, text_field)
+    """Streamed (a prefix reads only the rows it uses), or loaded whole from the cache when offline."""
+    if hf_streams(spec):
+        yield from iter_hf_rows(open_hf_stream(spec), spec, text_field, skip)
+        return
+    ds = load_hf(spec, text_field)
     for b, batch in enumerate(ds.select_columns([text_field]).iter(batch_size=1000)):
         yield from _texts(iter(batch[text_field]), lambda i, b=b: f"{spec} row {b * 1000 + i}", text_field, skip)
 
@@ -264,32 +258,54 @@ def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = N
         yield doc
 
 
+def _hash_files(h: Any, files: list[Path], root: Path, hash_contents: bool) -> None:
+    for p in files:
+        st = p.stat()
+        h.update(f"\0file:{p.relative_to(root).as_posix()}:{st.st_size}".encode())
+        if not hash_contents:
+            h.update(f":{st.st_mtime_ns}\0".encode())
+            continue
+        with open(p, "rb") as f:  # whole files: hashing their bytes is cheaper than parsing them
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+
+
+def _hf_identity(spec: str, h: Any, text_field: str, hash_contents: bool, by_text: bool) -> bool:
+    """Add what identifies an hf: dataset to `h` without reading its rows; False when only its text can
+    (`by_text`: a prefix under hash_contents, as for local files; or a loaded dataset without a fingerprint)."""
+    name, config, split = parse_hf(spec)
+    if (folder := hf_folder(spec)) is not None:  # read streamed: keyed like local files
+        if by_text:
+            return False
+        h.update(f"hf-folder:{config}:{split}".encode())
+        _hash_files(h, folder_files(folder) if folder.is_dir() else [folder], folder, hash_contents)
+        return True
+    if (sha := hub_sha(name)) is not None:  # read streamed: the commit names the bytes
+        h.update(f"hf-hub:{name}:{config}:{split}:{sha}".encode())
+        return True
+    fp = getattr(load_hf(spec, text_field), "_fingerprint", None)  # offline: the cached copy, loaded
+    if fp:
+        h.update(f"hf-fingerprint:{fp}".encode())
+    return bool(fp)
+
+
 def data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None, skip_bad: bool = False,
                      hash_contents: bool = False) -> str:
     """A key for the documents a spec yields, for caches. Local files count by their relative paths, sizes
     and modification times (one stat per file, whatever their size), or with `hash_contents`
-    (data.hash_contents) by their bytes. `skip_bad` (data.on_bad_record=skip) yields other documents from
-    the same files: another key."""
+    (data.hash_contents) by their bytes; so do the files of a local hf: dataset folder, while a hub dataset
+    counts by its repository's commit (offline: by the cached copy's fingerprint). `skip_bad`
+    (data.on_bad_record=skip) yields other documents from the same files: another key."""
     head = {"text_field": text_field, "max_bytes": max_bytes, **({"skip_bad": True} if skip_bad else {}),
             **({"hash_contents": True} if hash_contents else {})}
     h = hashlib.sha256(json.dumps(head).encode())
+    by_text = hash_contents and max_bytes is not None
     if spec.startswith("hf:"):
-        fp = getattr(_load_hf(spec, text_field), "_fingerprint", None)
-        if fp:
-            h.update(f"hf-fingerprint:{fp}".encode())
+        if _hf_identity(spec, h, text_field, hash_contents, by_text):
             return h.hexdigest()
-    elif not hash_contents or max_bytes is None:
+    elif not by_text:
         files = resolve_files(spec)
-        root = Path(os.path.commonpath([str(p.parent) for p in files]))
-        for p in files:
-            st = p.stat()
-            h.update(f"\0file:{p.relative_to(root).as_posix()}:{st.st_size}".encode())
-            if not hash_contents:
-                h.update(f":{st.st_mtime_ns}\0".encode())
-                continue
-            with open(p, "rb") as f:  # whole files: hashing their bytes is cheaper than parsing them
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
+        _hash_files(h, files, Path(os.path.commonpath([str(p.parent) for p in files])), hash_contents)
         return h.hexdigest()
     # A prefix (or a dataset without a fingerprint): hash exactly the text that will be used.
     for doc in iter_texts(spec, text_field=text_field, max_bytes=max_bytes, skip=BadRecords() if skip_bad else None):

@@ -51,8 +51,8 @@ def tokenize_command(args: list[str]) -> int:
         if ns.workers < 1 or not ns.shard_mb > 0:
             raise DataError(f"--workers={ns.workers} must be >= 1 and --shard-mb={ns.shard_mb} positive")
         if ns.tokenizer.startswith("bpe:") and ns.source.startswith("hf:"):
-            raise DataError(f"--tokenizer={ns.tokenizer} would train on all of {ns.source}, downloaded whole; train "
-                            f"it on a sample (tetron tokenize SAMPLE --tokenizer {ns.tokenizer} saves it in "
+            raise DataError(f"--tokenizer={ns.tokenizer} would read all of {ns.source} to train before tokenizing "
+                            f"it; train it on a sample (tetron tokenize SAMPLE --tokenizer {ns.tokenizer} saves it in "
                             f"STORE/tokenizer) and give that folder")
         cache = Path(ns.cache_dir).expanduser() if ns.cache_dir else default_cache_dir()
         tok = load_tokenizer(ns.tokenizer, data_spec=ns.source, cache_dir=cache, text_field=ns.text_field, say=say,

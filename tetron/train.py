@@ -34,6 +34,7 @@ from tetron.config import Config
 from tetron.data import DataLoader, load_tokens, prepare_data, tokenizer_spec
 from tetron.errors import ConfigError
 from tetron.evaluate import training_tokens
+from tetron.hf_source import share_hub_commits
 from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
 from tetron.metrics import say
@@ -80,14 +81,14 @@ class Run:
     halted: Tensor | None = None  # on the device, under on_nonfinite=stop: 1 once a step was not finite
 
 
-def load_data(cfg: Config, mesh: Mesh) -> tuple[Tokenizer, DataLoader | MixtureLoader]:
+def load_data(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[Tokenizer, DataLoader | MixtureLoader]:
     """Rank 0 tokenizes (or finds the cache) while the others wait, then every rank opens the token stores."""
     if mesh.rank == 0:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         clean_stale(out)  # what a save killed mid-write left behind
         prepare_data(cfg)
-    dist.barrier()
+    share_hub_commits(mesh.rank, mesh.world_size, device)  # a collective: also the wait for rank 0
     tokenizer, token_path = prepare_data(cfg)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
@@ -143,7 +144,7 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
               stop: StopRequest | None = None) -> Run:
     """Everything a rank needs before its first step. `trace` keeps test-only records (pipeline
     actions, data-parallel collective counts)."""
-    tokenizer, loader = load_data(cfg, mesh)
+    tokenizer, loader = load_data(cfg, mesh, device)
     model = parallelize(cfg, mesh, device, count_collectives=trace)
     t = cfg.train
     # Sum over tokens, divided by this rank's tokens per step: after averaging over dp*cp the

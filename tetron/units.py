@@ -6,7 +6,8 @@ workers. A unit is a small JSON-able dict; `unit_pieces` reads one (streaming, i
     files    consecutive whole text files (.txt, .py, .md), each one document
     parquet  a range of a parquet file's row groups
     hf       one shard of a Hugging Face dataset read in streaming mode (never downloaded whole)
-    texts    a whole spec read in order by iter_texts (a max_bytes prefix, or a non-streamed hf: dataset)
+    texts    a whole spec read in order by iter_texts (a max_bytes prefix, streamed for hf: where it can be; or
+             an hf: dataset loaded whole from the local cache when the hub cannot be asked)
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tetron.errors import DataError
-from tetron.hub import hub_problem
+from tetron.hf_source import open_hf_stream
 from tetron.sources import (
     BadRecords,
-    _bad,
-    _parse_hf,
     _read_text,
+    iter_hf_rows,
     iter_jsonl,
     iter_parquet,
     iter_text_pieces,
@@ -92,42 +92,11 @@ def plan_units(spec: str, *, text_field: str, unit_bytes: int, max_bytes: int | 
     return units
 
 
-def open_hf_stream(spec: str) -> Any:
-    """A Hugging Face dataset as an IterableDataset (streaming: rows are read as they are used)."""
-    name, config, split = _parse_hf(spec)
-    if not Path(name).expanduser().exists() and (problem := hub_problem(name, "dataset")) is not None:
-        raise DataError(f"data: {spec}: {problem}")
-    import datasets  # slow to import; only for hf: specs
-
-    try:
-        return datasets.load_dataset(name, config, split=split, streaming=True)
-    except Exception as e:  # datasets raises many types; all mean "cannot load this"
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"data: cannot stream {spec}: {msg} (give a local dataset folder or a hub name)") from e
-
-
 def _hf_pieces(unit: dict[str, Any], text_field: str, skip: BadRecords | None) -> Iterator[tuple[str, bool]]:
     spec, shard = unit["spec"], unit["shard"]
     ds = open_hf_stream(spec).shard(num_shards=unit["num_shards"], index=shard)
-    row = 0
-    try:
-        for batch in ds.iter(batch_size=1000):
-            if text_field not in batch:
-                raise DataError(f"data: {spec} (shard {shard}) has no column {text_field!r} (columns: "
-                                f"{', '.join(batch)}; set data.text_field)")
-            for text in batch[text_field]:
-                if text is None or isinstance(text, str):
-                    yield text or "", True
-                else:
-                    _bad(f"{spec} shard {shard} row {row}",
-                         f"has a {type(text).__name__} in {text_field!r}, not text (set data.text_field)", skip)
-                row += 1
-    except DataError:
-        raise
-    except Exception as e:  # a damaged file inside the dataset: arrow, json or parquet errors
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"data: {spec} shard {shard} after row {row}: cannot read ({msg}); fix or remove that "
-                        f"file of the dataset") from None
+    for text in iter_hf_rows(ds, f"{spec} shard {shard}", text_field, skip):
+        yield text, True
 
 
 def unit_pieces(unit: dict[str, Any], *, text_field: str, skip: BadRecords | None) -> Iterator[tuple[str, bool]]:
