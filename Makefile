@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) bench/context_parallel.py
 	$(PY) bench/zero.py
 	$(PY) bench/step_overhead.py
+	$(PY) bench/documents.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -33,6 +33,7 @@ import yaml
 
 from tetron import device as dev
 from tetron.config import CONFIGS_DIR, from_dict
+from tetron.documents import Documents, document_attention, document_mask
 from tetron.mesh import Mesh
 from tetron.metrics import mfu
 from tetron.model import Llama, LlamaConfig
@@ -176,6 +177,27 @@ def check_block(device: torch.device, dtype: torch.dtype, kernel: str, causal: b
             Row("correctness", f"{name} bwd (dq, dk, dv)", f"{bwd:.2e}", f"{limit:g}", verdict(bwd, limit))]
 
 
+def check_documents(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> list[Row]:
+    """Attention kept within packed documents (data.mask_documents: the fused kernel that takes a mask,
+    documents.document_attention) against the math reference with the same mask, forward and backward."""
+    b, h, t, d = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, t, d, generator=g, device=device).to(dtype) for _ in range(4))
+    ids = (torch.rand(b, t, generator=g, device=device) < 4 / t).long().cumsum(dim=1)  # ~4 documents a row
+    pos = torch.arange(t, device=device)
+    mask = document_mask(ids, pos, pos)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = document_attention(*leaves, Documents(ids))
+    out.backward(dout)
+    ref_out, ref_lse = _math_block(q, k, v, False, mask)
+    ref_grads = _math_block_backward(dout, q, k, v, ref_out, ref_lse, False, mask)
+    fwd, bwd = _rel(out, ref_out), max(_rel(x.grad, w) for x, w in zip(leaves, ref_grads))
+    limit = 1e-4 if dtype == torch.float32 else 2e-2
+    name = f"document-masked attention {str(dtype)[6:]} T={t}"
+    return [Row("correctness", f"{name} fwd", f"{fwd:.2e}", f"{limit:g}", verdict(fwd, limit)),
+            Row("correctness", f"{name} bwd (dq, dk, dv)", f"{bwd:.2e}", f"{limit:g}", verdict(bwd, limit))]
+
+
 def block_cases(device: torch.device, head_dim: int) -> list[tuple[torch.dtype, str]]:
     """(dtype, kernel) pairs to check: what device.py picks for fp32 and bf16, and on CUDA the efficient
     kernel in bf16 too (the fallback where flash is not built or not supported)."""
@@ -267,6 +289,9 @@ def correctness(table: Table, sz: Sizes, device: torch.device, work: Path) -> No
         for causal in (True, False):
             table.guarded("correctness", f"block attention {kernel} {dtype}",
                           functools.partial(check_block, device, dtype, kernel, causal, sz.attention))
+    for dtype in (torch.float32, torch.bfloat16):
+        table.guarded("correctness", f"document-masked attention {dtype}",
+                      functools.partial(check_documents, device, dtype, sz.attention))
     table.guarded("correctness", "bf16 training", lambda: check_bf16_training(sz, device, work))
     table.guarded("correctness", "CUDA RNG state", lambda: check_rng_resume(sz, device, work))
     table.guarded("correctness", "host waits per step", lambda: check_host_syncs(sz, device, work))

@@ -83,7 +83,7 @@ def hf_step_fn(model, optimizer, batches, *, ranks: int):
     def step(k: int) -> float:
         micro = batches[k % len(batches)]
         total = 0.0
-        for i, (inputs, targets) in enumerate(micro):
+        for i, (inputs, targets, *_) in enumerate(micro):
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last or ranks == 1 else model.no_sync()
             with sync:

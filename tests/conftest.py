@@ -65,15 +65,16 @@ GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def check_layout(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
-                 grad_acc: int = 2, train: dict | None = None) -> tuple[list[dict], dict]:
+                 grad_acc: int = 2, train: dict | None = None, data: dict | None = None) -> tuple[list[dict], dict]:
     """Train `parallel` and the single process on the same global batches (a 4-layer GQA model unless
     `model` says otherwise): per-step losses on every rank and in metrics.jsonl within LOSS_RTOL, the
     saved OUT/model within WEIGHT_ATOL. Returns the layout's per-rank results and what rank 0 wrote."""
     model = {**GQA, "num_hidden_layers": 4, **(model or {})}
     train_cfg = {"micro_batch": micro_batch, "grad_acc": grad_acc, "lr": LAYOUT_LR, **(train or {})}
-    raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model, parallel=parallel, train=train_cfg)
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model, parallel=parallel, train=train_cfg,
+                      data=data or {})
     cfg = from_dict(raw)
-    ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
+    ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model, data=data or {},
                           train={**train_cfg, "micro_batch": cfg.global_batch, "grad_acc": 1})
     (ref,), ref_written = run_parallel(ref_raw, timeout=600)
     results, written = run_parallel(raw, timeout=600)

@@ -162,7 +162,7 @@ def test_init_from_hf_folder(corpus, cache_dir, tmp_path, tied):
     cfg = from_dict(raw)
     _, tokens = prepare_data(cfg)
     loader = DataLoader(load_tokens(tokens), 32, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=cfg.train.seed)
-    ((inputs, targets),) = loader.next_batch()
+    ((inputs, targets, *_),) = loader.next_batch()
     model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())

@@ -333,7 +333,7 @@ def test_targets_are_shifted_windows() -> None:
     batch = loader.batch_for_step(5)
     rows = loader.sampler.indices(5)
     assert len(batch) == 3
-    for k, (x, y) in enumerate(batch):
+    for k, (x, y, *_) in enumerate(batch):
         assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (2, 16)
         for r in range(2):
             i = int(rows[k * 2 + r])
@@ -354,11 +354,11 @@ def test_layout_independence(dp_size: int, grad_acc: int) -> None:
         for r in range(dp_size)
     ]
     for _step in range(20):  # 20*16 windows > 249: crosses an epoch boundary
-        (ref_x, ref_y), = ref.next_batch()
+        (ref_x, ref_y, *_), = ref.next_batch()
         parts = [mb for loader in loaders for mb in loader.next_batch()]
-        assert len(parts) == dp_size * grad_acc and all(x.shape == (micro, seq_len) for x, _ in parts)
-        assert torch.equal(torch.cat([x for x, _ in parts]), ref_x)
-        assert torch.equal(torch.cat([y for _, y in parts]), ref_y)
+        assert len(parts) == dp_size * grad_acc and all(mb.inputs.shape == (micro, seq_len) for mb in parts)
+        assert torch.equal(torch.cat([mb.inputs for mb in parts]), ref_x)
+        assert torch.equal(torch.cat([mb.targets for mb in parts]), ref_y)
 
 
 def test_resume_from_state_dict() -> None:
@@ -371,7 +371,7 @@ def test_resume_from_state_dict() -> None:
     b = DataLoader(tokens, 8, micro_batch=2, grad_acc=2, dp_size=2, dp_rank=1, seed=5)
     assert not torch.equal(b.batch_for_step(0)[0][0], a.batch_for_step(3)[0][0])
     b.load_state_dict(state)
-    for (xa, ya), (xb, yb) in zip(a.next_batch(), b.next_batch()):
+    for (xa, ya, *_), (xb, yb, *_) in zip(a.next_batch(), b.next_batch()):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert b.step == 4
     # A different layout with the same global batch resumes too; different sampling does not.

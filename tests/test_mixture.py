@@ -35,9 +35,10 @@ def test_layout_independence(dp, acc):
     ref = _loader(sources, micro=B)
     loaders = [_loader(sources, micro=B // (dp * acc), acc=acc, dp=dp, rank=r) for r in range(dp)]
     for _ in range(40):  # 640 rows: both sources wrap their epochs
-        (rx, ry), = ref.next_batch()
+        (rx, ry, *_), = ref.next_batch()
         parts = [mb for loader in loaders for mb in loader.next_batch()]
-        assert torch.equal(torch.cat([x for x, _ in parts]), rx) and torch.equal(torch.cat([y for _, y in parts]), ry)
+        assert torch.equal(torch.cat([mb.inputs for mb in parts]), rx)
+        assert torch.equal(torch.cat([mb.targets for mb in parts]), ry)
     assert all(loader.consumed == ref.consumed for loader in loaders)
 
 
@@ -55,7 +56,7 @@ def test_weights_windows_and_epochs():
     assert sorted(first.tolist()) == list(range(n1))
     # the row is the source's window: tokens [w*T, w*T+T+1)
     fresh = _loader(sources, micro=16)
-    (x, y), = fresh.batch_for_step(0)
+    (x, y, *_), = fresh.batch_for_step(0)
     s0, w0 = fresh.global_rows(0)
     assert x[0].tolist() == sources[s0[0]].tokens[w0[0] * 8: w0[0] * 8 + 8].tolist()
 
@@ -82,8 +83,8 @@ def test_state_resumes_exactly_and_checks_the_sources():
     for _ in range(7):
         ref.next_batch()
     for _ in range(5):
-        (bx, _), = b.next_batch()
-        (rx, _), = ref.next_batch()
+        (bx, *_), = b.next_batch()
+        (rx, *_), = ref.next_batch()
         assert torch.equal(bx, rx)
     # new weights continue from each source's position; other sources are refused
     _loader(_sources(weights=(1.0, 1.0)), micro=16).load_state_dict(state)

@@ -114,7 +114,7 @@ def test_held_out_windows_are_never_trained_on(corpus, cache_dir, tmp_path):
     assert loader.sampler.num_windows == (len(tokens) - 1) // T - held
     seen = set()
     for step in range(loader.sampler.num_windows // 2 + 1):  # a whole epoch and more
-        for inputs, targets in loader.batch_for_step(step):
+        for inputs, targets, *_ in loader.batch_for_step(step):
             seen |= set(inputs.flatten().tolist()) | set(targets.flatten().tolist())
     evaluated = {int(s) + i for s in eval_windows(val_part, cfg) for i in range(T + 1)}
     assert evaluated and not seen & {int(val_part[i]) for i in evaluated}

@@ -82,6 +82,9 @@ class DataConfig:
     on_bad_record: OnBadRecord = "stop"  # a record that cannot be read (bad JSON or UTF-8, no text): "stop" naming
     # its file and line or row, or "skip" it (the number skipped is said once)
     val_fraction: float = 0.0  # hold out the last fraction of data.path's windows for validation (never trained on)
+    mask_documents: bool = False  # attention stays within each document of a packed window (the store's
+    # document ends), instead of one causal sequence per window
+    reset_positions: bool = False  # RoPE positions count from 0 at each document's start in a window
     val_path: str | None = None  # held-out text for validation, tokenized with the run's tokenizer (instead of
     # val_fraction); same forms as path
 

@@ -20,8 +20,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from tetron.batch import MicroBatch
 from tetron.checkpoint import find_latest
 from tetron.config import Config
+from tetron.documents import stream_ends, window_documents
 from tetron.errors import ConfigError, DataError
 from tetron.hf_source import hf_streams
 from tetron.sources import data_fingerprint
@@ -212,11 +214,15 @@ class BatchSampler:
         return out
 
 
-def micro_batches(windows: list, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Windows of seq_len+1 tokens (a rank's rows of a step) as (input_ids, targets) pairs, each int64
-    [micro_batch, seq_len], `micro_batch` rows at a time."""
+def micro_batches(windows: list, micro_batch: int, docs: np.ndarray | None = None) -> list[MicroBatch]:
+    """Windows of seq_len+1 tokens (a rank's rows of a step) as micro-batches of `micro_batch` rows: input
+    ids and targets int64 [micro_batch, seq_len], and `docs` ([rows, seq_len], documents.window_documents)
+    cut alike."""
     rows = torch.from_numpy(np.stack([np.asarray(w, dtype=np.int64) for w in windows]))  # [rows, T + 1]
-    return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in rows.split(micro_batch)]
+    batches = [MicroBatch(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in rows.split(micro_batch)]
+    if docs is not None:
+        batches = [b._replace(docs=d) for b, d in zip(batches, torch.from_numpy(docs).split(micro_batch))]
+    return batches
 
 
 class DataLoader:
@@ -232,6 +238,7 @@ class DataLoader:
         dp_size: int,
         dp_rank: int,
         seed: int,
+        documents: bool = False,
     ) -> None:
         if min(micro_batch, grad_acc, dp_size) < 1 or not 0 <= dp_rank < dp_size:
             raise DataError(
@@ -246,16 +253,19 @@ class DataLoader:
         self.dp_rank = dp_rank
         self.global_batch = micro_batch * grad_acc * dp_size
         self.sampler = BatchSampler(len(tokens), seq_len, global_batch=self.global_batch, seed=seed)
+        # `documents`: each micro-batch also numbers its windows' documents (read once from the store)
+        self.doc_ends = stream_ends(tokens) if documents else None
         self.step = 0
 
-    def batch_for_step(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`grad_acc` pairs (input_ids, targets), each int64 [micro_batch, seq_len], for one step."""
+    def batch_for_step(self, step: int) -> list[MicroBatch]:
+        """`grad_acc` micro-batches, each int64 [micro_batch, seq_len], for one step."""
         per_rank = self.micro_batch * self.grad_acc
         rows = self.sampler.indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         T = self.seq_len
-        return micro_batches([self.tokens[i * T : i * T + T + 1] for i in rows], self.micro_batch)
+        docs = None if self.doc_ends is None else window_documents(self.doc_ends, rows * T, T)
+        return micro_batches([self.tokens[i * T : i * T + T + 1] for i in rows], self.micro_batch, docs)
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batch(self) -> list[MicroBatch]:
         """The current step's micro-batches; then move to the next step."""
         batch = self.batch_for_step(self.step)
         self.step += 1

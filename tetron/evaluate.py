@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tetron.batch import MicroBatch, rank_micro_batch
 from tetron.config import Config
-from tetron.data import default_cache_dir, load_tokens, open_store, prepare_data, prepare_tokens
+from tetron.data import default_cache_dir, load_tokens, micro_batches, open_store, prepare_data, prepare_tokens
+from tetron.documents import stream_ends, window_documents
 from tetron.errors import ConfigError
 from tetron.hf_source import share_hub_commits
 from tetron.mesh import Mesh
@@ -36,7 +38,7 @@ from tetron.parallel.pipeline_schedules import rank_of, stage_of, style_of
 from tetron.token_store import is_store
 from tetron.tokenizer import Tokenizer
 
-Batch = list[tuple[Tensor, Tensor]]  # one global batch's micro-batches on this rank: (input ids, targets)
+Batch = list[MicroBatch]  # one global batch's micro-batches on this rank, whole windows (cut when used)
 
 
 # ------------------------------------------------------------------------------------ the held-out windows
@@ -94,20 +96,17 @@ def eval_windows(val_tokens: np.ndarray, cfg: Config) -> np.ndarray:
     return (np.arange(needed, dtype=np.int64) * available // needed) * T
 
 
-def rank_batches(val_tokens: np.ndarray, cfg: Config, *, dp_rank: int, positions: Tensor) -> list[Batch]:
-    """This rank's share of every evaluated global batch: its dp rows, cut into micro-batches, at its
-    sequence `positions` (all of them, or its cp share)."""
-    t, T = cfg.train, cfg.data.seq_len
+def rank_batches(val_tokens: np.ndarray, cfg: Config, *, dp_rank: int) -> list[Batch]:
+    """This rank's share of every evaluated global batch: its dp rows, cut into micro-batches (whole
+    windows, with their documents where data.mask_documents or data.reset_positions needs them)."""
+    t, d, T = cfg.train, cfg.data, cfg.data.seq_len
     starts = eval_windows(val_tokens, cfg).reshape(t.eval_batches, cfg.global_batch)
     per_rank = t.micro_batch * t.grad_acc
+    ends = stream_ends(val_tokens) if d.mask_documents or d.reset_positions else None
     batches = []
     for rows in starts[:, dp_rank * per_rank:(dp_rank + 1) * per_rank]:
-        windows = torch.from_numpy(np.stack([np.asarray(val_tokens[s:s + T + 1], dtype=np.int64) for s in rows]))
-        batch = []
-        for k in range(t.grad_acc):
-            w = windows[k * t.micro_batch:(k + 1) * t.micro_batch]  # [micro_batch, T + 1]
-            batch.append((w[:, :-1][:, positions].contiguous(), w[:, 1:][:, positions].contiguous()))
-        batches.append(batch)
+        docs = None if ends is None else window_documents(ends, rows, T)
+        batches.append(micro_batches([val_tokens[s:s + T + 1] for s in rows], t.micro_batch, docs))
     return batches
 
 
@@ -120,8 +119,9 @@ class Evaluator:
     def __init__(self, cfg: Config, mesh: Mesh, chunks: list[nn.Module], val_tokens: np.ndarray, *,
                  device: torch.device, dtype: torch.dtype, positions: Tensor) -> None:
         self.cfg, self.mesh, self.chunks, self.device, self.dtype = cfg, mesh, chunks, device, dtype
-        self.positions = positions.to(device)  # [T/cp] RoPE positions of what this rank holds
-        self.batches = rank_batches(val_tokens, cfg, dp_rank=mesh.local_rank("dp"), positions=positions)
+        self.mine = positions  # [T/cp] the positions of each window this rank holds
+        self.positions = positions.to(device)  # the same on the device: RoPE positions
+        self.batches = rank_batches(val_tokens, cfg, dp_rank=mesh.local_rank("dp"))
         self.token_loss = make_loss_fn(cfg, mesh)  # summed over tokens (whole, from vocabulary shards under tp)
         self.tokens = cfg.train.eval_batches * cfg.global_batch * cfg.data.seq_len  # target tokens in all
 
@@ -147,10 +147,13 @@ class Evaluator:
 
     def _local(self, batch: Batch) -> Tensor:
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for inputs, targets in batch:
-            logits = self.chunks[0](inputs.to(self.device), self.positions)  # [B, T/cp, vocab(/tp)]
-            loss += self.token_loss(logits, targets.to(self.device)).double()
+        for mb in map(self._cut, batch):
+            logits = self.chunks[0](mb.inputs, mb.positions, mb.docs)  # [B, T/cp, vocab(/tp)]
+            loss += self.token_loss(logits, mb.targets).double()
         return loss
+
+    def _cut(self, mb: MicroBatch) -> MicroBatch:
+        return rank_micro_batch(mb, self.mine, self.positions, self.cfg.data, self.device)
 
     def _pipeline(self, batch: Batch) -> Tensor:
         """Forward only through the stages: (micro-batch, virtual stage) in lexicographic order on every
@@ -162,19 +165,19 @@ class Evaluator:
         sent: list[tuple[Tensor, dist.Work]] = []
         style = style_of(self.cfg.parallel.pp_schedule)  # zbv places its stages in a V
         handed: Tensor | None = None  # zbv at rank p-1: chunk 0's output is chunk 1's input, no P2P
-        for inputs, targets in batch:
+        for mb in map(self._cut, batch):
             for c, chunk in enumerate(self.chunks):
                 s = stage_of(c, rank, pp=p, style=style)  # the virtual stage
                 if s == 0:
-                    x = inputs.to(self.device)  # [B, T/cp] token ids
+                    x = mb.inputs  # [B, T/cp] token ids
                 elif rank_of(s - 1, pp=p, style=style) == rank:
                     x, handed = handed, None
                 else:
                     x = torch.empty(shape, dtype=self.dtype, device=self.device)  # [B, T', hidden]
                     dist.recv(x, mesh.stage_rank(rank_of(s - 1, pp=p, style=style)), group=group)
-                out = chunk(x, self.positions)
+                out = chunk(x, mb.positions, mb.docs)
                 if s == last:
-                    loss += self.token_loss(out, targets.to(self.device)).double()
+                    loss += self.token_loss(out, mb.targets).double()
                 elif rank_of(s + 1, pp=p, style=style) == rank:
                     handed = out
                 else:

@@ -25,7 +25,9 @@ class KVCache:
         self.k: Tensor | None = None  # [B, kv_heads, T so far, head_dim], RoPE applied
         self.v: Tensor | None = None
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs: object = None) -> Tensor:
+        if docs is not None:  # generation continues one text: no packed documents
+            raise ValueError("the KV cache generates one sequence per row; it takes no document mask")
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.k, self.v = k, v

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
+from tetron.batch import MicroBatch
 from tetron.data import micro_batches
+from tetron.documents import stream_ends, window_documents
 from tetron.errors import DataError
 
 
@@ -58,7 +59,7 @@ class MixtureLoader:
     """This DP rank's micro-batches of each step, drawn from weighted sources (see the module's doc)."""
 
     def __init__(self, sources: Sequence[Source], seq_len: int, *, micro_batch: int, grad_acc: int, dp_size: int,
-                 dp_rank: int, seed: int) -> None:
+                 dp_rank: int, seed: int, documents: bool = False) -> None:
         if not sources or any(not s.weight > 0 for s in sources):
             raise DataError("data.sources: give at least one source, each with a positive weight")
         self.sources, self.seq_len, self.seed = list(sources), seq_len, seed
@@ -72,6 +73,8 @@ class MixtureLoader:
                                 f"data.seq_len+1={seq_len + 1} tokens; use more data or a shorter seq_len")
             self.num_windows.append(n)
         self.orders = [WindowOrder(n, seed=seed, source=i) for i, n in enumerate(self.num_windows)]
+        # `documents`: each micro-batch also numbers its windows' documents (read once from each store)
+        self.doc_ends = [stream_ends(s.tokens) for s in self.sources] if documents else None
         self.consumed = [0] * len(self.sources)  # windows drawn from each source so far
         self.step = 0
         self.tokens = _Total(sum(len(s.tokens) for s in self.sources))  # for len() in reports
@@ -120,15 +123,17 @@ class MixtureLoader:
             windows[mask] = order.windows(draws[mask])
         return src, windows
 
-    def batch_for_step(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`grad_acc` pairs (input_ids, targets), each int64 [micro_batch, seq_len], for one step."""
+    def batch_for_step(self, step: int) -> list[MicroBatch]:
+        """`grad_acc` micro-batches, each int64 [micro_batch, seq_len], for one step."""
         src, windows = self.global_rows(step)
         per_rank, T = self.micro_batch * self.grad_acc, self.seq_len
         mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
-        return micro_batches([self.sources[i].tokens[w * T: w * T + T + 1] for i, w in zip(src[mine], windows[mine])],
-                             self.micro_batch)
+        rows = list(zip(src[mine], windows[mine]))
+        docs = None if self.doc_ends is None else np.concatenate(
+            [window_documents(self.doc_ends[i], np.array([w * T]), T) for i, w in rows])
+        return micro_batches([self.sources[i].tokens[w * T: w * T + T + 1] for i, w in rows], self.micro_batch, docs)
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_batch(self) -> list[MicroBatch]:
         batch = self.batch_for_step(self.step)
         self.consumed = self._draw(self.step, self.consumed)[2]
         self.step += 1

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tetron.documents import Documents, document_attention
+
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
 
@@ -230,14 +232,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention: q [B, n_heads, T, head_dim], k/v [B, n_kv_heads, T, head_dim] -> like q."""
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None) -> Tensor:
+    """Causal attention: q [B, n_heads, T, head_dim], k/v [B, n_kv_heads, T, head_dim] -> like q; with
+    `docs` (documents.py) each position attends only within its document."""
     if k.shape[1] != q.shape[1]:
         # Repeat each kv head for its group of query heads; works with every SDPA backend.
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)  # [B, n_heads, T, head_dim]
         v = v.repeat_interleave(rep, dim=1)  # [B, n_heads, T, head_dim]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
+    if docs is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
+    return document_attention(q, k, v, docs)
 
 
 class RMSNorm(nn.Module):
@@ -270,7 +275,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=False)
         self.attn_fn = sdpa_attention  # context parallelism swaps in ring attention here
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, heads*head_dim]
         # Heads are counted from q/k/v themselves, so tensor parallelism can shard the projections.
         B, T = q.shape[:2]
@@ -278,7 +283,7 @@ class Attention(nn.Module):
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attn_fn(q, k, v)  # [B, n_heads, T, head_dim]
+        out = self.attn_fn(q, k, v, docs)  # [B, n_heads, T, head_dim]
         out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, n_heads*head_dim]
         return self.o_proj(out)
 
@@ -306,8 +311,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -322,14 +327,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, docs: Tensor | None = None) -> Tensor:
         # A pipeline stage sets the parts it does not own to None; then x is hidden states.
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, T, hidden]
         # RoPE is recomputed each call rather than cached in a buffer: no state to lose on the
         # meta device, and position ids may be arbitrary (offsets, context-parallel chunks).
         cos, sin = rope_cos_sin(self.config, position_ids, dtype=h.dtype)
+        # one object for every layer: the mask its attention needs is made once, the first time
+        docs = Documents(docs) if docs is not None else None
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, docs)
         return self.norm(h) if self.norm is not None else h
 
 
@@ -351,11 +358,12 @@ class Llama(nn.Module):
         if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """Logits [B, T, vocab] for input_ids [B, T]; position_ids [B, T] or [T], default 0..T-1."""
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None) -> Tensor:
+        """Logits [B, T, vocab] for input_ids [B, T]; position_ids [B, T] or [T], default 0..T-1; `docs`
+        [B, T] keeps attention within each document of a packed row (documents.py)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)  # [1, T], broadcast over the batch
-        h = self.model(input_ids, position_ids)  # [B, T, hidden]
+        h = self.model(input_ids, position_ids, docs)  # [B, T, hidden]
         return self.lm_head(h) if self.lm_head is not None else h  # [B, T, vocab]

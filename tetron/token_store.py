@@ -247,3 +247,8 @@ class TokenSlice:
 
     def tolist(self) -> list[int]:
         return self.store.read(self.start, self.stop).tolist()
+
+    def doc_ends(self) -> np.ndarray:
+        """The ends of the documents that end inside the slice, relative to its start."""
+        ends = self.store.doc_ends()
+        return ends[(ends > self.start) & (ends <= self.stop)] - self.start

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tetron import device as dev
+from tetron.batch import MicroBatch, rank_micro_batch
 from tetron.checkpoint import clean_stale, find_latest, save_checkpoint, write_model_folder
 from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_from
 from tetron.config import Config
@@ -95,7 +96,7 @@ def load_data(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[Tokenizer,
                          f"model.vocab_size={cfg.model.vocab_size}")
     t, d = cfg.train, cfg.data
     shape = dict(micro_batch=t.micro_batch, grad_acc=t.grad_acc, dp_size=mesh.size("dp"),
-                 dp_rank=mesh.local_rank("dp"), seed=t.seed)
+                 dp_rank=mesh.local_rank("dp"), seed=t.seed, documents=d.mask_documents or d.reset_positions)
     if isinstance(token_path, list):  # data.sources: a weighted mixture of stores
         sources = [Source(load_tokens(path), float(s.get("weight", 1.0)), s.get("epochs"), name=str(s["path"]))
                    for path, s in zip(token_path, d.sources)]
@@ -172,7 +173,7 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
 # ------------------------------------------------------------------------------------ one step
 
 
-def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Tensor:
+def forward_backward(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
     """Every micro-batch forward and backward through this rank's chunks; gradients accumulate and are
     averaged over dp*cp once, during the last backward. Returns this rank's summed loss (under pp: the
     last stage's, zero elsewhere)."""
@@ -180,13 +181,13 @@ def forward_backward(run: Run, micro_batches: list[tuple[Tensor, Tensor]]) -> Te
         # The schedule runs every micro-batch through the stages; each chunk's gradients are
         # averaged over dp*cp during its last backward. The loss lives on the last stage.
         return run.pipeline.step(micro_batches)
-    wrapped, positions = run.model.dp_chunks[0], run.device_positions
+    wrapped = run.model.dp_chunks[0]
     loss_sum = torch.zeros((), device=run.device)
-    for k, (inputs, targets) in enumerate(micro_batches):  # on the device already (next_batch)
+    for k, mb in enumerate(micro_batches):  # on the device already (next_batch)
         last = k == len(micro_batches) - 1
         with contextlib.nullcontext() if last else wrapped.no_sync():
-            logits = wrapped(inputs, positions)  # [B, T/cp, vocab(/tp)]
-            loss = run.loss_fn(logits, targets)
+            logits = wrapped(mb.inputs, mb.positions, mb.docs)  # [B, T/cp, vocab(/tp)]
+            loss = run.loss_fn(logits, mb.targets)
             loss.backward()
         loss_sum += loss.detach()
     return loss_sum
@@ -227,15 +228,14 @@ def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
     return figures
 
 
-def next_batch(run: Run) -> list[tuple[Tensor, Tensor]]:
+def next_batch(run: Run) -> list[MicroBatch]:
     """The loader's next step: this rank's positions of each micro-batch, on the device (on a GPU copied
     asynchronously, so that the batch of step s+1 travels while step s computes)."""
-    mine = run.positions
-    return [(dev.to_device(inputs[:, mine], run.device), dev.to_device(targets[:, mine], run.device))
-            for inputs, targets in run.loader.next_batch()]
+    return [rank_micro_batch(mb, run.positions, run.device_positions, run.cfg.data, run.device)
+            for mb in run.loader.next_batch()]
 
 
-def dispatch_step(run: Run, step: int, batch: list[tuple[Tensor, Tensor]], *,
+def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
                   measure_memory: bool = False) -> PendingStep:
     """Optimizer step `step` (0-based) on `batch`, without waiting for the device: a non-finite loss or
     gradient norm makes the fused AdamW skip the update on the device's word (found_inf); under

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tetron.documents import Documents, document_mask
 from tetron.mesh import Mesh
+from tetron.model import sdpa_attention
 from tetron.parallel.block_attention import (  # noqa: F401  (the block kernels, also imported from here)
     _math_block,
     _math_block_backward,
@@ -33,14 +35,33 @@ from tetron.timers import timer
 # ----------------------------------------------------------------------------- which tokens a rank holds
 
 
-def shard_indices(seq_len: int, cp: int, rank: int, *, layout: str = "zigzag") -> Tensor:
+def shard_indices(seq_len: int, cp: int, rank: int, *, layout: str = "zigzag",
+                  device: torch.device | None = None) -> Tensor:
     """Positions of the sequence that cp rank `rank` holds, in increasing order."""
     if layout == "contiguous":
         n = seq_len // cp
-        return torch.arange(rank * n, (rank + 1) * n)
+        return torch.arange(rank * n, (rank + 1) * n, device=device)
     n = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * n, (rank + 1) * n),
-                      torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n)])
+    return torch.cat([torch.arange(rank * n, (rank + 1) * n, device=device),
+                      torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n, device=device)])
+
+
+@functools.lru_cache(maxsize=256)
+def _shard_positions(seq_len: int, cp: int, rank: int, layout: str, device: torch.device) -> Tensor:
+    # made on the device: a copy from the host would wait for the device's queue at every layer
+    return shard_indices(seq_len, cp, rank, layout=layout, device=device)
+
+
+def _block_mask(docs: Documents | None, rank: int, src: int, cp: int, layout: str,
+                qs: slice, ks: slice) -> Tensor | None:
+    """The document mask (documents.py) of this rank's queries `qs` on the keys `ks` of the block that
+    started on rank `src`; None without documents."""
+    if docs is None:
+        return None
+    ids = docs.ids
+    q_pos = _shard_positions(ids.shape[1], cp, rank, layout, ids.device)[qs]
+    k_pos = _shard_positions(ids.shape[1], cp, src, layout, ids.device)[ks]
+    return document_mask(ids, q_pos, k_pos)
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -108,8 +129,9 @@ class _RingAttention(torch.autograd.Function):
     same ring, with key/value gradients travelling alongside their blocks back to their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, layout):
-        # q [B, H, Tl, D]; k, v [B, KVH, Tl, D]: GQA heads are repeated per block, not sent repeated
+    def forward(ctx, q, k, v, ring, layout, docs):
+        # q [B, H, Tl, D]; k, v [B, KVH, Tl, D]: GQA heads are repeated per block, not sent repeated;
+        # docs (or None): the documents of the whole window, for the mask of each pair of shards
         cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
         rep, tl = q.shape[1] // k.shape[1], q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -124,20 +146,23 @@ class _RingAttention(torch.autograd.Function):
                 qs, ks, causal = part
                 kb = k[:, :, ks].repeat_interleave(rep, dim=1)  # [B, H, Tk, D]
                 vb = v[:, :, ks].repeat_interleave(rep, dim=1)
-                block_out, block_lse = block_attention(q[:, :, qs], kb, vb, causal)
+                mask = _block_mask(docs, rank, (rank - step) % cp, cp, layout, qs, ks)
+                # the mask is causal by true positions too; `causal` (the diagonal block, whose local
+                # order is position order) lets the kernel skip the blocks above the diagonal
+                block_out, block_lse = block_attention(q[:, :, qs], kb, vb, causal, mask=mask)
                 out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if step < cp - 1:
                 _wait(works)
                 k, v = k_next, v_next
         out = out.to(q.dtype)
         ctx.save_for_backward(q, own_k, own_v, out, lse)
-        ctx.ring, ctx.layout = ring, layout
+        ctx.ring, ctx.layout, ctx.docs = ring, layout, docs
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors  # k, v: this rank's own block; the ring restarts from it
-        ring, layout = ctx.ring, ctx.layout
+        ring, layout, docs = ctx.ring, ctx.layout, ctx.docs
         cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
         rep, tl, kv_heads = q.shape[1] // k.shape[1], q.shape[2], k.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -152,8 +177,9 @@ class _RingAttention(torch.autograd.Function):
                 qs, ks, causal = part
                 kb = k[:, :, ks].repeat_interleave(rep, dim=1)
                 vb = v[:, :, ks].repeat_interleave(rep, dim=1)
+                mask = _block_mask(docs, rank, (rank - step) % cp, cp, layout, qs, ks)
                 dqb, dkb, dvb = block_attention_backward(dout[:, :, qs], q[:, :, qs], kb, vb, out[:, :, qs],
-                                                         lse[:, :, qs], causal)
+                                                         lse[:, :, qs], causal, mask=mask)
                 dq[:, :, qs] += dqb.float()
                 dk[:, :, ks] += dkb.float().unflatten(1, (kv_heads, rep)).sum(2)  # [B, KVH, Tk, D]
                 dv[:, :, ks] += dvb.float().unflatten(1, (kv_heads, rep)).sum(2)
@@ -163,16 +189,18 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 _wait(kv_works)
                 k, v = k_next, v_next
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: Mesh, layout: str = "zigzag") -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None, *, mesh: Mesh,
+                   layout: str = "zigzag") -> Tensor:
     """Causal attention over the whole sequence, from this cp rank's share of q, k, v
-    ([B, heads, T/cp, head_dim], positions as `shard_indices` gives them)."""
+    ([B, heads, T/cp, head_dim], positions as `shard_indices` gives them); with `docs` (the whole window's
+    documents) each position attends only within its document."""
     if mesh.size("cp") == 1:
-        return block_attention(q, k, v, True)[0]
+        return sdpa_attention(q, k, v, docs)
     ring = _Ring(mesh.group("cp"), mesh.cp_next, mesh.cp_prev)
-    return _RingAttention.apply(q, k, v, ring, layout)
+    return _RingAttention.apply(q, k, v, ring, layout, docs)
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, *, layout: str = "zigzag", impl: str = "ring") -> nn.Module:

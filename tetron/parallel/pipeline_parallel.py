@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.variable import Variable
 
+from tetron.batch import MicroBatch
 from tetron.config import Config
 from tetron.mesh import Mesh
 from tetron.model import Llama
@@ -184,7 +185,8 @@ class Pipeline:
         self.shape, self.dtype = tuple(shape), dtype
         self.device = device or torch.device("cpu")
         self.loss_fn = loss_fn
-        self.positions = positions.to(self.device)  # [T/cp] this rank's RoPE positions (all of them without cp)
+        # [T/cp] this rank's RoPE positions (all of them without cp), for a micro-batch that brings none
+        self.positions = positions.to(self.device)
         self.group = mesh.group("pp")
         # With NCCL the first operation on a group must involve all its ranks, which P2P does not.
         dist.barrier(group=self.group)
@@ -256,15 +258,16 @@ class Pipeline:
     # --- compute ---
 
     def _forward(self, action: Action, received: Tensor | None,
-                 batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Message, int] | None:
-        s = self._stage(action.chunk)
+                 batch: MicroBatch | tuple[Tensor, Tensor]) -> tuple[Tensor, Message, int] | None:
+        s, mb = self._stage(action.chunk), MicroBatch(*batch)
         if s == 0:
-            x = batch[0].to(self.device)  # [B, T] token ids
+            x = mb.inputs.to(self.device)  # [B, T] token ids
         else:
             x = received.requires_grad_()  # [B, T', hidden], a leaf: its gradient is what goes back
-        out = self.chunks[action.chunk](x, self.positions)  # [B, T', hidden], or [B, T', vocab] logits
+        positions = self.positions if mb.positions is None else mb.positions
+        out = self.chunks[action.chunk](x, positions, mb.docs)  # [B, T', hidden], or [B, T', vocab] logits
         if s == self.stages - 1:
-            loss = self.loss_fn(out, batch[1].to(self.device))
+            loss = self.loss_fn(out, mb.targets.to(self.device))
             self.loss += loss.detach()
             self.stored[(action.chunk, action.micro)] = (x, loss)
             return None
@@ -293,9 +296,9 @@ class Pipeline:
         out_msg = sends(action, pp=self.p, virtual=self.v, rank=self.rank, style=self.style)
         return None if out_msg is None else (dx, *out_msg)
 
-    def step(self, batches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """Forward and backward of every micro-batch (input_ids, targets); gradients accumulate in the
-        chunks. Returns the sum of the micro-batch losses on the last stage, zero elsewhere."""
+    def step(self, batches: list[MicroBatch] | list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Forward and backward of every micro-batch (a MicroBatch, or a pair input_ids, targets); gradients
+        accumulate in the chunks. Returns the sum of the micro-batch losses on the last stage, zero elsewhere."""
         if len(batches) != self.m:
             raise ValueError(f"the schedule was built for {self.m} micro-batches, got {len(batches)}")
         self.loss = torch.zeros((), device=self.device)

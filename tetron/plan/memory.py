@@ -67,27 +67,35 @@ class Sizes:
     ulysses_kv: int = 0  # Ulysses attention (parallel.cp_impl): key/value width on this rank after the heads are
     # repeated for cp (hkv, or more); 0 under ring attention or without cp
     ulysses_views: bool = False  # Ulysses, contiguous layout: q, k, v stay views of the all-to-all's buffer
+    doc_mask: int = 0  # bytes of the document mask (data.mask_documents) one micro-batch's forward keeps on a
+    # chunk: [B, 1, T, T] in the compute dtype, shared by its layers; 0 under ring attention (it remakes
+    # each block's mask in the backward) or without the option
+    rope_rows: int = 1  # rows of the RoPE tables: 1, or micro_batch when positions restart per document
 
     @classmethod
     def of(cls, cfg: Config) -> Sizes:
         m, p, t = cfg.model, cfg.parallel, cfg.train
         return _sizes(m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.intermediate_size,
                       m.vocab_size, p.tp, p.cp, p.sp, p.vocab_pad_multiple, cfg.data.seq_len, t.micro_batch,
-                      t.dtype == "bfloat16", p.cp_impl, p.cp_layout)
+                      t.dtype == "bfloat16", p.cp_impl, p.cp_layout, cfg.data.mask_documents,
+                      cfg.data.reset_positions)
 
 
 @functools.lru_cache(maxsize=4096)
 def _sizes(h: int, heads: int, kv_heads: int, hd: int, inter: int, vocab: int, tp: int, cp: int, sp: bool,
            pad: int, seq_len: int, micro_batch: int, bf16: bool, cp_impl: str = "ring",
-           cp_layout: str = "zigzag") -> Sizes:
+           cp_layout: str = "zigzag", mask_documents: bool = False, reset_positions: bool = False) -> Sizes:
     seq = seq_len // cp
     n = micro_batch * seq
     ulysses = cp_impl == "ulysses" and cp > 1 and (heads // tp) % cp == 0
+    whole_mask = mask_documents and (cp == 1 or ulysses)  # the kernel sees the whole sequence
     kv = kv_heads // tp * (kv_repeats(heads // tp, kv_heads // tp, cp) if ulysses else 1) * hd
     return Sizes(d=2 if bf16 else 4, h=h, hq=heads // tp * hd, hkv=kv_heads // tp * hd, heads=heads // tp,
                  inter=inter // tp, vocab=padded_vocab_size(vocab, tp, pad) // tp if tp > 1 else vocab, hd=hd,
                  n=n, n_res=n // tp if sp else n, seq=seq, tp=tp, cp=cp, sp=sp and tp > 1,
-                 ulysses_kv=kv if ulysses else 0, ulysses_views=ulysses and cp_layout == "contiguous")
+                 ulysses_kv=kv if ulysses else 0, ulysses_views=ulysses and cp_layout == "contiguous",
+                 doc_mask=micro_batch * seq_len * seq_len * (2 if bf16 else 4) if whole_mask else 0,
+                 rope_rows=micro_batch if reset_positions else 1)
 
 
 # ------------------------------------------------------------------------------------ parameters
@@ -324,10 +332,11 @@ class Held:
 
 def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
     """One micro-batch's saved tensors on one chunk: its layers, the RoPE tables the layers share (cos and
-    sin for this rank's positions), the embedding's indices under tp (ids local to the shard and the mask
-    of ids outside it), the final norm and the head's input, and the loss's softmax (fp32)."""
+    sin for this rank's positions, per row when they restart per document), the document mask, the
+    embedding's indices under tp (ids local to the shard and the mask of ids outside it), the final norm
+    and the head's input, and the loss's softmax (fp32)."""
     mode = cfg.train.recompute
-    acts = chunk.layers * layer_activations(s, mode) + 2 * s.seq * s.hd * s.d
+    acts = chunk.layers * layer_activations(s, mode) + 2 * s.rope_rows * s.seq * s.hd * s.d + s.doc_mask
     if chunk.first and s.tp > 1:
         acts += s.n * (I64 + 1)
     if not chunk.first and cfg.train.dtype == "bfloat16" and mode == "none":
