@@ -287,7 +287,9 @@ def test_memory_model_counts_the_document_mask(tmp_path, cp, impl):
     """The planner's bytes for masked documents and restarted positions, to the byte: a layer saves nothing
     more (its layers share one mask), a chunk saves one [B, 1, T, T] mask (none under ring attention, which
     remakes each block's) and per-row RoPE tables."""
-    from tetron.plan.memory import Chunk, Sizes, chunk_held, layer_none
+    from tetron.plan.activations import chunk_held, layer_none
+    from tetron.plan.sizes import Sizes
+    from tetron.plan.state import Chunk
 
     raws = [tiny_config(tmp_path, tmp_path, tmp_path / "out", data={"seq_len": 32, **data},
                         parallel={"cp": cp, "cp_impl": impl}, model={"max_position_embeddings": 64})

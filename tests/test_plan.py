@@ -23,10 +23,13 @@ from tetron.errors import ConfigError
 from tetron.model import LlamaConfig
 from tetron.parallel.pipeline_schedules import theoretical_bubble
 from tetron.plan import fit
+from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import GiB, gpu, with_memory
 from tetron.plan.measure import measure_rank
-from tetron.plan.memory import Sizes, layer_kept, layer_none, predict_rank, state
+from tetron.plan.memory import predict_rank
 from tetron.plan.search import rank, search
+from tetron.plan.sizes import Sizes
+from tetron.plan.state import state
 from tetron.plan.steptime import estimate
 from tetron.validate import validate
 

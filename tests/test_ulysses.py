@@ -17,8 +17,9 @@ from tetron.mesh import Mesh
 from tetron.overrides import SHORT_FLAGS
 from tetron.parallel.context_parallel import apply_context_parallel, ring_attention, shard_indices
 from tetron.parallel.ulysses import all_to_all, kv_repeats, ulysses_attention
+from tetron.plan.activations import layer_none
 from tetron.plan.hardware import gpu
-from tetron.plan.memory import Sizes, layer_none
+from tetron.plan.sizes import Sizes
 from tetron.plan.steptime import estimate
 from tetron.validate import validate
 

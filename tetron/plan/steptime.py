@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 from tetron.config import Config
 from tetron.parallel.pipeline_schedules import simulate, splits_backward
+from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import Hardware
-from tetron.plan.memory import Sizes, chunk_buckets, layer_kept, layer_none, layer_numels, rank_chunks
+from tetron.plan.sizes import Sizes
+from tetron.plan.state import chunk_buckets, layer_numels, rank_chunks
 
 
 @dataclass

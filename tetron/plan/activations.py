@@ -1,0 +1,93 @@
+"""What a micro-batch leaves saved between its forward and backward pass, for the memory model
+(plan/memory.py): per decoder layer under each recompute mode, and per chunk (RoPE tables, the document
+mask, the head's input and the loss's softmax)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tetron.config import Config
+from tetron.plan.sizes import F32, I64, Sizes
+from tetron.plan.state import Chunk
+
+# ------------------------------------------------------------------------------------ activations
+
+
+def norm_bytes(s: Sizes, tokens: int) -> int:
+    """What an RMSNorm saves (model.RMSNorm, computed in fp32): its input in fp32 (the input itself in
+    fp32, a copy in bf16), 1/rms per token, and the normalized input in the compute dtype."""
+    return tokens * (F32 * s.h + F32 + s.d * s.h)
+
+
+def _attention(s: Sizes) -> int:
+    """What attention saves: q, k and v as the kernel sees them and its output, in the compute dtype, and
+    the fp32 log-sum-exp per head. The fused kernel keeps no [s, s] scores (Korthikanti's 5as/h term is
+    gone). Without cp, GQA's k and v are repeated to every query head before the kernel (hq each), and
+    the output is already laid out for o_proj. Ring attention keeps its own contiguous k and v (hkv
+    each) and its output in [B, H, T, D], which o_proj's input reshape copies (one more hq). Ulysses
+    attention keeps what the kernel keeps (q, its k and v: repeated to every query head where the rank's
+    heads are grouped, its output) and o_proj's copy; under the contiguous layout the kernel's q is a view
+    of the all-to-all's buffer, which then stays whole (its k and v parts too)."""
+    if s.cp == 1:
+        return s.n * (4 * s.d * s.hq + F32 * s.heads)
+    if s.ulysses_kv:
+        grouped = s.ulysses_kv < s.hq
+        kernel_kv = s.hq if grouped else s.ulysses_kv
+        buffer = 2 * s.ulysses_kv if s.ulysses_views and grouped else 0  # k, v parts that the q view keeps
+        return s.n * (s.d * (3 * s.hq + 2 * kernel_kv + buffer) + F32 * s.heads)
+    return s.n * (s.d * (3 * s.hq + 2 * s.hkv) + F32 * s.heads)
+
+
+def layer_none(s: Sizes) -> int:
+    """One decoder layer's saved tensors without recomputation, for one micro-batch. Korthikanti's
+    sbh(34 + 5as/h) for GPT becomes, for this Llama (no dropout, SwiGLU, RMSNorm in fp32): two norms
+    (on the residual stream, 1/tp of it under sp), the two norm outputs as the column-parallel matmuls
+    see them (the whole sequence, all-gathered under sp), attention, and the MLP's gate, silu(gate),
+    up and their product (4 x intermediate/tp). fp32, tp 1, no GQA: 24h + 16hq + 16i + 4 heads + 8
+    bytes a token (tests/test_recompute.py measures 1,185,792 for its model: this formula exactly)."""
+    # Under sp the norm outputs are all-gathered into a strided view, which F.linear copies for each of
+    # q, k, v, gate and up: five copies of [n, h] where tp without sp saves the one norm output twice.
+    inputs = 5 if s.sp else 2
+    return 2 * norm_bytes(s, s.n_res) + inputs * s.n * s.d * s.h + _attention(s) + s.n * 4 * s.d * s.inter
+
+
+def layer_kept(s: Sizes, mode: str) -> int:
+    """What a layer keeps between its forward and backward under recomputation (recompute.py): its input
+    always (on the residual stream); `selective` also every matmul output and attention's outputs: q, k,
+    v, attention output (+ log-sum-exp), o and down (whole width: row-parallel partial sums), gate, up."""
+    kept = s.n_res * s.d * s.h
+    if mode == "selective":
+        attention = s.d * (2 * s.hq + 2 * s.hkv) + F32 * s.heads
+        kept += s.n * (attention + 2 * s.d * s.h + 2 * s.d * s.inter)
+    return kept
+
+
+def layer_activations(s: Sizes, mode: str) -> int:
+    return layer_none(s) if mode == "none" else layer_kept(s, mode)
+
+
+@dataclass(frozen=True)
+class Held:
+    """Bytes one micro-batch leaves on a chunk until its backward: activations, and the loss's saved softmax."""
+
+    activations: int
+    loss: int
+
+
+def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
+    """One micro-batch's saved tensors on one chunk: its layers, the RoPE tables the layers share (cos and
+    sin for this rank's positions, per row when they restart per document), the document mask, the
+    embedding's indices under tp (ids local to the shard and the mask of ids outside it), the final norm
+    and the head's input, and the loss's softmax (fp32)."""
+    mode = cfg.train.recompute
+    acts = chunk.layers * layer_activations(s, mode) + 2 * s.rope_rows * s.seq * s.hd * s.d + s.doc_mask
+    if chunk.first and s.tp > 1:
+        acts += s.n * (I64 + 1)
+    if not chunk.first and cfg.train.dtype == "bfloat16" and mode == "none":
+        acts += s.n_res * s.d * s.h  # the received bf16 input, besides the first norm's fp32 copy of it
+    loss = 0
+    if chunk.last:
+        acts += norm_bytes(s, s.n_res) + s.n * s.d * s.h
+        # tp 1: log_softmax's output; tp > 1: the vocab-parallel softmax, the target index and its mask
+        loss = s.n * s.vocab * F32 + (s.n * (I64 + 1) if s.tp > 1 else 0)
+    return Held(acts, loss)

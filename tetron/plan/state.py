@@ -1,0 +1,180 @@
+"""What a rank holds from step to step, for the memory model (plan/memory.py): its chunks' parameters as
+tetron lays them out (ZeRO-3's units, the gradient buckets), and the bytes of parameters, gradients and
+optimizer state under each ZeRO stage."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from tetron.config import Config
+from tetron.parallel.pipeline_parallel import split_layers
+from tetron.parallel.pipeline_schedules import stage_of, style_of
+from tetron.plan.sizes import F32, Sizes
+
+# ------------------------------------------------------------------------------------ parameters
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk on a rank: its decoder layers, whether it embeds (first) or holds the head (last)."""
+
+    layers: int
+    first: bool
+    last: bool
+
+
+def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
+    """The chunks pipeline rank `pp_rank` holds, in virtual-stage order (pipeline_parallel.rank_stages)."""
+    p = cfg.parallel
+    stages = p.pp * p.pp_virtual
+    ranges = split_layers(cfg.model.num_hidden_layers, stages, p.pp_split)
+    held = [stage_of(c, pp_rank, pp=p.pp, style=style_of(p.pp_schedule)) for c in range(p.pp_virtual)]
+    return [Chunk(len(ranges[s]), s == 0, s == stages - 1) for s in held]
+
+
+def layer_numels(cfg: Config) -> list[int]:
+    """Elements of one decoder layer's parameters on a rank, in `parameters()` order: q, k, v, o,
+    gate, up, down (each 1/tp), then the two RMSNorm weights (whole)."""
+    s = Sizes.of(cfg)
+    h = s.h
+    return [s.hq * h, s.hkv * h, s.hkv * h, h * s.hq, s.inter * h, s.inter * h, h * s.inter, h, h]
+
+
+def chunk_units(cfg: Config, chunk: Chunk) -> list[list[int]]:
+    """A chunk's parameters as ZeRO-3's units (zero.units_of): first the rest of the chunk (embedding,
+    final norm, head; the head is the embedding's own Parameter when tied on one chunk), then each layer."""
+    s, tied = Sizes.of(cfg), cfg.model.tie_word_embeddings
+    root = [s.vocab * s.h] if chunk.first else []
+    if chunk.last:
+        root.append(s.h)
+        if not (tied and chunk.first):
+            root.append(s.vocab * s.h)
+    return [root] + [layer_numels(cfg) for _ in range(chunk.layers)]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One fp32 gradient bucket (parallel/data_parallel._Bucket): its parameters' sizes in buffer
+    order, padded to a multiple of the shards."""
+
+    numels: tuple[int, ...]
+    shards: int
+
+    @functools.cached_property
+    def padded(self) -> int:
+        return -(-sum(self.numels) // self.shards) * self.shards
+
+    @functools.cached_property
+    def slice_size(self) -> int:
+        return self.padded // self.shards
+
+    def owned(self, rank: int) -> tuple[int, int]:
+        """(elements, pieces) of slice `rank`: the real elements it holds and how many parameters they touch."""
+        lo, hi = rank * self.slice_size, (rank + 1) * self.slice_size
+        elements = pieces = start = 0
+        for numel in self.numels:
+            overlap = min(start + numel, hi) - max(start, lo)
+            if overlap > 0:
+                elements, pieces = elements + overlap, pieces + 1
+            start += numel
+        return elements, pieces
+
+
+def chunk_buckets(cfg: Config, chunk: Chunk) -> list[Bucket]:
+    """The chunk's buckets in backward order: one per ZeRO-3 unit, else filled to parallel.bucket_mb
+    from the last parameter backwards (DataParallelBucket._size_buckets)."""
+    p = cfg.parallel
+    shards = p.dp * p.cp if p.zero >= 1 else 1
+    units = tuple(tuple(u) for u in chunk_units(cfg, chunk))
+    return list(_buckets(units, chunk.first, shards, p.zero == 3, p.bucket_mb))
+
+
+@functools.lru_cache(maxsize=4096)
+def _buckets(units: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: float) -> tuple[Bucket, ...]:
+    if per_unit:
+        return tuple(Bucket(u, shards) for u in reversed(units) if u)
+    root, *layers = units
+    embed = root[:1] if first else ()
+    numels = [*embed, *(n for layer in layers for n in layer), *root[len(embed):]]  # parameters() order
+    limit = max(1, int(bucket_mb * 2**20 / 4))
+    buckets, group = [], []
+    for numel in reversed(numels):
+        group.append(numel)
+        if sum(group) >= limit:
+            buckets.append(Bucket(tuple(group), shards))
+            group = []
+    if group:
+        buckets.append(Bucket(tuple(group), shards))
+    return tuple(buckets)
+
+
+# ------------------------------------------------------------------------------------ state
+
+
+@dataclass(frozen=True)
+class State:
+    """What one rank holds from step to step (ZeRO-3: between uses), and what ZeRO adds during a step."""
+
+    params: int  # parameters in the compute dtype: per-parameter tensors, ZeRO's flat buffers, or ZeRO-3's slices
+    grads: int  # fp32 bucket buffers (ZeRO-2/3: only this rank's slices between steps)
+    optimizer: int  # fp32 master weights where they are not the parameters, AdamW's moments, its step counters
+    largest: int  # elements of the largest piece AdamW updates (its step makes temporaries of that size)
+    root: int = 0  # ZeRO-3: elements of a first/last chunk's non-layer unit (embedding, final norm, head), padded
+    layer: int = 0  # ZeRO-3: elements of one decoder layer's unit, padded
+    chunk_units: tuple[int, ...] = ()  # ZeRO-2/3: elements of each chunk's gradient buffers together, padded
+    lazy_buckets: tuple[tuple[int, ...], ...] = ()  # ZeRO-2: each chunk's buffers' elements, in backward order
+    head: tuple[int, ...] = ()  # ZeRO-2: each chunk's elements before its first layer's, in backward order
+    layer_elements: int = 0  # ZeRO-2: one decoder layer's elements
+
+
+def _optimizer_bytes(cfg: Config, buckets: list[Bucket], dp_rank: int) -> tuple[int, int]:
+    """(bytes, largest piece) of the optimizer state: zero.ShardedAdamW's pieces of this rank's slices."""
+    p, shards = cfg.parallel, cfg.parallel.dp * cfg.parallel.cp if cfg.parallel.zero >= 1 else 1
+    bf16 = cfg.train.dtype == "bfloat16"
+    if shards == 1:
+        numels = [n for b in buckets for n in b.numels]
+        # Plain fp32: AdamW over the parameters themselves (exp_avg + exp_avg_sq, and a 4-byte step each);
+        # bf16: plus an fp32 master copy of every parameter (Megatron: 12 + 2 bytes per parameter).
+        return (8 + 4 * bf16) * sum(numels) + 4 * len(numels), max(numels)
+    owned = [b.owned(dp_rank) for b in buckets]
+    elements, pieces = sum(e for e, _ in owned), sum(k for _, k in owned)
+    # ZeRO: moments of this rank's pieces only; fp32 masters are views of its parameter slice (no copy),
+    # bf16 ones are fp32 copies of its pieces. Largest piece: at most a slice, at most a parameter.
+    largest = max(min(b.slice_size, max(b.numels)) for b in buckets)
+    return (8 + 4 * bf16) * elements + 4 * pieces, largest if p.dp_impl == "bucket" else 0
+
+
+def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
+    """The persistent bytes of pipeline rank `pp_rank` (and dp*cp rank `dp_rank`, whose ZeRO slices
+    differ from the others' by padding only). ZeRO's 1/N of optimizer state (stage 1), gradients (2) and
+    parameters (3) as in Rajbhandari et al. 2020 and the Ultra-Scale Playbook, on tetron's buckets: each
+    padded to a multiple of N = dp*cp, every gradient in fp32 whatever the compute dtype (Megatron's
+    main_grad), one bucket per decoder layer under ZeRO-3 (FSDP2's unit)."""
+    p, d = cfg.parallel, Sizes.of(cfg).d
+    chunks = rank_chunks(cfg, pp_rank)
+    buckets = [b for c in chunks for b in chunk_buckets(cfg, c)]
+    shards = buckets[0].shards
+    padded = sum(b.padded for b in buckets)
+    slices = sum(b.slice_size for b in buckets)
+    optimizer, largest = _optimizer_bytes(cfg, buckets, dp_rank)
+    if p.zero == 3 and shards > 1:
+        units = [chunk_buckets(cfg, c) for c in chunks]
+        root = max((u[-1].padded for u, c in zip(units, chunks) if c.first or c.last), default=0)
+        layer = max((u[0].padded for u, c in zip(units, chunks) if c.layers), default=0)
+        # ZeRO-3: a clone of this rank's slice of every unit; the full flat buffers exist only while gathered
+        return State(params=d * slices, grads=F32 * slices, optimizer=optimizer, largest=largest, root=root,
+                     layer=layer, chunk_units=tuple(sum(b.padded for b in u) for u in units))
+    if p.dp_impl == "naive":  # fp32 only: a .grad per parameter, AdamW over the parameters
+        return State(params=F32 * padded, grads=F32 * padded, optimizer=optimizer, largest=largest)
+    if p.zero >= 2 and shards > 1:  # the slices persist; a full buffer lives from its first gradient to its reduction
+        per_chunk = [chunk_buckets(cfg, c) for c in chunks]
+        units = [chunk_units(cfg, c) for c in chunks]
+        return State(params=d * padded, grads=F32 * slices, optimizer=optimizer, largest=largest,
+                     chunk_units=tuple(sum(b.padded for b in bs) for bs in per_chunk),
+                     lazy_buckets=tuple(tuple(b.padded for b in bs) for bs in per_chunk),
+                     head=tuple(sum(u[0][1:] if c.first else u[0]) for u, c in zip(units, chunks)),
+                     layer_elements=sum(layer_numels(cfg)))
+    # ZeRO-0/1 (or nothing to shard): every bucket buffer is allocated once and kept; with shards > 1 the
+    # parameters live in one flat buffer per bucket, padded like it.
+    return State(params=d * padded, grads=F32 * padded, optimizer=optimizer, largest=largest)
