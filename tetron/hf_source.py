@@ -89,22 +89,25 @@ def hf_streams(spec: str) -> bool:
     return hf_folder(spec) is not None or hub_sha(parse_hf(spec)[0]) is not None
 
 
-def _unloadable(spec: str, e: Exception, verb: str, fix: str) -> DataError:
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return DataError(f"data: cannot {verb} {spec}: {msg} ({fix})")
+def _load_dataset(spec: str, *, streaming: bool) -> Any:
+    """datasets.load_dataset of an hf: spec; a hub name that cannot be reached fails at once, not after a
+    minute of retries, and any failure is one DataError naming the spec."""
+    name, config, split = parse_hf(spec)
+    if hf_folder(spec) is None and (problem := hub_problem(name, "dataset")) is not None:
+        raise DataError(f"data: {spec}: {problem}")
+    import datasets  # slow to import; only needed for hf: specs
+
+    try:
+        return datasets.load_dataset(name, config, split=split, streaming=streaming)
+    except Exception as e:  # datasets raises many types; all mean "cannot load this"
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        verb, fix = ("stream", "a hub name") if streaming else ("load", "a cached hub name")
+        raise DataError(f"data: cannot {verb} {spec}: {msg} (give a local dataset folder or {fix})") from e
 
 
 def load_hf(spec: str, text_field: str) -> Any:
     """The whole dataset, loaded (from the local cache where it is there): the offline fallback."""
-    name, config, split = parse_hf(spec)
-    if hf_folder(spec) is None and (problem := hub_problem(name, "dataset")) is not None:
-        raise DataError(f"data: {spec}: {problem}")  # at once, not after a minute of retries
-    import datasets  # slow to import; only needed for hf: specs
-
-    try:
-        ds = datasets.load_dataset(name, config, split=split)
-    except Exception as e:  # datasets raises many types; all mean "cannot load this"
-        raise _unloadable(spec, e, "load", "give a local dataset folder or a cached hub name") from e
+    ds = _load_dataset(spec, streaming=False)
     if text_field not in ds.column_names:
         columns = ", ".join(ds.column_names)
         raise DataError(f"data: {spec} has no column {text_field!r} (columns: {columns}; set text_field)")
@@ -113,15 +116,7 @@ def load_hf(spec: str, text_field: str) -> Any:
 
 def open_hf_stream(spec: str) -> Any:
     """A Hugging Face dataset as an IterableDataset (streaming: rows are read as they are used)."""
-    name, config, split = parse_hf(spec)
-    if hf_folder(spec) is None and (problem := hub_problem(name, "dataset")) is not None:
-        raise DataError(f"data: {spec}: {problem}")
-    import datasets  # slow to import; only for hf: specs
-
-    try:
-        return datasets.load_dataset(name, config, split=split, streaming=True)
-    except Exception as e:  # datasets raises many types; all mean "cannot load this"
-        raise _unloadable(spec, e, "stream", "give a local dataset folder or a hub name") from e
+    return _load_dataset(spec, streaming=True)
 
 
 def share_hub_commits(rank: int, world_size: int, device: torch.device) -> None:

@@ -114,12 +114,8 @@ def iter_hf_rows(ds: Any, where: str, text_field: str, skip: BadRecords | None) 
 
 def _iter_hf(spec: str, text_field: str, skip: BadRecords | None) -> Iterator[str]:
     """Streamed (a prefix reads only the rows it uses), or loaded whole from the cache when offline."""
-    if hf_streams(spec):
-        yield from iter_hf_rows(open_hf_stream(spec), spec, text_field, skip)
-        return
-    ds = load_hf(spec, text_field)
-    for b, batch in enumerate(ds.select_columns([text_field]).iter(batch_size=1000)):
-        yield from _texts(iter(batch[text_field]), lambda i, b=b: f"{spec} row {b * 1000 + i}", text_field, skip)
+    ds = open_hf_stream(spec) if hf_streams(spec) else load_hf(spec, text_field).select_columns([text_field])
+    yield from iter_hf_rows(ds, spec, text_field, skip)
 
 
 def _jsonl_record(line: bytes, where: str, text_field: str, skip: BadRecords | None) -> str | None:
