@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 
 from tetron.checkpoint import find_latest
-from tetron.checkpoint_load import TensorReader, inspect_checkpoint, load_model
+from tetron.checkpoint_check import inspect_checkpoint
+from tetron.checkpoint_load import TensorReader, load_model
 from tetron.config import from_dict
 from tetron.convert import convert
 from tetron.data import prepare_data

@@ -36,7 +36,7 @@ from test_cli import user_env
 import tetron.cli
 import tetron.sources
 from tetron.checkpoint import find_latest
-from tetron.checkpoint_load import inspect_checkpoint
+from tetron.checkpoint_check import inspect_checkpoint
 from tetron.config import from_dict
 from tetron.data import prepare_data
 from tetron.errors import ConfigError

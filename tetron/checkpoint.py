@@ -11,7 +11,7 @@ Every tensor is gathered whole (over tp, padding cut) on its pipeline stage and 
 streams it into the current shard: no rank holds more than one full tensor. The folder is written as
 `step_N.tmp-<random>`, synced, renamed; `latest` is updated last, so a run killed at any moment leaves the
 previous checkpoint whole. No pickle: safetensors and JSON only, nothing here can run code when read.
-Reading is in checkpoint_load.py.
+Reading is in checkpoint_load.py, checking before start-up in checkpoint_check.py.
 """
 
 from __future__ import annotations

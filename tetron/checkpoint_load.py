@@ -1,5 +1,6 @@
-"""Checkpoints, read: checked from JSON and safetensors headers before any process starts, then loaded
-slice by slice, each rank reading only the part of each tensor it holds (so any layout loads any checkpoint).
+"""Checkpoints, read: JSON and safetensors headers read defensively, then tensors loaded slice by slice,
+each rank reading only the part of each tensor it holds (so any layout loads any checkpoint). What is
+checked before any process starts, from the same readers, is in checkpoint_check.py.
 
 The same reader takes Hugging Face model folders (`--init-from`: model.safetensors, or shards with an
 index; tied models without lm_head.weight). Problems raise CheckpointError: one line naming the file.
@@ -24,23 +25,17 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from tetron import device as dev
-from tetron.checkpoint import FORMAT, STATE_FILE, STEP_DIR, model_specs, optimizer_specs, seal
-from tetron.errors import CheckpointError, DataError, check
-from tetron.fs import read_bounded, sha256
+from tetron.checkpoint import STATE_FILE
+from tetron.errors import CheckpointError, check
+from tetron.fs import read_bounded
 from tetron.hub import hub_problem
 from tetron.init import name_seed
 from tetron.model import Llama, LlamaConfig
 from tetron.parallel.layout import full_shape, layout_of
 from tetron.parallel.zero import ShardedAdamW
 from tetron.safetensors_stream import DTYPES
-from tetron.tokenizer import load_tokenizer
 
-_FLOATS = {"F32", "F16", "BF16", "F64"}
-MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "tie_word_embeddings")  # the shapes: always the same
-# what gives trained weights their meaning without changing a shape: the same unless
-# checkpoint.new_model_settings (extending the context changes rope_theta or rope_scaling on purpose)
-SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 MAX_JSON_BYTES = 256 << 20  # the largest JSON file read from a checkpoint or model folder
 # what travels with the weights when a folder is converted: the tokenizer, and when generation stops
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tetron_tokenizer.json", "special_tokens_map.json",
@@ -216,129 +211,12 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch
     return model
 
 
-# --------------------------------------------------------------------------- checking, before any process starts
-
-
-def read_model_config(folder: Path) -> LlamaConfig:
-    path = Path(folder) / "config.json"
-    raw = read_json(path)
-    _need(isinstance(raw, dict), f"{path}: expected a JSON object")
-    try:
-        return LlamaConfig.from_hf(raw)
-    except (ValueError, TypeError) as err:
-        raise CheckpointError(f"{path}: {err}") from None
-
-
-def compare_models(found: LlamaConfig, want: LlamaConfig, where: Path, *, settings: bool = True) -> None:
-    """The same shapes, and with `settings` the same SETTING_FIELDS, or a CheckpointError naming the field."""
-    for f in MODEL_FIELDS:
-        _need(getattr(found, f) == getattr(want, f),
-              f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}; "
-              f"use the same model config")
-    for f in SETTING_FIELDS if settings else ():
-        _need(getattr(found, f) == getattr(want, f),
-              f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}: "
-              f"the weights were trained with the first; use it, or set checkpoint.new_model_settings=true")
-
-
-def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
-    path = folder / STATE_FILE
-    s = read_json(path)
-    _need(isinstance(s, dict) and s.get("format") == FORMAT, f"{path}: not a {FORMAT} trainer state")
-    _need(seal(s).get("checksum") == s.get("checksum"),
-          f"{path}: its checksum does not match its content: edited or corrupted")
-    _need(type(s.get("step")) is int and s["step"] >= 0, f"{path}: step must be a non-negative integer")
-    named = STEP_DIR.match(folder.name)
-    _need(not named or int(named.group(1)) == s["step"], f"{path}: step={s['step']} but the folder is {folder.name}")
-    _need(type(s.get("tokens")) is int and s["tokens"] >= 0, f"{path}: tokens must be a non-negative integer")
-    loader = s.get("loader")
-    _need(loader is None or (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in
-          ("step", "seed", "global_batch", "seq_len", "num_tokens")) and loader["step"] == s["step"]),
-          f"{path}: loader must hold integer step (= {s['step']}), seed, global_batch, seq_len, num_tokens")
-    _need(s.get("config") is None or isinstance(s["config"], dict), f"{path}: config must be a mapping")
-    layout = s.get("layout")
-    _need(layout is None or (isinstance(layout, dict) and all(type(layout.get(k)) is int and layout[k] >= 1
-          for k in ("dp", "tp", "pp", "cp", "pp_virtual", "world_size"))), f"{path}: bad layout")
-    opt = s.get("optimizer")
-    _need(isinstance(opt, dict) and type(opt.get("present")) is bool and type(opt.get("step")) in (int, float),
-          f"{path}: optimizer must be {{present: bool, step: number}}")
-    files = s.get("files")
-    _need(isinstance(files, dict) and files, f"{path}: files must list every file with its size and sha256")
-    for name, meta in files.items():
-        f = folder / name
-        _need(Path(name).name == name and name not in (".", ".."), f"{path}: bad file name {name!r}")
-        _need(isinstance(meta, dict) and type(meta.get("size")) is int and isinstance(meta.get("sha256"), str),
-              f"{path}: bad entry for {name}")
-        _need(f.is_file(), f"{f}: missing (listed in {STATE_FILE})")
-        _need(f.stat().st_size == meta["size"],
-              f"{f}: {f.stat().st_size} bytes, {STATE_FILE} says {meta['size']}: truncated or replaced")
-        _need(not verify_data or sha256(f) == meta["sha256"],
-              f"{f}: contents differ from the sha256 in {STATE_FILE}: corrupted")
-    if layout is not None:
-        _need("rng.safetensors" in files, f"{path}: rng.safetensors is not listed")
-    return s
-
-
-def _is_ids(value: Any) -> bool:
-    return value is None or type(value) is int or (isinstance(value, list) and all(type(v) is int for v in value))
-
-
-def _check_side_files(folder: Path) -> None:
-    """The tokenizer a run may train with, and the ids generation stops at: readable and well typed."""
-    if (folder / "tetron_tokenizer.json").is_file():
-        try:
-            load_tokenizer(str(folder), data_spec=None, cache_dir=folder)
-        except DataError as err:
-            raise CheckpointError(str(err)) from None
-    generation = folder / "generation_config.json"
-    if generation.is_file():
-        g = read_json(generation)
-        _need(isinstance(g, dict) and all(_is_ids(g.get(k)) for k in ("bos_token_id", "eos_token_id", "pad_token_id")),
-              f"{generation}: bos/eos/pad_token_id must be integers, lists of integers or null")
-
-
-def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, require_state: bool = True,
-                       verify_data: bool = True, settings: bool = True) -> dict[str, Any] | None:
-    """Check a checkpoint (or, with require_state=False, any HF model folder) without loading it: JSON,
-    safetensors headers, every tensor the model needs with its shape, file sizes and hashes; and that its
-    model equals `model` where given (its shapes, and with `settings` its rope and norm settings). Returns
-    the trainer state (None for a plain HF folder). Writes nothing."""
-    folder = Path(folder)
-    _need(folder.is_dir(), f"{folder}: no such checkpoint folder")
-    state = None
-    if (folder / STATE_FILE).exists() or require_state:
-        _need((folder / STATE_FILE).exists(), f"{folder / STATE_FILE}: missing (not a complete tetron checkpoint)")
-        state = _check_trainer_state(folder, verify_data=verify_data)
-    _check_side_files(folder)
-    config = read_model_config(folder)
-    if model is not None:
-        compare_models(config, model, folder / "config.json", settings=settings)
-    dtypes = {"F32"} if state is not None else _FLOATS
-    reader = TensorReader(folder, "model")
-    for name, _, _, shape in model_specs(config):
-        reader.check(name, shape, dtypes=dtypes)
-    readers = [reader]
-    if state is not None and state["optimizer"]["present"]:
-        opt = TensorReader(folder, "optimizer")
-        for name, _, _, shape in optimizer_specs(config):
-            opt.check(name, shape, dtypes={"F32"})
-        readers.append(opt)
-    for r in readers if state is not None else []:  # tetron writes the exact byte count of its tensors
-        total = sum(math.prod(s) * 4 for f, h in r.headers.items() for n, (_, s) in h.items() if r.file_of.get(n) == f)
-        _need(r.total_size in (None, total), f"{r.where}: total_size={r.total_size}, its tensors hold {total} bytes")
-    if state is not None and state.get("layout") is not None:
-        rng = read_header(folder / "rng.safetensors")
-        for i in range(state["layout"]["world_size"]):
-            _need(f"rank_{i}" in rng and rng[f"rank_{i}"][0] == "U8", f"{folder / 'rng.safetensors'}: no rank_{i}")
-    return state
-
-
 # --------------------------------------------------------------------------- loading, slice by slice
 
 
 def _read_local(reader: TensorReader, key: str, param: nn.Parameter) -> Tensor:
     """This rank's part of tensor `key` for `param`, in fp32: its slice along the tp dim, vocab padding as zeros."""
-    reader.check(key, full_shape(param), dtypes=_FLOATS)
+    reader.check(key, full_shape(param), dtypes=FLOAT_DTYPES)
     shard = layout_of(param).tp
     if shard is None:
         return reader.read(key).to(torch.float32)

@@ -15,7 +15,8 @@ import shutil
 from pathlib import Path
 
 from tetron.checkpoint import FORMAT, STATE_FILE, model_specs, seal, write_tensors
-from tetron.checkpoint_load import TensorReader, copy_tokenizer, inspect_checkpoint, read_json, read_model_config
+from tetron.checkpoint_check import inspect_checkpoint, read_model_config
+from tetron.checkpoint_load import TensorReader, copy_tokenizer, read_json
 from tetron.errors import CheckpointError
 from tetron.fs import replace_folder, sha256, write_json
 

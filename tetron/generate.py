@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tetron.checkpoint_load import inspect_checkpoint, load_model, read_model_config
+from tetron.checkpoint_check import inspect_checkpoint, read_model_config
+from tetron.checkpoint_load import load_model
 from tetron.errors import CheckpointError
 from tetron.model import Llama, sdpa_attention
 from tetron.tokenizer import Tokenizer, load_tokenizer

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from tetron.checkpoint import find_latest, is_run_folder
-from tetron.checkpoint_load import inspect_checkpoint, read_model_config
+from tetron.checkpoint_check import inspect_checkpoint, read_model_config
 from tetron.config import CONFIGS_DIR, Config
 from tetron.data import data_specs, tokenizer_spec
 from tetron.device import compile_problem, device_problem
