@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tetron.model import LlamaConfig
+from tetron.models.llama import LlamaConfig
 
 
 def add_timing_args(parser: argparse.ArgumentParser, *, ranks: int = 2) -> None:

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from torch.nn.parallel import DistributedDataParallel
 
-from tetron.init import init_weights_
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
 from tetron.parallel.data_parallel import apply_data_parallel
+from tetron.parallel.init import init_weights_
 
 IMPLS = ("naive", "bucket", "ddp")
 

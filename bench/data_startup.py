@@ -26,7 +26,7 @@ TETRON = [sys.executable, "-m", "tetron.cli"]
 
 def make_text(folder: Path, gb: float) -> None:
     """Text files of 64 MB each, the stdlib's modules repeated, until `gb` GB."""
-    from tetron.sources import iter_texts
+    from tetron.data.sources import iter_texts
 
     folder.mkdir(parents=True, exist_ok=True)
     text = "\n".join(iter_texts("stdlib")).encode()

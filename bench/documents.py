@@ -21,9 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tetron.documents import document_mask, document_positions  # noqa: E402
-from tetron.init import seeded_model  # noqa: E402
-from tetron.model import LlamaConfig  # noqa: E402
+from tetron.data.documents import document_positions  # noqa: E402
+from tetron.models.attention import document_mask  # noqa: E402
+from tetron.models.llama import LlamaConfig  # noqa: E402
+from tetron.parallel.init import seeded_model  # noqa: E402
 
 
 def _transformers_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -33,10 +33,10 @@ import yaml
 
 from tetron import device as dev
 from tetron.config import CONFIGS_DIR, from_dict
-from tetron.documents import Documents, document_attention, document_mask
 from tetron.mesh import Mesh
-from tetron.metrics import mfu
-from tetron.model import Llama, LlamaConfig
+from tetron.models.attention import Documents, document_attention, document_mask
+from tetron.models.llama import Llama, LlamaConfig
+from tetron.observe.metrics import mfu
 from tetron.parallel.block_attention import _math_block, _math_block_backward, block_attention, block_attention_backward
 from tetron.parallel.compile import reset_compiled
 from tetron.plan.memory import predict
@@ -179,7 +179,7 @@ def check_block(device: torch.device, dtype: torch.dtype, kernel: str, causal: b
 
 def check_documents(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> list[Row]:
     """Attention kept within packed documents (data.mask_documents: the fused kernel that takes a mask,
-    documents.document_attention) against the math reference with the same mask, forward and backward."""
+    attention.document_attention) against the math reference with the same mask, forward and backward."""
     b, h, t, d = shape
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(b, h, t, d, generator=g, device=device).to(dtype) for _ in range(4))

@@ -13,7 +13,7 @@ record. Rank 0's figures, in MiB:
   `mem_grads_mb`, `mem_optimizer_mb`: each storage once; a rank's ZeRO slice of the parameters is a
   parameter, fp32 masters that are not the parameters and the AdamW moments are optimizer state);
 - activations: the peak of the bytes autograd saved for the backward pass during that step
-  (`mem_activations_mb`, tetron.memory.ActivationMeter);
+  (`mem_activations_mb`, tetron.observe.memory.ActivationMeter);
 - RSS at start, peak RSS: the resident set of the whole process when step 2 starts, and its peak
   during step 2 (`peak_mem_mb`, reset at each step's start): the interpreter and torch (about 0.3 GB),
   the state, and during the step activations, temporaries, gathered parameters and full gradient

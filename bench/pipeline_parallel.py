@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from common import add_model_args, add_timing_args, launch, median_step_times, model_config
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 
-from tetron.init import init_weights_, materialize_
 from tetron.mesh import Mesh
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
+from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.pipeline_parallel import Pipeline, apply_pipeline_stage, measure_bubble, split_layers
 from tetron.parallel.pipeline_schedules import simulate, stage_of, theoretical_bubble
 

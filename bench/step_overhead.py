@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tetron import train as tetron_train  # noqa: E402
 from tetron.config import from_dict  # noqa: E402
-from tetron.data import prepare_data  # noqa: E402
+from tetron.data.loader import prepare_data  # noqa: E402
 from tetron.mesh import Mesh  # noqa: E402
 
 SETTINGS = {  # name: (ranks, threads per rank, micro_batch, grad_acc)

@@ -24,8 +24,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tetron.init import init_weights_, materialize_
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
+from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 
 

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 TETRON = """
 import resource, sys, time
 from pathlib import Path
-from tetron.store_build import build_store
-from tetron.tokenizer import load_tokenizer
+from tetron.data.store_build import build_store
+from tetron.data.tokenizer import load_tokenizer
 src, tok_dir, out, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 tok = load_tokenizer(tok_dir, data_spec=None, cache_dir=Path(tok_dir))
 start = time.perf_counter()
@@ -70,7 +70,7 @@ print(f"{n} {secs} {rss}")
 
 def make_input(path: Path, mb: float) -> int:
     """The stdlib's modules as .jsonl lines, repeated until `mb` MB; returns the bytes written."""
-    from tetron.sources import iter_texts
+    from tetron.data.sources import iter_texts
 
     lines = [json.dumps({"text": t}) + "\n" for t in iter_texts("stdlib")]
     want, size = int(mb * 2**20), 0
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
-    from tetron.tokenizer import load_tokenizer
+    from tetron.data.tokenizer import load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

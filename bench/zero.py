@@ -10,7 +10,7 @@ two steps: the initial weights, then one AdamW update), and times them in interl
 machine noise hits all alike); rank 0 prints the median step time of each and the ratios tetron/peer.
 Memory: each implementation in a fresh set of forked ranks (in one process the others' memory would
 count): built, then `tetron.device.reset_peak_memory`, `--mem-steps` steps, and rank 0's peak resident
-set (`tetron.device.peak_memory_mb`) and its training state in bytes (`tetron.memory.state_bytes`:
+set (`tetron.device.peak_memory_mb`) and its training state in bytes (`tetron.observe.memory.state_bytes`:
 parameters, gradients, optimizer state, each storage counted once; FSDP2's DTensors count their local
 shards), taken after the last optimizer step, before the gradients are zeroed. These ranks map every
 allocation of 64 KiB and more on its own (glibc's mallopt, as bench/memory.py does), so that the
@@ -49,11 +49,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tetron import device as dev
 from tetron.config import from_dict
-from tetron.init import init_weights_
-from tetron.memory import StateBytes, optimizer_tensors, state_bytes
 from tetron.mesh import Mesh
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
+from tetron.observe.memory import StateBytes, optimizer_tensors, state_bytes
 from tetron.parallel.grads import clip_grads_
+from tetron.parallel.init import init_weights_
 from tetron.parallel.parallelize import build_optimizer, finish_gradients, make_loss_fn, parallelize
 
 IMPLS = ("zero1", "zero2", "ddp", "zero3", "fsdp2")
@@ -120,7 +120,7 @@ def adamw(model: nn.Module) -> torch.optim.AdamW:
 
 @torch.no_grad()
 def local(tensors) -> list[Tensor | None]:
-    """FSDP2's DTensors as their local shards, for tetron.memory (whose DTensor case reads the names
+    """FSDP2's DTensors as their local shards, for tetron.observe.memory (whose DTensor case reads the names
     of DTensor.__tensor_flatten__, which in torch 2.13 include the non-tensor `device_mesh`)."""
     return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
 

@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/harness.py
 
-from tetron.checkpoint import gather_full_state  # noqa: E402
+from tetron.checkpoint.save import gather_full_state  # noqa: E402
 from tetron.config import from_dict  # noqa: E402
-from tetron.data import prepare_data  # noqa: E402
+from tetron.data.loader import prepare_data  # noqa: E402
+from tetron.data.sources import iter_texts  # noqa: E402
 from tetron.mesh import Mesh  # noqa: E402
-from tetron.sources import iter_texts  # noqa: E402
 from tetron.train import train  # noqa: E402
 from tetron.validate import validate  # noqa: E402
 

@@ -20,9 +20,9 @@ import yaml
 from safetensors.torch import load_file, save_file
 from test_cli import user_env
 
-from tetron.checkpoint import STATE_FILE, seal
+from tetron.checkpoint.save import seal
 from tetron.config import ConfigError, from_dict
-from tetron.fs import sha256, write_json
+from tetron.fs import STATE_FILE, sha256, write_json
 from tetron.validate import validate
 
 from conftest import run_training, tiny_config

@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tetron.checkpoint import find_latest
-from tetron.checkpoint_check import inspect_checkpoint
-from tetron.checkpoint_load import TensorReader, load_model
+from tetron.checkpoint.check import inspect_checkpoint
+from tetron.checkpoint.convert import convert
+from tetron.checkpoint.load import TensorReader, load_model
+from tetron.checkpoint.safetensors_stream import SafetensorsWriter
 from tetron.config import from_dict
-from tetron.convert import convert
-from tetron.data import prepare_data
-from tetron.safetensors_stream import SafetensorsWriter
+from tetron.data.loader import prepare_data
+from tetron.fs import find_latest
 
 from conftest import run_training, tiny_config
 
@@ -158,7 +158,7 @@ def test_init_from_hf_folder(corpus, cache_dir, tmp_path, tied):
     del raw["model"]  # the model comes from the folder
     assert from_dict(raw).model.tie_word_embeddings is tied
     (loss,) = run(raw)
-    from tetron.data import DataLoader, load_tokens
+    from tetron.data.loader import DataLoader, load_tokens
 
     cfg = from_dict(raw)
     _, tokens = prepare_data(cfg)
@@ -197,7 +197,8 @@ def test_checkpoints_are_ordered_by_write_time_and_stale_saves_recovered(tmp_pat
     must give that copy back, not delete it."""
     import os
 
-    from tetron.checkpoint import STATE_FILE, checkpoints_dir, clean_stale, complete_checkpoints, find_latest
+    from tetron.checkpoint.save import clean_stale
+    from tetron.fs import STATE_FILE, checkpoints_dir, complete_checkpoints, find_latest
 
     root = checkpoints_dir(tmp_path)
     for i, step in enumerate((8, 10, 6)):  # written in this order

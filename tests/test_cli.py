@@ -18,12 +18,12 @@ import pytest
 import torch
 import yaml
 
-from tetron.checkpoint_load import load_model
+from tetron.checkpoint.load import load_model
 from tetron.config import TrainConfig, from_dict
-from tetron.generate import sample_from_run
+from tetron.data.sources import iter_texts
 from tetron.mesh import Mesh
+from tetron.observe.generate import sample_from_run
 from tetron.schedule import lr_at
-from tetron.sources import iter_texts
 from tetron.train import train
 
 from harness import run_ranks

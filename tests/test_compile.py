@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tetron.config import from_dict
-from tetron.data import prepare_data
+from tetron.data.loader import prepare_data
 from tetron.device import compile_problem
 from tetron.mesh import Mesh
 from tetron.train import train

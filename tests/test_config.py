@@ -20,7 +20,7 @@ from tetron.config import (
     from_dict,
     load_config,
 )
-from tetron.model import LlamaConfig
+from tetron.models.llama import LlamaConfig
 from tetron.overrides import SHORT_FLAGS
 from tetron.validate import validate
 

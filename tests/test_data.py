@@ -1,4 +1,4 @@
-"""Tests for tetron.data: sources, tokenizers, the token cache and the layout-free sampler."""
+"""Tests for tetron.data.loader: sources, tokenizers, the token cache and the layout-free sampler."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from tetron import tokenizer as tokenizer_module
-from tetron.data import BatchSampler, DataLoader, default_cache_dir, load_tokens, prepare_tokens
+from tetron.data import tokenizer as tokenizer_module
+from tetron.data.loader import BatchSampler, DataLoader, default_cache_dir, load_tokens, prepare_tokens
+from tetron.data.sources import data_fingerprint, iter_texts, resolve_files
+from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.errors import DataError
-from tetron.sources import data_fingerprint, iter_texts, resolve_files
-from tetron.tokenizer import Tokenizer, load_tokenizer
 
 
 def _write_jsonl(path: Path, texts: list[str], field: str = "text") -> None:
@@ -395,7 +395,7 @@ def test_preparing_data_says_what_it_does(corpus, tmp_path):
     """Training a BPE and tokenizing take seconds to minutes: each says so once, and a cached
     call says nothing."""
     from tetron.config import from_dict
-    from tetron.data import prepare_data
+    from tetron.data.loader import prepare_data
 
     raw = {"model": "demo", "data": {"path": str(corpus), "tokenizer": "bpe:300", "cache_dir": str(tmp_path)}}
     lines: list[str] = []

@@ -14,16 +14,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tetron.config import from_dict
-from tetron.data import DataLoader, prepare_data
-from tetron.documents import Documents, document_mask, document_positions, window_documents
-from tetron.init import seeded_model
+from tetron.data.documents import document_positions, window_documents
+from tetron.data.loader import DataLoader, prepare_data
+from tetron.data.mixture import MixtureLoader, Source
+from tetron.data.token_store import TokenStore
 from tetron.mesh import Mesh
-from tetron.mixture import MixtureLoader, Source
-from tetron.model import LlamaConfig
+from tetron.models.attention import Documents, document_mask
+from tetron.models.llama import LlamaConfig
 from tetron.parallel.block_attention import _math_block, block_attention, block_attention_backward
 from tetron.parallel.context_parallel import apply_context_parallel, ring_attention, shard_indices
+from tetron.parallel.init import seeded_model
 from tetron.parallel.ulysses import ulysses_attention
-from tetron.token_store import TokenStore
 
 from conftest import check_layout, run_training, tiny_config
 from harness import run_ranks

@@ -22,11 +22,11 @@ import yaml
 from safetensors.torch import load_file
 from test_cli import user_env
 
-import tetron.checkpoint
-from tetron.checkpoint import find_latest
-from tetron.checkpoint_check import inspect_checkpoint
+import tetron.checkpoint.save
+from tetron.checkpoint.check import inspect_checkpoint
 from tetron.config import from_dict
-from tetron.data import prepare_data
+from tetron.data.loader import prepare_data
+from tetron.fs import find_latest
 from tetron.mesh import Mesh
 from tetron.train import train
 
@@ -56,14 +56,14 @@ def assert_same_model(a: Path, b: Path, atol: float = 0.0) -> None:
 
 def _slow_save_child(raw: dict) -> None:
     """Train on one rank; once step_2 is saved, each tensor written takes 0.3 s (the parent kills us)."""
-    write = tetron.checkpoint.SafetensorsWriter.write
+    write = tetron.checkpoint.save.SafetensorsWriter.write
 
     def slow(self, name, tensor):
         if (Path(raw["out"]) / "checkpoints" / "step_2").exists():
             time.sleep(0.3)
         write(self, name, tensor)
 
-    tetron.checkpoint.SafetensorsWriter.write = slow
+    tetron.checkpoint.save.SafetensorsWriter.write = slow
     torch.set_num_threads(1)  # as tests/harness.py: the parent's thread pool does not survive a fork
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     train(from_dict(raw), Mesh())

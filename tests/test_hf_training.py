@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from tetron import hf_source, sources
 from tetron.config import from_dict
-from tetron.data import load_tokens, prepare_data, prepare_tokens
+from tetron.data import hf_source, sources
+from tetron.data.loader import load_tokens, prepare_data, prepare_tokens
+from tetron.data.sources import data_fingerprint, iter_texts
+from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.errors import DataError
-from tetron.sources import data_fingerprint, iter_texts
-from tetron.tokenizer import Tokenizer, load_tokenizer
 
 # ~40 KB in a few hundred rows (paragraphs of standard library source), some of them not ASCII.
 ROWS = [p for t in iter_texts("stdlib", max_bytes=40_000) for p in t.split("\n\n") if p.strip()] + ["caf\u00e9 \u2603"]

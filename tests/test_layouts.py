@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tetron.config import from_dict
-from tetron.init import seeded_model
 from tetron.mesh import Mesh
+from tetron.parallel.init import seeded_model
 
 from conftest import check_layout as check
 from conftest import tiny_config

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tetron.loss import cross_entropy_sum
+from tetron.models.loss import cross_entropy_sum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

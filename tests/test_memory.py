@@ -1,4 +1,4 @@
-"""tetron.memory and the CPU peak of tetron.device, against byte counts worked out by hand.
+"""tetron.observe.memory and the CPU peak of tetron.device, against byte counts worked out by hand.
 
 Byte counts are integers and compared exactly: every tensor here is fp32 (4 B per element) unless
 said, and which tensors autograd saves is fixed by each op's backward formula.
@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tetron import device as dev
-from tetron.memory import ActivationMeter, StateBytes, optimizer_tensors, state_bytes, tensor_bytes
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
+from tetron.observe.memory import ActivationMeter, StateBytes, optimizer_tensors, state_bytes, tensor_bytes
 
 B, D_IN, H, D_OUT = 3, 5, 7, 2  # batch and widths of the two-Linear block: distinct, so a wrong sum shows
 

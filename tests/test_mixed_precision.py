@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tetron.checkpoint_load import load_model
+from tetron.checkpoint.load import load_model
 
 from conftest import GQA, run_parallel, tiny_config
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tetron.config import from_dict
+from tetron.data.mixture import MixtureLoader, Source
+from tetron.data.store_build import build_store
+from tetron.data.tokenizer import Tokenizer
 from tetron.errors import ConfigError, DataError
-from tetron.mixture import MixtureLoader, Source
-from tetron.store_build import build_store
-from tetron.tokenizer import Tokenizer
 from tetron.validate import validate
 
 from conftest import LOSS_RTOL, run_training, tiny_config

@@ -1,4 +1,4 @@
-"""tetron.model against transformers' LlamaForCausalLM: names, config mapping, logits, gradients."""
+"""tetron.models.llama against transformers' LlamaForCausalLM: names, config mapping, logits, gradients."""
 
 import dataclasses
 import json
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
 
 ATOL = RTOL = 1e-5
 B, T = 2, 24
@@ -228,7 +228,7 @@ def test_norm_and_rope_bitwise_in_low_precision(dtype: torch.dtype) -> None:
     """RMSNorm's fp32 math and cast order, and RoPE's cos/sin, equal transformers' exactly."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-    from tetron.model import RMSNorm, rope_cos_sin
+    from tetron.models.llama import RMSNorm, rope_cos_sin
 
     cfg = CONFIGS["llama3_rope"]
     x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(6)).to(dtype)

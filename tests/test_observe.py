@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tetron.checkpoint_load import load_model
+from tetron.checkpoint.load import load_model
 from tetron.config import from_dict
-from tetron.data import DataLoader, load_tokens, prepare_data
+from tetron.data.loader import DataLoader, load_tokens, prepare_data
+from tetron.data.store_build import build_store
+from tetron.data.tokenizer import Tokenizer
 from tetron.errors import ConfigError
-from tetron.evaluate import eval_windows, held_out_tokens, held_out_windows, prepare_val_tokens, training_tokens
 from tetron.mesh import Mesh
-from tetron.store_build import build_store
-from tetron.tokenizer import Tokenizer
+from tetron.observe.evaluate import eval_windows, held_out_tokens, held_out_windows, prepare_val_tokens, training_tokens
 from tetron.train import train
 from tetron.validate import validate
 
@@ -310,7 +310,7 @@ def test_val_path_is_held_out_text(corpus, cache_dir, tmp_path, form):
 def test_wandb_that_does_not_start_is_one_line(corpus, cache_dir, tmp_path, monkeypatch):
     import wandb  # the test extra installs it
 
-    from tetron.sinks import WandbSink
+    from tetron.observe.sinks import WandbSink
 
     def refuse(**kwargs):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")

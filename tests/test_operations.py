@@ -34,12 +34,12 @@ from test_bad_input import _corrupt, hashes, time_limit
 from test_cli import user_env
 
 import tetron.cli
-import tetron.sources
-from tetron.checkpoint import find_latest
-from tetron.checkpoint_check import inspect_checkpoint
+import tetron.data.sources
+from tetron.checkpoint.check import inspect_checkpoint
 from tetron.config import from_dict
-from tetron.data import prepare_data
+from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError
+from tetron.fs import find_latest
 from tetron.mesh import Mesh
 from tetron.stop import StopRequest
 from tetron.train import train
@@ -207,17 +207,17 @@ def test_every_path_the_run_writes_is_checked_before_start(ck, tmp_path, tetron_
 
 def _full_disk_child(raw: dict, err_path: str) -> None:
     """One rank through run_rank; writing step_4's tensors fails as a full disk does."""
-    import tetron.checkpoint
+    import tetron.checkpoint.save
     from tetron.launch import run_rank
 
-    write = tetron.checkpoint.SafetensorsWriter.write
+    write = tetron.checkpoint.save.SafetensorsWriter.write
 
     def full(self, name, tensor):
         if "step_4" in str(self.path):
             raise OSError(errno.ENOSPC, "No space left on device")
         write(self, name, tensor)
 
-    tetron.checkpoint.SafetensorsWriter.write = full
+    tetron.checkpoint.save.SafetensorsWriter.write = full
     for var in LAUNCHER_VARS:
         os.environ.pop(var, None)  # this child is a single process started without a launcher
     # as tests/harness.py: one thread, since the parent's thread pool does not survive a fork (run_rank
@@ -611,7 +611,7 @@ def test_bad_data_files_are_one_line_or_skipped_and_counted(ck, tmp_path, tetron
              "nostr.jsonl": (good[:2] + [b'{"text": 7}'] + good, r"line 3 has no string field 'text'"),
              "long.jsonl": (good[:3] + [json.dumps({"text": "x" * 5000}).encode()] + good,
                             r"line 4 is longer than 4096 bytes")}
-    monkeypatch.setattr(tetron.sources, "MAX_RECORD_BYTES", 4096)
+    monkeypatch.setattr(tetron.data.sources, "MAX_RECORD_BYTES", 4096)
     for name, (lines, pattern) in files.items():
         (tmp_path / name).write_bytes(b"\n".join(lines) + b"\n")
         code, _, err, launched = tetron_cli("train", config, "--data", tmp_path / name)

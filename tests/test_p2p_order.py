@@ -8,7 +8,7 @@ import pytest
 from nccl_order import Recorder, deadlocked
 
 from tetron.config import from_dict
-from tetron.data import prepare_data
+from tetron.data.loader import prepare_data
 from tetron.mesh import Mesh
 from tetron.parallel.p2p_order import posting_plan
 from tetron.parallel.pipeline_schedules import receives, schedule, style_of

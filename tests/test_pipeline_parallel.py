@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tetron.checkpoint_load import load_model
+from tetron.checkpoint.load import load_model
 from tetron.parallel.pipeline_parallel import split_layers
 from tetron.parallel.pipeline_schedules import (
     peak_in_flight,

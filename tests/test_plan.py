@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from tetron.config import from_dict, load_config
-from tetron.data import prepare_data
+from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError
-from tetron.model import LlamaConfig
+from tetron.models.llama import LlamaConfig
 from tetron.parallel.pipeline_schedules import theoretical_bubble
 from tetron.plan import fit
 from tetron.plan.activations import layer_kept, layer_none

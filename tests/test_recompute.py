@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
 from tetron.parallel.recompute import apply_recompute
 
 from conftest import run_parallel, tiny_config
@@ -263,7 +263,7 @@ def test_selective_under_tp_frees_each_step(corpus, cache_dir, tmp_path):
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", parallel={"tp": 2},
                       train={"recompute": "selective", "steps": 6})
     from tetron.config import from_dict
-    from tetron.data import prepare_data
+    from tetron.data.loader import prepare_data
 
     prepare_data(from_dict(raw))
     for counts in run_ranks(2, _live_tensors_per_step, raw):

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from tetron.errors import ConfigError
-from tetron.metrics import ProgressBar, say
-from tetron.report import PANELS, TIME_PANEL, figure, read_run, report, table
+from tetron.observe.metrics import ProgressBar, say
+from tetron.observe.report import PANELS, TIME_PANEL, figure, read_run, report, table
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 300  # s: one real launch of 2 ranks, tokenizing included
@@ -150,7 +150,7 @@ def test_progress_bar_on_a_terminal_is_tqdm_with_eta(monkeypatch):
 RANK_LOG_SCRIPT = """
 import os, sys
 from pathlib import Path
-from tetron.rank_logs import RankLog
+from tetron.observe.rank_logs import RankLog
 log = RankLog.start(Path(sys.argv[1]), 3)
 print("python to stdout", flush=True)
 os.write(1, b"fd 1 directly\\n")

@@ -1,9 +1,12 @@
-"""The shape of the code, checked: no import cycle among tetron's modules, no function longer than one
-screen, parameter layouts only through parallel/layout.py, one caller of the axes' apply_* functions."""
+"""The shape of the code, checked: the layer order of tetron/__init__.py (imports only go down, no cycle
+between packages, a small top level), no import cycle among tetron's modules, no function longer than one
+screen, parameter layouts only through parallel/layout.py, one caller of the axes' apply_* functions, no
+axis that names a model family's modules."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,92 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (cycle := visit(node, [])):
             return cycle
     return None
+
+
+def unit_of(module: str) -> str | None:
+    """The layer unit a module belongs to: its package (`tetron.data.loader` -> data) or, at the top level,
+    itself (`tetron.cli` -> cli); None for tetron itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def layer_order(doc: str) -> list[set[str]]:
+    """The layers as tetron/__init__.py's docstring lists them, bottom first: lines `N. a, b, c: what`."""
+    found = re.findall(r"^\s+(\d+)\. ([\w, ]+):", doc, re.M)
+    return [{name.strip() for name in names.split(",")} for _, names in found]
+
+
+def upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    """Every import of a module from a layer above its own, as "a -> b"."""
+    rank = {unit: i for i, layer in enumerate(layers) for unit in layer}
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                  if unit_of(a) and unit_of(b) and rank[unit_of(b)] > rank[unit_of(a)])
+
+
+def unit_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Which layer units (packages, top-level modules) import which others."""
+    units: dict[str, set[str]] = {}
+    for a, deps in graph.items():
+        if unit_of(a):
+            others = {unit_of(b) for b in deps} - {None, unit_of(a)}
+            units.setdefault(unit_of(a), set()).update(others)
+    return units
+
+
+LAYERS = layer_order(ast.get_docstring(MODULES["tetron"]) or "")
+
+
+def test_the_layer_order_lists_every_package_and_top_level_module_once():
+    listed = [unit for layer in LAYERS for unit in layer]
+    assert len(LAYERS) >= 8 and len(listed) == len(set(listed))
+    assert set(listed) == {unit_of(m) for m in MODULES} - {None}
+
+
+def test_imports_only_go_down_the_layers():
+    assert upward_imports(import_graph(MODULES), LAYERS) == []
+
+
+def test_no_cycles_between_packages():
+    assert find_cycle(unit_graph(import_graph(MODULES))) is None
+
+
+def test_the_checkers_find_an_upward_import_and_a_package_cycle():
+    graph = {"tetron.data.loader": {"tetron.checkpoint.save"}, "tetron.checkpoint.save": {"tetron.data.tokenizer"},
+             "tetron.data.tokenizer": set()}
+    assert upward_imports(graph, [{"data"}, {"checkpoint"}]) == ["tetron.data.loader -> tetron.checkpoint.save"]
+    assert find_cycle(unit_graph(graph)) == ["checkpoint", "data", "checkpoint"]
+
+
+def test_the_top_level_is_small():
+    """At most a dozen modules beside the packages: the rest of the code lives in packages by idea."""
+    top = [m for m in MODULES if m.count(".") == 1 and not (PACKAGE / m.split(".")[1]).is_dir()]
+    assert 5 <= len(top) <= 12, top
+
+
+def test_axes_name_no_model_modules():
+    """The parallel strategies, checkpoints and planner read a family's plan (models/spec.py), never Llama's
+    module names: a second family then needs no change in any of them."""
+    names = re.compile(r"\b(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|self_attn|mlp|embed_tokens|"
+                       r"lm_head|input_layernorm|post_attention_layernorm)\b")
+    offenders = []
+    for name, tree in MODULES.items():
+        if unit_of(name) not in ("parallel", "checkpoint", "plan"):
+            continue
+        for node in ast.walk(tree):  # string constants and attribute names; docstrings and comments may explain
+            if isinstance(node, ast.Attribute) and names.fullmatch(node.attr):
+                offenders.append(f"{name}:{node.lineno} .{node.attr}")
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and names.search(node.value)
+                  and not _is_docstring(tree, node)):
+                offenders.append(f"{name}:{node.lineno} {node.value!r}")
+    assert not offenders
+
+
+def _is_docstring(tree: ast.Module, node: ast.Constant) -> bool:
+    for parent in ast.walk(tree):
+        body = getattr(parent, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and body[0].value is node:
+            return True
+    return False
 
 
 def test_find_cycle_finds_one():

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tetron.config import from_dict
 from tetron.mesh import Mesh
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
 from tetron.parallel.parallelize import make_loss_fn, parallelize
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -149,7 +149,7 @@ def _layers_match_rank(sp: bool) -> dict:
         sharded = Llama(config)
     tp = dist.group.WORLD
     apply_tensor_parallel(sharded, tp, sequence_parallel=sp)
-    from tetron.init import materialize_
+    from tetron.parallel.init import materialize_
     from tetron.parallel.layout import local_slice
 
     materialize_(sharded, torch.device("cpu"))

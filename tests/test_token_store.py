@@ -18,12 +18,12 @@ import pytest
 
 from tetron.cli import main as cli_main
 from tetron.config import from_dict
-from tetron.data import prepare_data
+from tetron.data.loader import prepare_data
+from tetron.data.sources import iter_texts
+from tetron.data.store_build import build_store
+from tetron.data.token_store import TokenStore
+from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.errors import DataError
-from tetron.sources import iter_texts
-from tetron.store_build import build_store
-from tetron.token_store import TokenStore
-from tetron.tokenizer import Tokenizer, load_tokenizer
 
 from conftest import run_training, tiny_config
 
@@ -84,7 +84,7 @@ def test_parallel_equals_serial_and_the_documents(tmp_path, mixed_source, bpe):
 def test_large_text_file_streams_in_pieces(tmp_path, bpe, monkeypatch):
     """A text file above the piece size is encoded in pieces (constant memory), as one document, with
     the same ids as encoding it whole (byte-level BPE)."""
-    from tetron import units
+    from tetron.data import units
 
     text = "".join(iter_texts("stdlib", max_bytes=60_000))
     (tmp_path / "big.txt").write_text(text)
@@ -110,7 +110,7 @@ def test_resume_keeps_finished_units(tmp_path, mixed_source, bpe, monkeypatch):
     (out / "u00003-000.bin.tmp-abcd").write_bytes(b"junk")
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("u0000[01]-*.bin")}
     redone: list[int] = []
-    from tetron import store_build
+    from tetron.data import store_build
 
     real = store_build.encode_unit
     monkeypatch.setattr(store_build, "encode_unit", lambda unit, i, **kw: redone.append(i) or real(unit, i, **kw))
@@ -268,8 +268,8 @@ def test_a_damaged_cached_store_is_made_again(corpus, tmp_path):
 def test_held_out_tail_of_a_store(corpus, cache_dir, tmp_path):
     """data.val_fraction cuts the held-out tail off a multi-shard store lazily (a view: nothing read); the
     training sampler never reaches it."""
-    from tetron.data import DataLoader
-    from tetron.evaluate import held_out_tokens, training_tokens
+    from tetron.data.loader import DataLoader
+    from tetron.observe.evaluate import held_out_tokens, training_tokens
 
     build_store(str(corpus), Tokenizer(None, None), tmp_path / "s", workers=1, shard_mb=0.02)
     store = TokenStore(tmp_path / "s")

@@ -14,20 +14,20 @@ import transformers
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import tetron.checkpoint
+import tetron.checkpoint.save
 import tetron.train
-from tetron.checkpoint import save_model
-from tetron.checkpoint_load import load_model
+from tetron.checkpoint.load import load_model
+from tetron.checkpoint.save import save_model
 from tetron.config import TrainConfig, from_dict
-from tetron.data import prepare_data
-from tetron.generate import sample
-from tetron.init import full_tensor, init_weights_, seeded_model
+from tetron.data.loader import prepare_data
+from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.mesh import Mesh
+from tetron.observe.generate import sample
 from tetron.parallel.grads import clip_grad_norm_
+from tetron.parallel.init import full_tensor, init_weights_, seeded_model
 from tetron.parallel.layout import Shard, set_layout
 from tetron.parallel.zero import ShardedAdamW
 from tetron.schedule import lr_at
-from tetron.tokenizer import Tokenizer, load_tokenizer
 from tetron.train import train
 
 from conftest import tiny_config
@@ -332,7 +332,7 @@ def test_save_model_replaces_atomically(corpus, cache_dir, tmp_path, monkeypatch
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tetron.checkpoint, "save_file", broken)
+    monkeypatch.setattr(tetron.checkpoint.save, "save_file", broken)
     with pytest.raises(OSError, match="disk full"):
         save_model(a, folder)
     loaded = load_model(folder).state_dict()
@@ -403,7 +403,7 @@ def test_kv_cache_gives_the_recomputed_tokens(trained):
         cached = sample(model, tok, prompt, max_new_tokens=60, temperature=0, context=context)
         full = sample(model, tok, prompt, max_new_tokens=60, temperature=0, context=context, use_cache=False)
         assert cached == full and len(cached) > len(prompt) + 30
-    from tetron.generate import kv_cache
+    from tetron.observe.generate import kv_cache
 
     ids = torch.tensor([tok.encode("import os\n")])  # [1, T]: the last position's logits, cached or not
     with torch.no_grad(), kv_cache(model):
@@ -475,7 +475,7 @@ def test_nan_loss_stops_training(corpus, cache_dir, tmp_path, monkeypatch):
 def test_trim_after_keeps_the_log_consistent_on_resume(tmp_path):
     """Resuming at step 2 of a log that reached step 4 (its last line torn by a kill): the log keeps
     steps 1-2, the old one is kept whole beside it."""
-    from tetron.metrics import trim_after
+    from tetron.observe.metrics import trim_after
 
     log = tmp_path / "metrics.jsonl"
     text = "".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in range(1, 5)) + '{"step": 5, "lo'

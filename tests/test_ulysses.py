@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tetron.config import ConfigError, from_dict, load_config
-from tetron.init import seeded_model
 from tetron.mesh import Mesh
 from tetron.overrides import SHORT_FLAGS
 from tetron.parallel.context_parallel import apply_context_parallel, ring_attention, shard_indices
+from tetron.parallel.init import seeded_model
 from tetron.parallel.ulysses import all_to_all, kv_repeats, ulysses_attention
 from tetron.plan.activations import layer_none
 from tetron.plan.hardware import gpu

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from tetron.config import from_dict
-from tetron.data import prepare_data
+from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError
-from tetron.model import Llama, LlamaConfig
+from tetron.models.llama import Llama, LlamaConfig
 from tetron.parallel.pipeline_schedules import (
     peak_in_flight,
     rank_of,

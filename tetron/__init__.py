@@ -1,0 +1,17 @@
+"""tetron: train decoder language models across many processes on plain torch.distributed.
+
+The layers, bottom to top. A module imports only from its own layer and the layers below it, and no two
+packages import each other (tests/test_structure.py reads this list and checks every import against it):
+
+    1. errors, fs, device, mesh, stop: the ground floor (one-line errors; safe files and the run folder; the one
+       place that touches CUDA; the process mesh; stop signals)
+    2. models: model families (a plain single-device model each, its config, its ModelSpec), attention, loss
+    3. config, overrides, schedule: the run's config, its command-line overrides, learning-rate schedules
+    4. data: sources, tokenizers, token stores, mixtures, the batches of a step
+    5. parallel: one file per strategy, reading each family's parallel plan; parallelize() applies them
+    6. checkpoint: save (model folders transformers loads), load by slices, checks, conversion
+    7. observe: metrics and sinks, validation, timers' reports, memory, profiles, samples, the launcher's watch
+    8. train, validate, launch: the loop, the checks before start, starting ranks
+    9. plan: the memory and step-time model, layout search, the fit check, Slurm job scripts
+   10. cli: the `tetron` command
+"""

@@ -18,16 +18,14 @@ from typing import NoReturn
 
 import yaml
 
-from tetron.checkpoint import RUN_LOCK, STATE_FILE, find_latest
-from tetron.checkpoint_load import read_json
 from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
-from tetron.data import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
+from tetron.data.loader import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
 from tetron.device import cuda_count
 from tetron.errors import ConfigError, DataError, UserError, check
-from tetron.evaluate import check_held_out, training_tokens
-from tetron.fs import FolderLock
+from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, find_latest, read_json
 from tetron.launch import launch
-from tetron.metrics import say
+from tetron.observe.evaluate import check_held_out, training_tokens
+from tetron.observe.metrics import say
 from tetron.overrides import SHORT_FLAGS
 from tetron.plan.fit import check_fits
 from tetron.schedule import schedule_change
@@ -141,7 +139,7 @@ def _schedule_note(cfg: Config) -> str | None:
 def convert_command(args: list[str]) -> int:
     if len(args) != 2 or any(a.startswith("-") for a in args):
         return _fail("usage: tetron convert SRC DST (a checkpoint folder to a HF folder, or back)")
-    from tetron.convert import convert
+    from tetron.checkpoint.convert import convert
 
     try:
         print(f"tetron: {convert(args[0], args[1])}")
@@ -183,7 +181,7 @@ def _generate_args(args: list[str]) -> argparse.Namespace:
 
 
 def generate_command(args: list[str]) -> int:
-    from tetron.generate import sample_from_run
+    from tetron.observe.generate import sample_from_run
 
     try:
         ns = _generate_args(args)
@@ -196,13 +194,13 @@ def generate_command(args: list[str]) -> int:
 
 
 def tokenize_command(args: list[str]) -> int:
-    from tetron.tokenize_cmd import tokenize_command as run  # its worker pool only when asked for
+    from tetron.data.tokenize import tokenize_command as run  # its worker pool only when asked for
 
     return run(args)
 
 
 def report_command(args: list[str]) -> int:
-    from tetron.report import report
+    from tetron.observe.report import report
 
     try:
         print(report(args))
@@ -280,7 +278,7 @@ def plan_command(args: list[str]) -> int:
 
 
 def slurm_command(args: list[str]) -> int:
-    from tetron.slurm import SlurmJob, submit, write_job
+    from tetron.plan.slurm import SlurmJob, submit, write_job
 
     parser = _OneLineParser(prog="tetron slurm", description=(
         "Write OUT/slurm/job.sh (and node.sh, config.yaml): one srun task per node starting torchrun with a "

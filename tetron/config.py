@@ -22,7 +22,8 @@ import yaml
 
 from tetron.errors import ConfigError
 from tetron.fs import read_bounded
-from tetron.model import LlamaConfig
+from tetron.models import config_from_hf, family
+from tetron.models.llama import LlamaConfig
 from tetron.overrides import apply_overrides
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -183,7 +184,7 @@ def resolve_model(spec: Any) -> LlamaConfig:
             if not (path / "config.json" if path.is_dir() else path).is_file():
                 raise ConfigError(f"model={spec}: no config.json there (give a Hugging Face model folder)")
             try:
-                base = dataclasses.asdict(LlamaConfig.from_hf(path))
+                base = dataclasses.asdict(config_from_hf(path))
             except ValueError as err:
                 raise ConfigError(f"model={spec}: {err}") from None
         elif named.is_file():
@@ -195,7 +196,12 @@ def resolve_model(spec: Any) -> LlamaConfig:
             names = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
             raise ConfigError(f"model={spec}: unknown model; use one of {names} or a Hugging Face config.json/folder")
     base.update(overrides)
-    return _build(LlamaConfig, base, "model")
+    model_type = base.get("model_type", "llama")
+    try:
+        config_class = family(model_type).config_class
+    except ValueError as err:
+        raise ConfigError(f"model.{err}") from None
+    return _build(config_class, base, "model")
 
 
 def one_of(choices: tuple[str, ...]) -> str:

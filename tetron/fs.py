@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -21,6 +22,8 @@ import stat
 import time
 from pathlib import Path
 from typing import Any
+
+from tetron.errors import CheckpointError
 
 
 def fsync_file(path: Path) -> None:
@@ -286,3 +289,70 @@ def _try_flock(fd: int) -> bool | None:
         return False
     except OSError:
         return None
+
+
+# --------------------------------------------------------------------------- the run folder
+
+STATE_FILE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
+STEP_DIR = re.compile(r"^step_(\d+)$")
+RUN_LOCK = "tetron.lock"  # in OUT while a run uses it (FolderLock)
+MAX_JSON_BYTES = 256 << 20  # the largest JSON file read from a checkpoint or model folder
+
+
+def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file of at most `limit` bytes, parsed; any problem is a CheckpointError naming it."""
+    try:
+        return json.loads(read_bounded(path, limit).decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as err:  # bad UTF-8, bad JSON, an integer too long to convert
+        raise CheckpointError(f"{path}: not valid JSON ({str(err).splitlines()[0]})") from None
+
+
+
+def checkpoints_dir(out: Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The complete `step_N` folders under OUT/checkpoints, in the order they were written (oldest
+    first). Not by step: a run resumed from an earlier step into the same OUT writes lower step
+    numbers after higher ones, and `keep` must keep what was written last."""
+    root = checkpoints_dir(out)
+    if not root.is_dir():
+        return []
+    found = [((p / STATE_FILE).stat().st_mtime_ns, int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, _, p in sorted(found)]
+
+
+def find_latest(out: Path) -> Path | None:
+    """The checkpoint `latest` names if it is complete, else the last complete one written, else None."""
+    root = checkpoints_dir(out)
+    try:
+        name = read_bounded(root / "latest", 256).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    if STEP_DIR.match(name) and (root / name / STATE_FILE).is_file():
+        return root / name
+    done = complete_checkpoints(out)
+    return done[-1] if done else None
+
+
+def is_run_folder(out: Path) -> bool:
+    """Whether the folder `out` is empty or recognisably a tetron run folder: its log, its lock, only
+    its ranks' logs, a checkpoints/ with `latest` or a step_N, or a model/ with tetron's tokenizer file."""
+    names = {p.name for p in out.iterdir()}
+    if not names or names & {"metrics.jsonl", RUN_LOCK}:
+        return True
+    logs = out / "logs"  # the ranks' logs come first: under torchrun another rank may have begun them
+    if names == {"logs"} and logs.is_dir() and all(re.fullmatch(r"rank_\d+\.log", p.name) for p in logs.iterdir()):
+        return True
+    root = checkpoints_dir(out)
+    if root.is_dir() and any(p.name == "latest" or STEP_DIR.match(p.name.split(".tmp-")[0]) for p in root.iterdir()):
+        return True
+    return (out / "model" / "tetron_tokenizer.json").is_file()

@@ -28,15 +28,15 @@ import torch
 import torch.distributed as dist
 
 from tetron import device as dev
-from tetron.checkpoint import checkpoints_dir, find_latest
 from tetron.config import Config, from_dict
 from tetron.errors import UserError
+from tetron.fs import checkpoints_dir, find_latest
 from tetron.mesh import Mesh
-from tetron.metrics import say
-from tetron.rank_logs import RankLog
+from tetron.observe.metrics import say
+from tetron.observe.rank_logs import RankLog
+from tetron.observe.watch import RankReport, RankWatch
 from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line, watch_signals
 from tetron.train import train
-from tetron.watch import RankReport, RankWatch
 
 # How long torch's launcher waits for ranks it stops before it kills them: tetron's watch kills a rank that
 # does not end by itself well before (GRACE_S); this only bounds what the watch cannot see.
@@ -184,7 +184,7 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
                   flush=True)
         return
     if mesh.rank == 0 and cfg.logging.sample_tokens > 0:
-        from tetron.generate import sample_from_run
+        from tetron.observe.generate import sample_from_run
 
         text = sample_from_run(Path(cfg.out), prompt=cfg.logging.sample_prompt,
                                max_new_tokens=cfg.logging.sample_tokens, device=device, seed=cfg.train.seed)

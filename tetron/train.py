@@ -28,20 +28,23 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tetron import device as dev
-from tetron.batch import MicroBatch, rank_micro_batch
-from tetron.checkpoint import clean_stale, find_latest, save_checkpoint, write_model_folder
-from tetron.checkpoint_load import load_checkpoint, load_weights, resolve_init_from
+from tetron.checkpoint.load import load_checkpoint, load_weights, resolve_init_from
+from tetron.checkpoint.save import clean_stale, save_checkpoint, write_model_folder
 from tetron.config import Config
-from tetron.data import DataLoader, load_tokens, prepare_data, tokenizer_spec
+from tetron.data.batch import MicroBatch, rank_micro_batch
+from tetron.data.hf_source import share_hub_commits
+from tetron.data.loader import DataLoader, load_tokens, prepare_data, tokenizer_spec
+from tetron.data.mixture import MixtureLoader, Source
+from tetron.data.tokenizer import Tokenizer
 from tetron.errors import ConfigError
-from tetron.evaluate import training_tokens
-from tetron.hf_source import share_hub_commits
-from tetron.memory import ActivationMeter, optimizer_tensors, state_bytes
+from tetron.fs import find_latest
 from tetron.mesh import Mesh
-from tetron.metrics import say
-from tetron.mixture import MixtureLoader, Source
-from tetron.model import Llama
-from tetron.observe import StepObservers
+from tetron.models.llama import Llama
+from tetron.observe.evaluate import training_tokens
+from tetron.observe.memory import ActivationMeter, optimizer_tensors, state_bytes
+from tetron.observe.metrics import say
+from tetron.observe.step_report import PendingStep, Reporter, StepFigures, check_finite, read_back
+from tetron.observe.watchers import StepObservers
 from tetron.parallel.grads import clip_grads_
 from tetron.parallel.parallelize import (
     ParallelModel,
@@ -54,9 +57,7 @@ from tetron.parallel.parallelize import (
 from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activation_shape, layer_ranks
 from tetron.parallel.zero import ShardedAdamW
 from tetron.schedule import lr_at
-from tetron.step_report import PendingStep, Reporter, StepFigures, check_finite, read_back
 from tetron.stop import StopRequest
-from tetron.tokenizer import Tokenizer
 
 # ------------------------------------------------------------------------------------ building the run
 

@@ -12,18 +12,18 @@ import os
 import re
 from pathlib import Path
 
-from tetron.checkpoint import find_latest, is_run_folder
-from tetron.checkpoint_check import inspect_checkpoint, read_model_config
+from tetron.checkpoint.check import inspect_checkpoint, read_model_config
 from tetron.config import CONFIGS_DIR, Config
-from tetron.data import data_specs, tokenizer_spec
+from tetron.data.hub import hub_problem
+from tetron.data.loader import data_specs, tokenizer_spec
+from tetron.data.sources import resolve_files
+from tetron.data.token_store import is_store
 from tetron.device import compile_problem, device_problem
 from tetron.errors import CheckpointError, ConfigError, DataError
 from tetron.errors import check as _check
-from tetron.hub import hub_problem
-from tetron.profiling import parse_steps
-from tetron.sources import resolve_files
+from tetron.fs import find_latest, is_run_folder
+from tetron.observe.profiling import parse_steps
 from tetron.stop import parse_signal
-from tetron.token_store import is_store
 
 
 def _validate_zero_bubble(cfg: Config) -> None:

@@ -14,7 +14,7 @@ attention kernels have exactly that interface, as private ops:
   the path for devices without a fused kernel.
 Which one a block gets is decided in one place, `tetron.device.attention_kernel`, from its device,
 dtype and head width. Every kernel here uses the scale head_dim**-0.5 and no dropout. A block with a
-document mask (documents.py: packed documents kept apart) runs on the CPU kernel, which takes a mask, or
+document mask (models/attention.py: packed documents kept apart) runs on the CPU kernel, which takes a mask, or
 else on the math path.
 """
 
@@ -133,7 +133,7 @@ _BACKWARD = {"cpu_flash": _cpu_flash_backward, "flash": _flash_backward, "effici
 
 def _kernel(q: Tensor, kernel: AttentionKernel | None, mask: Tensor | None) -> AttentionKernel:
     kernel = kernel or attention_kernel(q.device, q.dtype, q.shape[-1])
-    # A mask (documents.py) goes to a kernel that takes one: the CPU's, else the plain math; the CUDA
+    # A mask (models/attention.py) goes to a kernel that takes one: the CPU's, else the plain math; the CUDA
     # kernels' mask layouts are not used here.
     return kernel if mask is None or kernel == "cpu_flash" else "math"
 

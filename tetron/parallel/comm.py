@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tetron.timers import timer
+from tetron.parallel.timers import timer
 
 # One collective into (or from) a flat tensor cut into equal parts; torch 2.13 renamed them and
 # deprecated the old names, which older versions (2.11 on the GPU machines) still need.

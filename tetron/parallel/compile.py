@@ -16,15 +16,16 @@ layout compiles; the matmuls, norms, RoPE and SwiGLU between them are fused by I
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from tetron.model import Llama
+from tetron.models.spec import spec_of
 
 
-def apply_compile(model: Llama, enabled: bool) -> Llama:
+def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
     """Compile every decoder layer this chunk holds, in place (`train.compile`)."""
     if not enabled:
         return model
-    for layer in model.model.layers.values():
+    for layer in spec_of(model.config).plan.layers_of(model).values():
         # dynamic=False: every step has the same shapes; a new shape recompiles rather than
         # generalising the graph, which would cost speed for nothing here.
         layer.compile(dynamic=False)

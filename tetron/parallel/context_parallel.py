@@ -20,17 +20,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tetron.documents import Documents, document_mask
 from tetron.mesh import Mesh
-from tetron.model import sdpa_attention
+from tetron.models.attention import Documents, document_mask, sdpa_attention
 from tetron.parallel.block_attention import (  # noqa: F401  (the block kernels, also imported from here)
     _math_block,
     _math_block_backward,
     block_attention,
     block_attention_backward,
 )
+from tetron.parallel.timers import timer
 from tetron.parallel.ulysses import ulysses_attention
-from tetron.timers import timer
 
 # ----------------------------------------------------------------------------- which tokens a rank holds
 
@@ -54,7 +53,7 @@ def _shard_positions(seq_len: int, cp: int, rank: int, layout: str, device: torc
 
 def _block_mask(docs: Documents | None, rank: int, src: int, cp: int, layout: str,
                 qs: slice, ks: slice) -> Tensor | None:
-    """The document mask (documents.py) of this rank's queries `qs` on the keys `ks` of the block that
+    """The document mask (models/attention.py) of this rank's queries `qs` on the keys `ks` of the block that
     started on rank `src`; None without documents."""
     if docs is None:
         return None

@@ -23,7 +23,7 @@ from torch import nn
 
 from tetron.config import DpImpl
 from tetron.parallel.comm import reduce_scatter_flat
-from tetron.timers import timer
+from tetron.parallel.timers import timer
 
 # Gloo and NCCL both average natively; a sum followed by a division would cost an extra pass.
 AVG = dist.ReduceOp.AVG

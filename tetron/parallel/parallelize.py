@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.config import Config
-from tetron.init import init_weights_, materialize_
-from tetron.loss import cross_entropy_sum
 from tetron.mesh import Mesh
-from tetron.model import Llama
+from tetron.models.loss import cross_entropy_sum
+from tetron.models.spec import spec_of
 from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
+from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.layout import layout_of
 from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embeddings
 from tetron.parallel.recompute import apply_recompute
@@ -39,8 +39,8 @@ from tetron.parallel.tensor_parallel import (
     sync_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
+from tetron.parallel.timers import timer
 from tetron.parallel.zero import ShardedAdamW, units_of
-from tetron.timers import timer
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ParallelModel:
     """This rank's part of the model. Without pipeline parallelism there is one chunk, the whole model;
     with it, one per virtual stage the rank holds, in virtual-stage order."""
 
-    chunks: list[Llama]  # the bare chunks: parameters, state dicts, checkpoints
+    chunks: list[nn.Module]  # the bare chunks: parameters, state dicts, checkpoints
     dp_chunks: list[DataParallel]  # the same chunks wrapped for gradient averaging: run forward/backward here
     params: list[nn.Parameter] = field(init=False)  # every trainable parameter, once each, chunk by chunk
 
@@ -64,13 +64,14 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
     """Build this rank's chunks of `cfg.model` for its place in `mesh`, initialised from the run seed
     (each rank its own slices, so every layout starts from the same weights)."""
     p = cfg.parallel
+    spec = spec_of(cfg.model)  # the family: its module class, and the plan every axis reads
     chunks = []
     for layers, first, last in rank_stages(cfg, mesh.local_rank("pp")):
         with torch.device("meta"):
-            chunk = Llama(cfg.model)
-        apply_pipeline_stage(chunk, layers, first=first, last=last)
+            chunk = spec.model_class(cfg.model)
+        apply_pipeline_stage(chunk, layers, first=first, last=last, plan=spec.plan)
         apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
-                              vocab_pad_multiple=p.vocab_pad_multiple)
+                              vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan)
         materialize_(chunk, device)
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)

@@ -3,8 +3,9 @@
 Stages. The decoder layers are cut into p*v contiguous blocks (virtual stages), as evenly as possible
 or as `parallel.pp_split` says; virtual stage s lives on pipeline rank s % p as its chunk s // p.
 The first stage also embeds the tokens, the last also applies the final norm, the head and the loss.
-Each chunk is a plain `Llama` whose other parts are deleted (or None), so its parameters keep their
-Hugging Face names and init, checkpoints and tests see the same tensors as in the whole model.
+Each chunk is a plain model of its family whose other parts (models/spec.py's plan says where they are)
+are deleted or None, so its parameters keep their Hugging Face names and init, checkpoints and tests see
+the same tensors as in the whole model.
 Under zbv the stages go down the ranks and back up (a V: rank r holds stages r and 2p-1-r), so rank 0
 holds the first and the last stage, and rank p-1 hands its chunk 0's output to its own chunk 1.
 
@@ -36,10 +37,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.variable import Variable
 
-from tetron.batch import MicroBatch
 from tetron.config import Config
+from tetron.data.batch import MicroBatch
 from tetron.mesh import Mesh
-from tetron.model import Llama
+from tetron.models.spec import ParallelPlan, spec_of
 from tetron.parallel.layout import set_layout
 from tetron.parallel.p2p_order import posting_plan
 from tetron.parallel.pipeline_schedules import (
@@ -53,8 +54,8 @@ from tetron.parallel.pipeline_schedules import (
     stage_of,
     style_of,
 )
+from tetron.parallel.timers import timer
 from tetron.parallel.weight_grad import backward_input, backward_weight
-from tetron.timers import timer
 
 # --------------------------------------------------------------------------------------- stages
 
@@ -79,22 +80,25 @@ def layer_ranks(cfg: Config) -> list[int]:
     return [rank_of(s, pp=p.pp, style=style) for s, layers in enumerate(ranges) for _ in layers]
 
 
-def apply_pipeline_stage(model: Llama, layers: range, *, first: bool, last: bool) -> Llama:
+def apply_pipeline_stage(model: nn.Module, layers: range, *, first: bool, last: bool,
+                         plan: ParallelPlan | None = None) -> nn.Module:
     """Delete, in place, every part of `model` outside one stage: the other layers, the embedding
-    unless `first`, the final norm and head unless `last`."""
-    inner = model.model
-    for name in list(inner.layers):
+    unless `first`, the final norm and head unless `last` (where its family's plan says they are)."""
+    plan = plan or spec_of(model.config).plan
+    held = plan.layers_of(model)
+    for name in list(held):
         if int(name) not in layers:
-            del inner.layers[name]
+            del held[name]
     if not first:
-        inner.embed_tokens = None
+        plan.set_part(model, plan.embedding, None)
     if not last:
-        inner.norm, model.lm_head = None, None
+        plan.set_part(model, plan.final_norm, None)
+        plan.set_part(model, plan.head, None)
     elif not first and model.config.tie_word_embeddings:
         # The head's weight is the embedding's Parameter (tied). This stage keeps it as its own copy:
         # started from the embedding's tensor (init by that name), kept equal to the first stage's by
         # summing the two gradients before each step, and counted once in the gradient norm.
-        set_layout(model.lm_head.weight, tied_copy=True, source="model.embed_tokens.weight")
+        set_layout(plan.part(model, plan.head).weight, tied_copy=True, source=f"{plan.embedding}.weight")
     return model
 
 
@@ -116,15 +120,16 @@ def activation_shape(cfg: Config) -> tuple[int, int, int]:
     return (cfg.train.micro_batch, seq, cfg.model.hidden_size)
 
 
-def tied_embeddings(chunks: list[Llama], mesh: Mesh) -> list[nn.Parameter]:
+def tied_embeddings(chunks: list[nn.Module], mesh: Mesh) -> list[nn.Parameter]:
     """With tied embeddings under pp, this rank's copies of the shared tensor: the first stage's embedding,
     the last stage's head, or both where one rank holds both ends (zbv's V). Their gradients are summed
     (over the "embed" group when the copies are on two ranks) before each step, so all take the same
     step. Empty elsewhere."""
     if mesh.size("pp") == 1 or not chunks[0].config.tie_word_embeddings:
         return []
-    return ([c.model.embed_tokens.weight for c in chunks if c.model.embed_tokens is not None]
-            + [c.lm_head.weight for c in chunks if c.lm_head is not None])
+    plan = spec_of(chunks[0].config).plan
+    return ([e.weight for c in chunks if (e := plan.part(c, plan.embedding)) is not None]
+            + [h.weight for c in chunks if (h := plan.part(c, plan.head)) is not None])
 
 
 # ---------------------------------------------------------------------------------- the schedule

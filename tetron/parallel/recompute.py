@@ -22,6 +22,7 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
@@ -32,7 +33,7 @@ from torch.utils.checkpoint import (
 )
 
 from tetron.config import Recompute
-from tetron.model import Llama
+from tetron.models.spec import spec_of
 
 aten = torch.ops.aten
 
@@ -119,7 +120,7 @@ def _recomputed(forward: Callable[..., torch.Tensor], context_fn: Callable[[], t
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
 
 
-def apply_recompute(model: Llama, mode: Recompute) -> Llama:
+def apply_recompute(model: nn.Module, mode: Recompute) -> nn.Module:
     """Make every decoder layer this chunk holds recompute its activations in the backward pass, in place.
 
     Each layer's `forward` is replaced on the instance, not wrapped in a new module, so parameter names
@@ -129,6 +130,6 @@ def apply_recompute(model: Llama, mode: Recompute) -> Llama:
     if mode not in ("selective", "full"):
         raise ValueError(f"recompute={mode!r} must be 'none', 'selective' or 'full'")
     context_fn = _selective_contexts if mode == "selective" else None
-    for layer in model.model.layers.values():
+    for layer in spec_of(model.config).plan.layers_of(model).values():
         layer.forward = functools.partial(_recomputed, layer.forward, context_fn)
     return model

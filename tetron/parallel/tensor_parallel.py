@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tetron.model import Llama
+from tetron.models.spec import ParallelPlan, spec_of
 from tetron.parallel.comm import (
     copy_to_group,
     gather_from_sequence,
@@ -33,7 +33,7 @@ from tetron.parallel.comm import (
     reduce_scatter_to_sequence,
 )
 from tetron.parallel.layout import Shard, set_layout
-from tetron.timers import timer
+from tetron.parallel.timers import timer
 
 
 def _shard_param(old: nn.Parameter, shape: tuple[int, ...], *, dim: int, group: dist.ProcessGroup,
@@ -60,15 +60,18 @@ class ColumnParallelLinear(nn.Module):
         if padded % world:
             raise ValueError(f"{padded} output features are not divisible by tp={world}")
         self.group, self.input_mode = group, input_mode
-        self.weight = _shard_param(linear.weight, (padded // world, in_features), dim=0, group=group,
-                                   logical=out_features if padded_out else None)
+        logical = out_features if padded_out else None
+        self.weight = _shard_param(linear.weight, (padded // world, in_features), dim=0, group=group, logical=logical)
+        # a bias is split like the rows it is added to
+        self.bias = (None if linear.bias is None else
+                     _shard_param(linear.bias, (padded // world,), dim=0, group=group, logical=logical))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_mode == "copy":
             x = copy_to_group(x, self.group)
         elif self.input_mode == "gather":
             x = gather_from_sequence(x, self.group)  # [B, T/t, in] -> [B, T, in]
-        return F.linear(x, self.weight)  # [B, T, out/t]
+        return F.linear(x, self.weight, self.bias)  # [B, T, out/t]
 
 
 class RowParallelLinear(nn.Module):
@@ -83,12 +86,19 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"{in_features} input features are not divisible by tp={world}")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = _shard_param(linear.weight, (out_features, in_features // world), dim=1, group=group)
+        # A bias is added once, after the sum: replicated. Under sequence parallelism it then sees only this
+        # rank's tokens, so its gradient is summed over tp like a norm weight's.
+        self.bias = linear.bias
+        if self.bias is not None and sequence_parallel:
+            set_layout(self.bias, sequence_parallel=True)
 
     def forward(self, x: Tensor) -> Tensor:
         partial = F.linear(x, self.weight)  # [B, T, out], this rank's share of the sum
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence(partial, self.group)  # [B, T/t, out]
-        return reduce_from_group(partial, self.group)
+            out = reduce_scatter_to_sequence(partial, self.group)  # [B, T/t, out]
+        else:
+            out = reduce_from_group(partial, self.group)
+        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -166,42 +176,40 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
-def apply_tensor_parallel(model: Llama, group: dist.ProcessGroup, *, sequence_parallel: bool = False,
-                          vocab_pad_multiple: int = 1) -> Llama:
-    """Swap the plain model's layers for tensor-parallel ones over `group`, in place.
+def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequence_parallel: bool = False,
+                          vocab_pad_multiple: int = 1, plan: ParallelPlan | None = None) -> nn.Module:
+    """Swap the plain model's layers for tensor-parallel ones over `group`, in place, as its family's plan
+    says (models/spec.py; None: the plan of `model.config`'s family).
 
     Parameters keep their names (so init and checkpoints see Hugging Face names) and are left
     uninitialised; call init (or load) afterwards. Works on a model still on the meta device."""
     world = dist.get_world_size(group)
     if world == 1:
         return model
+    plan = plan or spec_of(model.config).plan
     sp = sequence_parallel
-    cfg = model.config
-    inner = model.model
-    padded = padded_vocab_size(cfg.vocab_size, world, vocab_pad_multiple)
-    for layer in inner.layers.values():
-        attn, mlp = layer.self_attn, layer.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, input_mode="none"))
-        attn.o_proj = RowParallelLinear(attn.o_proj, group, sequence_parallel=sp)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, ColumnParallelLinear(getattr(mlp, name), group, input_mode="none"))
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel=sp)
-        # f once at each block's input, shared by q/k/v (or gate/up): one all-reduce, not three.
-        enter = _gather_input if sp else _copy_input
-        attn.register_forward_pre_hook(enter(group))
-        mlp.register_forward_pre_hook(enter(group))
+    padded = padded_vocab_size(model.config.vocab_size, world, vocab_pad_multiple)
+    # f once at each block's input, shared by its column-parallel linears: one all-reduce, not three.
+    enter = _gather_input if sp else _copy_input
+    for layer in plan.layers_of(model).values():
+        for block in plan.blocks:
+            part = layer.get_submodule(block.path)
+            for name in block.column:
+                setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none"))
+            setattr(part, block.row, RowParallelLinear(getattr(part, block.row), group, sequence_parallel=sp))
+            part.register_forward_pre_hook(enter(group))
         if sp:
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                set_layout(norm.weight, sequence_parallel=True)
-    if inner.embed_tokens is not None:
-        inner.embed_tokens = VocabParallelEmbedding(inner.embed_tokens, group, padded_vocab=padded,
-                                                    sequence_parallel=sp)
-    if inner.norm is not None and sp:
-        set_layout(inner.norm.weight, sequence_parallel=True)
-    if model.lm_head is not None:
-        model.lm_head = ColumnParallelLinear(model.lm_head, group, input_mode="gather" if sp else "copy",
-                                             padded_out=padded)
+            for norm in plan.residual_norms:
+                set_layout(layer.get_submodule(norm).weight, sequence_parallel=True)
+    embedding, final_norm, head = (plan.part(model, path) for path in (plan.embedding, plan.final_norm, plan.head))
+    if embedding is not None:
+        plan.set_part(model, plan.embedding, VocabParallelEmbedding(embedding, group, padded_vocab=padded,
+                                                                    sequence_parallel=sp))
+    if final_norm is not None and sp:
+        set_layout(final_norm.weight, sequence_parallel=True)
+    if head is not None:
+        plan.set_part(model, plan.head, ColumnParallelLinear(head, group, input_mode="gather" if sp else "copy",
+                                                             padded_out=padded))
     model.tie_weights()
     return model
 

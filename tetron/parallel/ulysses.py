@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tetron.documents import Documents
 from tetron.mesh import Mesh
-from tetron.model import sdpa_attention
-from tetron.timers import timer
+from tetron.models.attention import Documents, sdpa_attention
+from tetron.parallel.timers import timer
 
 # (seq_len, cp, rank) -> the positions cp rank `rank` holds, increasing: context_parallel.shard_indices
 Shards = Callable[[int, int, int], Tensor]

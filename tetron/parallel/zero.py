@@ -33,9 +33,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.config import TrainConfig
+from tetron.models.spec import spec_of
 from tetron.parallel.comm import all_gather_flat
 from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
-from tetron.timers import timer
+from tetron.parallel.timers import timer
 
 Kind = Literal["master", "exp_avg", "exp_avg_sq"]
 
@@ -267,7 +268,7 @@ def units_of(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     outside its decoder layers (embedding, final norm, head: used first and last), then each decoder
     layer with its own. A unit's parameters are gathered whole only while it runs (FSDP2's choice
     of one unit per transformer block)."""
-    layers = list(chunk.model.layers.values())
+    layers = list(spec_of(chunk.config).plan.layers_of(chunk).values())
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in in_layers]
     return [(chunk, root)] + [(layer, [p for p in layer.parameters() if p.requires_grad]) for layer in layers]

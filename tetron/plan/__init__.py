@@ -7,4 +7,7 @@
     measure.py   one layout run for a few steps here: per-rank peak memory and step time
     fit.py       `tetron train`'s refusal of a layout that will not fit
     report.py    `tetron plan`: the request, the table, --json, --write, --measure
+    slurm.py     `tetron slurm`: job.sh and node.sh for an allocation, sbatch
+
+Imports everything below cli (tetron/__init__.py's layers): it runs layouts (measure) and validates them.
 """

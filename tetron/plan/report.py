@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from tetron.config import Config, load_config
-from tetron.data import prepare_data
+from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError, check
 from tetron.fs import write_text
 from tetron.plan import hardware as hwlib

@@ -4,10 +4,15 @@ optimizer state under each ZeRO stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 from dataclasses import dataclass
 
+import torch
+
 from tetron.config import Config
+from tetron.models import family
 from tetron.parallel.pipeline_parallel import split_layers
 from tetron.parallel.pipeline_schedules import stage_of, style_of
 from tetron.plan.sizes import F32, Sizes
@@ -34,11 +39,37 @@ def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
 
 
 def layer_numels(cfg: Config) -> list[int]:
-    """Elements of one decoder layer's parameters on a rank, in `parameters()` order: q, k, v, o,
-    gate, up, down (each 1/tp), then the two RMSNorm weights (whole)."""
-    s = Sizes.of(cfg)
-    h = s.h
-    return [s.hq * h, s.hkv * h, s.hkv * h, h * s.hq, s.inter * h, s.inter * h, h * s.inter, h, h]
+    """Elements of one decoder layer's parameters on a rank, in `parameters()` order (for Llama: q, k, v, o,
+    gate, up, down, each 1/tp, then the two RMSNorm weights, whole)."""
+    return [n for n, _ in _layer_params(cfg.model.model_type, _fields(cfg), cfg.parallel.tp)]
+
+
+def layer_matmul_numels(cfg: Config) -> int:
+    """Elements of one decoder layer's matmul weights on a rank (its plan's column- and row-parallel linears)."""
+    return sum(n for n, matmul in _layer_params(cfg.model.model_type, _fields(cfg), cfg.parallel.tp) if matmul)
+
+
+def _fields(cfg: Config) -> str:
+    return json.dumps(dataclasses.asdict(cfg.model), sort_keys=True)  # a hashable key of the model config
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_params(model_type: str, fields: str, tp: int) -> tuple[tuple[int, bool], ...]:
+    """(elements on a rank, is a matmul weight) of each parameter of one decoder layer, read off the family's
+    module built on the meta device and its parallel plan: column-parallel linears split by rows (their
+    biases too), row-parallel ones by columns (their biases stay whole), everything else whole."""
+    spec = family(model_type)
+    config = spec.config_class(**{**json.loads(fields), "num_hidden_layers": 1})
+    with torch.device("meta"):
+        layer = spec.plan.layers_of(spec.model_class(config))["0"]
+    column = {f"{b.path}.{name}" for b in spec.plan.blocks for name in b.column}
+    row = {f"{b.path}.{b.row}" for b in spec.plan.blocks}
+    out = []
+    for name, param in layer.named_parameters():
+        module, _, kind = name.rpartition(".")
+        split = module in column or (module in row and kind == "weight")
+        out.append((param.numel() // tp if split else param.numel(), module in column | row and kind == "weight"))
+    return tuple(out)
 
 
 def chunk_units(cfg: Config, chunk: Chunk) -> list[list[int]]:

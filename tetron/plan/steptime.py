@@ -28,7 +28,7 @@ from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import Hardware
 from tetron.plan.sizes import Sizes
-from tetron.plan.state import chunk_buckets, layer_numels, rank_chunks
+from tetron.plan.state import chunk_buckets, layer_matmul_numels, rank_chunks
 
 
 @dataclass
@@ -65,7 +65,7 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     rank's chunks in virtual-stage order), and the per-layer tp and cp and the per-message P2P costs."""
     s, p = Sizes.of(cfg), cfg.parallel
     rate = hw.flops(cfg.train.dtype)
-    layer_weights = sum(layer_numels(cfg)[:7])  # matmul weights of one layer on this rank
+    layer_weights = layer_matmul_numels(cfg)  # matmul weights of one layer on this rank
     per_layer = s.n * (2 * layer_weights + 2 * cfg.data.seq_len * s.hq)  # forward FLOPs, causal attention
     tp_bw = _bandwidth(hw, p.tp, gpus_per_node)
     act = s.n * s.h * s.d  # one residual-stream tensor

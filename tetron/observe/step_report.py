@@ -15,8 +15,8 @@ from torch import Tensor
 
 from tetron import device as dev
 from tetron.config import Config
-from tetron.metrics import MetricsLog, ProgressBar, mfu, trim_after
-from tetron.sinks import open_sinks
+from tetron.observe.metrics import MetricsLog, ProgressBar, mfu, trim_after
+from tetron.observe.sinks import open_sinks
 
 
 @dataclass

@@ -25,18 +25,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tetron.batch import MicroBatch, rank_micro_batch
 from tetron.config import Config
-from tetron.data import default_cache_dir, load_tokens, micro_batches, open_store, prepare_data, prepare_tokens
-from tetron.documents import stream_ends, window_documents
+from tetron.data.batch import MicroBatch, rank_micro_batch
+from tetron.data.documents import stream_ends, window_documents
+from tetron.data.hf_source import share_hub_commits
+from tetron.data.loader import default_cache_dir, load_tokens, micro_batches, open_store, prepare_data, prepare_tokens
+from tetron.data.token_store import is_store
+from tetron.data.tokenizer import Tokenizer
 from tetron.errors import ConfigError
-from tetron.hf_source import share_hub_commits
 from tetron.mesh import Mesh
 from tetron.parallel.parallelize import make_loss_fn
 from tetron.parallel.pipeline_parallel import activation_shape
 from tetron.parallel.pipeline_schedules import rank_of, stage_of, style_of
-from tetron.token_store import is_store
-from tetron.tokenizer import Tokenizer
 
 Batch = list[MicroBatch]  # one global batch's micro-batches on this rank, whole windows (cut when used)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -29,10 +28,15 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from tetron import device as dev
+from tetron.checkpoint.safetensors_stream import SafetensorsWriter
+from tetron.data.tokenizer import Tokenizer
 from tetron.errors import StorageError
 from tetron.fs import (
+    STATE_FILE,
+    checkpoints_dir,
+    complete_checkpoints,
+    find_latest,
     fsync_dir,
-    read_bounded,
     recover_temps,
     replace_folder,
     sha256,
@@ -42,17 +46,12 @@ from tetron.fs import (
     write_text,
 )
 from tetron.mesh import Mesh
-from tetron.model import Llama, LlamaConfig
+from tetron.models.spec import ParallelPlan, spec_of
 from tetron.parallel.comm import all_gather_dim
 from tetron.parallel.layout import layout_of
 from tetron.parallel.zero import ShardedAdamW
-from tetron.safetensors_stream import SafetensorsWriter
-from tetron.tokenizer import Tokenizer
 
 FORMAT = "tetron-checkpoint/1"
-STATE_FILE = "trainer_state.json"  # written last: a folder without it is not a checkpoint
-STEP_DIR = re.compile(r"^step_(\d+)$")
-RUN_LOCK = "tetron.lock"  # in OUT while a run uses it (fs.FolderLock)
 Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
 
 
@@ -65,7 +64,7 @@ def seal(state: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- whole model folders
 
 
-def write_configs(folder: Path, config: LlamaConfig, tokenizer: Tokenizer | None, *, dtype: str = "float32") -> None:
+def write_configs(folder: Path, config: Any, tokenizer: Tokenizer | None, *, dtype: str = "float32") -> None:
     """config.json, generation_config.json and the tokenizer's files of a model folder being written.
     The end-of-text id comes from the tokenizer where the model config has none, so that generation
     (tetron's and transformers') stops at the end of a document; padding uses it too."""
@@ -81,21 +80,21 @@ def write_configs(folder: Path, config: LlamaConfig, tokenizer: Tokenizer | None
         tokenizer.save(folder)
 
 
-def save_model(model: Llama, folder: Path, *, tokenizer: Tokenizer | None = None) -> None:
-    """Write a whole, plain Llama as a HF model folder at `folder`, replacing any old one."""
+def save_model(model: nn.Module, folder: Path, *, tokenizer: Tokenizer | None = None) -> None:
+    """Write a whole, plain model as a HF model folder at `folder`, replacing any old one."""
     save_state(model.state_dict(), model.config, folder, tokenizer=tokenizer)
 
 
-def save_state(state: dict[str, Tensor], config: LlamaConfig, folder: Path, *,
+def save_state(state: dict[str, Tensor], config: Any, folder: Path, *,
                tokenizer: Tokenizer | None = None) -> None:
-    """Write full tensors named as in LlamaForCausalLM as a HF model folder, atomically."""
+    """Write full tensors named as in transformers' class of the family as a HF model folder, atomically."""
     folder = Path(folder)
     recover_temps(folder.parent, folder.name)  # what an earlier save killed mid-way left
     tmp = temp_name(folder)
     tmp.mkdir(parents=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # the same tensor as the embedding; HF ties it back on load
+    if config.tie_word_embeddings:  # the head is the embedding's tensor; HF ties it back on load
+        state.pop(f"{spec_of(config).plan.head}.weight", None)
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     write_configs(tmp, config, tokenizer)
     replace_folder(tmp, folder)
@@ -120,23 +119,26 @@ def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str
             for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def stage_of(name: str, layer_ranks: list[int], pp: int) -> int:
+def stage_of(name: str, layer_ranks: list[int], plan: ParallelPlan) -> int:
     """The pipeline rank that holds parameter `name`: layers by `layer_ranks`, the embedding with the
     first layer, the final norm and head with the last (under zbv both on rank 0)."""
-    if name.startswith("model.layers."):
-        return layer_ranks[int(name.split(".")[2])]
-    return layer_ranks[0] if name.startswith("model.embed_tokens.") else layer_ranks[-1]
+    part = plan.stage_part(name)
+    if part == "layer":
+        return layer_ranks[plan.layer_index(name)]
+    return layer_ranks[0] if part == "embedding" else layer_ranks[-1]
 
 
-def model_specs(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> list[Spec]:
+def model_specs(config: Any, dtype: torch.dtype = torch.float32) -> list[Spec]:
     """Every tensor of the HF model folder in the plain model's order; a tied head is not stored."""
+    spec = spec_of(config)
     with torch.device("meta"):
-        whole = Llama(config)  # names and full shapes, no storage
+        whole = spec.model_class(config)  # names and full shapes, no storage
+    tied_head = f"{spec.plan.head}.weight" if config.tie_word_embeddings else None
     return [(name, name, dtype, tuple(p.shape)) for name, p in whole.named_parameters(remove_duplicate=False)
-            if not (config.tie_word_embeddings and name == "lm_head.weight")]
+            if name != tied_head]
 
 
-def optimizer_specs(config: LlamaConfig) -> list[Spec]:
+def optimizer_specs(config: Any) -> list[Spec]:
     """AdamW's two moments of every stored parameter, full (unpadded) shapes, fp32."""
     return [(f"{name}.{kind}", name, torch.float32, shape)
             for name, _, _, shape in model_specs(config) for kind in ("exp_avg", "exp_avg_sq")]
@@ -148,12 +150,12 @@ def gather_tensors(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], *, la
     """Yield (key, whole tensor) on global rank 0 for every spec, in order; (key, None) on the other ranks,
     which take part in the tp all-gathers of their stage, and, on the owning stage's (dp=0, cp=0, tp=0)
     rank, send the tensor to rank 0. `local(param, key)` is this rank's part of the tensor."""
-    pp_rank, pp = mesh.local_rank("pp"), mesh.size("pp")
+    pp_rank, plan = mesh.local_rank("pp"), spec_of(chunks[0].config).plan
     in_column = all(mesh.local_rank(axis) == 0 for axis in ("dp", "cp", "tp"))
     mine = {name: p for chunk in chunks for name, p in chunk.named_parameters(remove_duplicate=False)}
     device = next(iter(mine.values())).device
     for key, name, dtype, shape in specs:
-        owner = stage_of(name, layer_ranks, pp)
+        owner = stage_of(name, layer_ranks, plan)
         if owner == pp_rank:
             param = mine[name]
             full = _full_tensor(local(param, key), param, mesh.group("tp")).contiguous()  # all tp ranks join
@@ -226,7 +228,7 @@ def _gather_rng(mesh: Mesh, device: torch.device) -> dict[str, Tensor]:
     return out
 
 
-def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, config: LlamaConfig,
+def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, config: Any,
                        weights: Callable[[nn.Parameter], Tensor], dtype: torch.dtype, layer_ranks: list[int],
                        tokenizer: Tokenizer | None, shard_mb: int) -> None:
     """OUT/model: the model as a HF folder in `dtype` (model.safetensors when it fits one shard), replaced
@@ -259,54 +261,7 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
     dist.barrier()
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-def checkpoints_dir(out: Path) -> Path:
-    return Path(out) / "checkpoints"
-
-
-def complete_checkpoints(out: Path) -> list[Path]:
-    """The complete `step_N` folders under OUT/checkpoints, in the order they were written (oldest
-    first). Not by step: a run resumed from an earlier step into the same OUT writes lower step
-    numbers after higher ones, and `keep` must keep what was written last."""
-    root = checkpoints_dir(out)
-    if not root.is_dir():
-        return []
-    found = [((p / STATE_FILE).stat().st_mtime_ns, int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
-    return [p for _, _, p in sorted(found)]
-
-
-def find_latest(out: Path) -> Path | None:
-    """The checkpoint `latest` names if it is complete, else the last complete one written, else None."""
-    root = checkpoints_dir(out)
-    try:
-        name = read_bounded(root / "latest", 256).decode("ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        name = ""
-    if STEP_DIR.match(name) and (root / name / STATE_FILE).is_file():
-        return root / name
-    done = complete_checkpoints(out)
-    return done[-1] if done else None
-
-
-def is_run_folder(out: Path) -> bool:
-    """Whether the folder `out` is empty or recognisably a tetron run folder: its log, its lock, only
-    its ranks' logs, a checkpoints/ with `latest` or a step_N, or a model/ with tetron's tokenizer file."""
-    names = {p.name for p in out.iterdir()}
-    if not names or names & {"metrics.jsonl", RUN_LOCK}:
-        return True
-    logs = out / "logs"  # the ranks' logs come first: under torchrun another rank may have begun them
-    if names == {"logs"} and logs.is_dir() and all(re.fullmatch(r"rank_\d+\.log", p.name) for p in logs.iterdir()):
-        return True
-    root = checkpoints_dir(out)
-    if root.is_dir() and any(p.name == "latest" or STEP_DIR.match(p.name.split(".tmp-")[0]) for p in root.iterdir()):
-        return True
-    return (out / "model" / "tetron_tokenizer.json").is_file()
-
-
-def checkpoint_bytes(config: LlamaConfig, *, optimizer: bool = True) -> int:
+def checkpoint_bytes(config: Any, *, optimizer: bool = True) -> int:
     """The bytes of a checkpoint's tensors: fp32 weights, and AdamW's two fp32 moments."""
     return sum(torch.Size(shape).numel() * 4 for *_, shape in model_specs(config)) * (3 if optimizer else 1)
 

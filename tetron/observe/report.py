@@ -21,11 +21,9 @@ from typing import Any, NoReturn
 
 import yaml
 
-from tetron.checkpoint import STATE_FILE, find_latest
-from tetron.checkpoint_load import read_json
 from tetron.errors import ConfigError, UserError
-from tetron.fs import read_bounded
-from tetron.timers import CATEGORIES
+from tetron.fs import STATE_FILE, find_latest, read_bounded, read_json
+from tetron.parallel.timers import CATEGORIES
 
 # (panel title, y label, metrics drawn, log scale)
 PANELS = [("loss", "loss", ("loss", "val_loss"), False),

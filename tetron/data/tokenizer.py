@@ -10,10 +10,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from tetron.data.hub import hub_problem
+from tetron.data.sources import BadRecords, data_fingerprint, iter_texts
 from tetron.errors import DataError
 from tetron.fs import read_bounded, replace_folder, temp_name, write_json
-from tetron.hub import hub_problem
-from tetron.sources import BadRecords, data_fingerprint, iter_texts
 
 EOS_TOKEN = "<|endoftext|>"
 MAX_TOKENIZER_BYTES = 1 << 30  # the largest tokenizer.json read (the largest real ones are tens of MB)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tetron.data.hub import hub_problem, offline_reason
 from tetron.errors import DataError
-from tetron.hub import hub_problem, offline_reason
 
 SHA_TIMEOUT_S = 10.0  # for the one request that asks the hub for a dataset's commit
 SHA_TTL_S = 600.0  # a commit asked for is reused this long: one request per run, one answer for key and read

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor
 
 from tetron.config import DataConfig
+from tetron.data.documents import document_positions
 from tetron.device import to_device
-from tetron.documents import document_positions
 
 
 class MicroBatch(NamedTuple):
@@ -19,7 +19,7 @@ class MicroBatch(NamedTuple):
     inputs: Tensor
     targets: Tensor
     positions: Tensor | None = None  # RoPE position ids, [B, T'] or [T']; None: 0..T'-1
-    docs: Tensor | None = None  # [B, T] the document of each position of the WHOLE window (documents.py);
+    docs: Tensor | None = None  # [B, T] the document of each position of the WHOLE window (data/documents.py);
     # None: each row is one causal sequence
 
 

@@ -8,11 +8,12 @@ what lets every parallel layout be compared with a single-process run.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 from torch import nn
 
-from tetron.model import Llama, LlamaConfig
+from tetron.models.spec import spec_of
 from tetron.parallel.layout import full_shape, layout_of, local_slice
 
 
@@ -23,9 +24,12 @@ def name_seed(seed: int, name: str) -> int:
 
 
 def full_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
-    """The full fp32 initial value of parameter `name`: ones for norm weights, N(0, std) otherwise."""
+    """The full fp32 initial value of parameter `name`: ones for norm weights, zeros for biases (as
+    transformers initialises both), N(0, std) otherwise."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     generator = torch.Generator().manual_seed(name_seed(seed, name))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
 
@@ -58,10 +62,11 @@ def init_weights_(model: nn.Module, *, seed: int, std: float) -> None:
         param.copy_(local_slice(param, full))
 
 
-def seeded_model(config: LlamaConfig, *, seed: int, device: torch.device) -> Llama:
-    """The whole model as a single-process run starts it: built on meta, given storage, filled from `seed`."""
+def seeded_model(config: Any, *, seed: int, device: torch.device) -> nn.Module:
+    """The whole model of `config`'s family as a single-process run starts it: built on meta, given storage,
+    filled from `seed`."""
     with torch.device("meta"):
-        model = Llama(config)
+        model = spec_of(config).model_class(config)
     materialize_(model, device)
     init_weights_(model, seed=seed, std=config.initializer_range)
     return model

@@ -18,8 +18,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from tetron.data.hf_source import folder_files, hf_folder, hf_streams, hub_sha, load_hf, open_hf_stream, parse_hf
 from tetron.errors import DataError
-from tetron.hf_source import folder_files, hf_folder, hf_streams, hub_sha, load_hf, open_hf_stream, parse_hf
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".py", ".md")
 MAX_RECORD_BYTES = 256 << 20  # the longest .jsonl line read

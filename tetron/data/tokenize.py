@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from tetron.data import default_cache_dir
+from tetron.data.loader import default_cache_dir
+from tetron.data.store_build import build_store
+from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import DataError
-from tetron.store_build import build_store
-from tetron.tokenizer import load_tokenizer
 
 
 class _Parser(argparse.ArgumentParser):

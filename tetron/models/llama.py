@@ -7,7 +7,6 @@ embedding, drop layers, or replace each attention module's `attn_fn`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -16,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tetron.documents import Documents, document_attention
+from tetron.models.attention import Documents, sdpa_attention
+from tetron.models.spec import Block, ModelSpec, ParallelPlan, read_hf_config, register
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 
@@ -25,6 +25,7 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 class LlamaConfig:
     """Architecture of a Llama-style decoder; field names follow transformers' LlamaConfig."""
 
+    model_type: str = "llama"  # the model family (models/spec.py): a registered Hugging Face model_type
     vocab_size: int = 32000  # number of token ids (rows of the embedding)
     hidden_size: int = 4096  # width of the residual stream
     intermediate_size: int = 11008  # width of the SwiGLU MLP's hidden layer
@@ -77,25 +78,10 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> LlamaConfig:
         """Read a transformers config.json (its path, its folder, or the dict); other HF keys are ignored."""
-        if isinstance(path_or_dict, dict):
-            hf = path_or_dict
-        else:
-            path = os.fspath(path_or_dict)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise ValueError(f"no Hugging Face config file at {path}")
-            if os.path.getsize(path) > 64 << 20:
-                raise ValueError(f"{path} is larger than 64 MiB: not a model config")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    hf = json.load(f)
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-                raise ValueError(f"{path} is not valid JSON ({type(err).__name__})") from None
-        if not isinstance(hf, dict):
-            raise ValueError("expected a JSON object of config fields")
-        if hf.get("model_type", "llama") != "llama":
-            raise ValueError(f"model_type={hf['model_type']!r} is not supported; tetron reads 'llama' configs")
+        hf = read_hf_config(path_or_dict)
+        if hf.get("model_type", cls.model_type) != cls.model_type:
+            raise ValueError(f"model_type={hf['model_type']!r} is not {cls.model_type!r}; read it with "
+                             "models.config_from_hf, which picks its family")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; tetron's MLP uses 'silu'")
         if hf.get("attention_bias") or hf.get("mlp_bias"):
@@ -127,7 +113,6 @@ class LlamaConfig:
         return {
             **dataclasses.asdict(self),  # asdict deep-copies, so transformers can't mutate our dicts
             "rope_parameters": rope_parameters,  # transformers 5 reads this; 4.x reads rope_theta/scaling
-            "model_type": "llama",
             "architectures": ["LlamaForCausalLM"],
             "dtype": dtype,
             "hidden_act": "silu",
@@ -230,19 +215,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x [B, heads, T, head_dim] by the position angles in cos/sin [B or 1, T, head_dim]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, head_dim], broadcast over heads
     return x * cos + rotate_half(x) * sin
-
-
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None) -> Tensor:
-    """Causal attention: q [B, n_heads, T, head_dim], k/v [B, n_kv_heads, T, head_dim] -> like q; with
-    `docs` (documents.py) each position attends only within its document."""
-    if k.shape[1] != q.shape[1]:
-        # Repeat each kv head for its group of query heads; works with every SDPA backend.
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)  # [B, n_heads, T, head_dim]
-        v = v.repeat_interleave(rep, dim=1)  # [B, n_heads, T, head_dim]
-    if docs is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=q.shape[-1] ** -0.5)
-    return document_attention(q, k, v, docs)
 
 
 class RMSNorm(nn.Module):
@@ -360,10 +332,20 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None) -> Tensor:
         """Logits [B, T, vocab] for input_ids [B, T]; position_ids [B, T] or [T], default 0..T-1; `docs`
-        [B, T] keeps attention within each document of a packed row (documents.py)."""
+        [B, T] keeps attention within each document of a packed row (models/attention.py)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)  # [1, T], broadcast over the batch
         h = self.model(input_ids, position_ids, docs)  # [B, T, hidden]
         return self.lm_head(h) if self.lm_head is not None else h  # [B, T, vocab]
+
+
+LLAMA = register(ModelSpec(
+    name="llama", model_types=("llama",), config_class=LlamaConfig, model_class=Llama,
+    plan=ParallelPlan(
+        blocks=(Block("self_attn", column=("q_proj", "k_proj", "v_proj"), row="o_proj"),
+                Block("mlp", column=("gate_proj", "up_proj"), row="down_proj")),
+        residual_norms=("input_layernorm", "post_attention_layernorm"),
+    ),
+))

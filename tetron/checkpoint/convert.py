@@ -14,11 +14,11 @@ import secrets
 import shutil
 from pathlib import Path
 
-from tetron.checkpoint import FORMAT, STATE_FILE, model_specs, seal, write_tensors
-from tetron.checkpoint_check import inspect_checkpoint, read_model_config
-from tetron.checkpoint_load import TensorReader, copy_tokenizer, read_json
+from tetron.checkpoint.check import inspect_checkpoint, read_model_config
+from tetron.checkpoint.load import TensorReader, copy_tokenizer
+from tetron.checkpoint.save import FORMAT, model_specs, seal, write_tensors
 from tetron.errors import CheckpointError
-from tetron.fs import replace_folder, sha256, write_json
+from tetron.fs import STATE_FILE, read_json, replace_folder, sha256, write_json
 
 
 def _tmp_for(dst: Path) -> Path:

@@ -25,38 +25,22 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from tetron import device as dev
-from tetron.checkpoint import STATE_FILE
+from tetron.checkpoint.safetensors_stream import DTYPES
+from tetron.data.hub import hub_problem
 from tetron.errors import CheckpointError, check
-from tetron.fs import read_bounded
-from tetron.hub import hub_problem
-from tetron.init import name_seed
-from tetron.model import Llama, LlamaConfig
+from tetron.fs import STATE_FILE, read_json
+from tetron.models.spec import config_from_hf, spec_of
+from tetron.parallel.init import name_seed
 from tetron.parallel.layout import full_shape, layout_of
 from tetron.parallel.zero import ShardedAdamW
-from tetron.safetensors_stream import DTYPES
 
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
-MAX_JSON_BYTES = 256 << 20  # the largest JSON file read from a checkpoint or model folder
 # what travels with the weights when a folder is converted: the tokenizer, and when generation stops
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tetron_tokenizer.json", "special_tokens_map.json",
                    "generation_config.json")
 
 
 _need = functools.partial(check, error=CheckpointError)
-
-
-def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
-    """A JSON file of at most `limit` bytes, parsed; any problem is a CheckpointError naming it."""
-    try:
-        return json.loads(read_bounded(path, limit).decode("utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
-    except ValueError as err:  # bad UTF-8, bad JSON, an integer too long to convert
-        raise CheckpointError(f"{path}: not valid JSON ({str(err).splitlines()[0]})") from None
 
 
 def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -182,14 +166,16 @@ class TensorReader:
             raise CheckpointError(f"{self.folder / f}: cannot read tensor {name} ({err})") from None
 
 
-def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Llama:
-    """A plain Llama from a HF model folder (config.json + model.safetensors, or shards + index), its
+def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A plain model of its family from a HF model folder (config.json + model.safetensors, or shards + index), its
     weights in `dtype` whatever the folder stores (fp32 by default: bf16 matmuls are slow on CPUs)."""
     folder = Path(folder)
-    config = LlamaConfig.from_hf(folder)
+    config = config_from_hf(folder)
+    spec = spec_of(config)
     with torch.device("meta"):
-        model = Llama(config)
-    expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+        model = spec.model_class(config)
+    tied_head = f"{spec.plan.head}.weight" if config.tie_word_embeddings else None
+    expected = {k for k in model.state_dict() if k != tied_head}
     if (folder / "model.safetensors").is_file():
         state = load_file(folder / "model.safetensors", device=str(device))
         where = folder / "model.safetensors"
@@ -197,8 +183,7 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch
         with TensorReader(folder, "model") as reader:
             state = {k: reader.read(k).to(device) for k in reader.names() if k in expected}
         where = folder / "model.safetensors.index.json"
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    state.pop(tied_head, None)
     state = {k: v.to(dtype) for k, v in state.items()}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
@@ -231,12 +216,13 @@ def _read_local(reader: TensorReader, key: str, param: nn.Parameter) -> Tensor:
     return part
 
 
-def _source_name(name: str, param: nn.Parameter, reader: TensorReader) -> str:
+def _source_name(name: str, param: nn.Parameter, reader: TensorReader, chunk: nn.Module) -> str:
     """The stored tensor of `param`: its layout's `source` for a pipeline's tied head copy; the embedding
     for a tied head that the folder leaves out (as transformers does)."""
     src = layout_of(param).source or name
-    if src == "lm_head.weight" and reader.info(src) is None:
-        return "model.embed_tokens.weight"
+    plan = spec_of(chunk.config).plan
+    if src == f"{plan.head}.weight" and reader.info(src) is None:
+        return f"{plan.embedding}.weight"
     return src
 
 
@@ -247,7 +233,7 @@ def load_weights(chunks: list[nn.Module], folder: Path, optimizer: ShardedAdamW)
     with TensorReader(folder, "model") as reader:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
-                weights = _read_local(reader, _source_name(name, param, reader), param)
+                weights = _read_local(reader, _source_name(name, param, reader, chunk), param)
                 if optimizer.sharding is None:  # under ZeRO-3 only the slices exist, which load fills
                     param.copy_(weights)
                 optimizer.load(param, master=weights)
@@ -260,7 +246,7 @@ def load_optimizer(optimizer: ShardedAdamW, chunks: list[nn.Module], folder: Pat
     with TensorReader(folder, "model") as model_reader, TensorReader(folder, "optimizer") as reader:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
-                src = _source_name(name, param, model_reader)
+                src = _source_name(name, param, model_reader, chunk)
                 optimizer.load(param, exp_avg=_read_local(reader, f"{src}.exp_avg", param),
                                exp_avg_sq=_read_local(reader, f"{src}.exp_avg_sq", param), step=step)
 

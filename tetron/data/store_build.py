@@ -23,10 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tetron.errors import DataError
-from tetron.fs import FolderLock, describe_size, read_bounded, recover_temps, replace_folder, temp_name, write_json
-from tetron.sources import BadRecords, data_fingerprint
-from tetron.token_store import (
+from tetron.data.sources import BadRecords, data_fingerprint
+from tetron.data.token_store import (
     FORMAT,
     INDEX,
     ShardWriter,
@@ -36,8 +34,10 @@ from tetron.token_store import (
     token_dtype,
     write_index,
 )
-from tetron.tokenizer import Tokenizer, load_tokenizer
-from tetron.units import plan_units, unit_pieces
+from tetron.data.tokenizer import Tokenizer, load_tokenizer
+from tetron.data.units import plan_units, unit_pieces
+from tetron.errors import DataError
+from tetron.fs import FolderLock, describe_size, read_bounded, recover_temps, replace_folder, temp_name, write_json
 
 ENCODE_DOCS = 256  # documents per encode_batch call
 ENCODE_CHARS = 4 << 20  # or fewer, when they are long: a batch's text stays a few MB

@@ -15,9 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from tetron.errors import DataError
-from tetron.hf_source import open_hf_stream
-from tetron.sources import (
+from tetron.data.hf_source import open_hf_stream
+from tetron.data.sources import (
     BadRecords,
     _read_text,
     iter_hf_rows,
@@ -27,6 +26,7 @@ from tetron.sources import (
     iter_texts,
     resolve_files,
 )
+from tetron.errors import DataError
 
 MIN_UNIT_BYTES = 1 << 20  # units are not made smaller than this to make more of them
 PIECE_BYTES = 8 << 20  # a text file larger than this is read (and encoded) in pieces of about this size

@@ -13,11 +13,11 @@ import torch
 from torch import Tensor, nn
 
 from tetron.config import Config
-from tetron.evaluate import build_evaluator
+from tetron.data.tokenizer import Tokenizer
 from tetron.mesh import Mesh
-from tetron.profiling import StepProfiler
-from tetron.timers import StepTimers
-from tetron.tokenizer import Tokenizer
+from tetron.observe.evaluate import build_evaluator
+from tetron.observe.profiling import StepProfiler
+from tetron.parallel.timers import StepTimers
 
 
 class StepObservers:

@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tetron.batch import MicroBatch
-from tetron.data import micro_batches
-from tetron.documents import stream_ends, window_documents
+from tetron.data.batch import MicroBatch
+from tetron.data.documents import stream_ends, window_documents
+from tetron.data.loader import micro_batches
 from tetron.errors import DataError
 
 

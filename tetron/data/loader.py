@@ -20,16 +20,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tetron.batch import MicroBatch
-from tetron.checkpoint import find_latest
 from tetron.config import Config
-from tetron.documents import stream_ends, window_documents
+from tetron.data.batch import MicroBatch
+from tetron.data.documents import stream_ends, window_documents
+from tetron.data.hf_source import hf_streams
+from tetron.data.sources import data_fingerprint
+from tetron.data.store_build import build_store
+from tetron.data.token_store import TokenStore, is_store
+from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.errors import ConfigError, DataError
-from tetron.hf_source import hf_streams
-from tetron.sources import data_fingerprint
-from tetron.store_build import build_store
-from tetron.token_store import TokenStore, is_store
-from tetron.tokenizer import Tokenizer, load_tokenizer
+from tetron.fs import find_latest
 
 # Bump when the token store layout or the tokenization rules change, to invalidate caches.
 _CACHE_VERSION = "tetron-tokens-2"

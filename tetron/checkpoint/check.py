@@ -10,15 +10,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tetron.checkpoint import FORMAT, STATE_FILE, STEP_DIR, model_specs, optimizer_specs, seal
-from tetron.checkpoint_load import FLOAT_DTYPES, TensorReader, read_header, read_json
+from tetron.checkpoint.load import FLOAT_DTYPES, TensorReader, read_header
+from tetron.checkpoint.save import FORMAT, model_specs, optimizer_specs, seal
+from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check
-from tetron.fs import sha256
-from tetron.model import LlamaConfig
-from tetron.tokenizer import load_tokenizer
+from tetron.fs import STATE_FILE, STEP_DIR, read_json, sha256
+from tetron.models.spec import config_from_hf
 
-MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "tie_word_embeddings")  # the shapes: always the same
+# the family and the shapes: always the same
+MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
 # what gives trained weights their meaning without changing a shape: the same unless
 # checkpoint.new_model_settings (extending the context changes rope_theta or rope_scaling on purpose)
 SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
@@ -26,17 +27,17 @@ SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
 _need = functools.partial(check, error=CheckpointError)
 
 
-def read_model_config(folder: Path) -> LlamaConfig:
+def read_model_config(folder: Path) -> Any:
     path = Path(folder) / "config.json"
     raw = read_json(path)
     _need(isinstance(raw, dict), f"{path}: expected a JSON object")
     try:
-        return LlamaConfig.from_hf(raw)
+        return config_from_hf(raw)
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"{path}: {err}") from None
 
 
-def compare_models(found: LlamaConfig, want: LlamaConfig, where: Path, *, settings: bool = True) -> None:
+def compare_models(found: Any, want: Any, where: Path, *, settings: bool = True) -> None:
     """The same shapes, and with `settings` the same SETTING_FIELDS, or a CheckpointError naming the field."""
     for f in MODEL_FIELDS:
         _need(getattr(found, f) == getattr(want, f),
@@ -104,7 +105,7 @@ def _check_side_files(folder: Path) -> None:
               f"{generation}: bos/eos/pad_token_id must be integers, lists of integers or null")
 
 
-def inspect_checkpoint(folder: Path, model: LlamaConfig | None = None, *, require_state: bool = True,
+def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool = True,
                        verify_data: bool = True, settings: bool = True) -> dict[str, Any] | None:
     """Check a checkpoint (or, with require_state=False, any HF model folder) without loading it: JSON,
     safetensors headers, every tensor the model needs with its shape, file sizes and hashes; and that its

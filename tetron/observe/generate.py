@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tetron.checkpoint_check import inspect_checkpoint, read_model_config
-from tetron.checkpoint_load import load_model
+from tetron.checkpoint.check import inspect_checkpoint, read_model_config
+from tetron.checkpoint.load import load_model
+from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.errors import CheckpointError
-from tetron.model import Llama, sdpa_attention
-from tetron.tokenizer import Tokenizer, load_tokenizer
+from tetron.models.attention import sdpa_attention
+from tetron.models.llama import Llama
 
 
 class KVCache:

@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tetron.checkpoint import find_latest
-from tetron.fs import write_json, write_text
+from tetron.fs import find_latest, write_json, write_text
 from tetron.stop import FORWARDED, stop_signals, stopped_line, watch_signals
 
 FAILED = ("error", "timeout", "peer")  # report states of a rank that ended the run

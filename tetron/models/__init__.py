@@ -1,0 +1,15 @@
+"""Model families: each a plain single-device model that knows nothing of parallelism, its config, and
+one `ModelSpec` (spec.py) that tells the rest of tetron where its parts are and how they split.
+
+    spec.py       ModelSpec and ParallelPlan; the registry of families by Hugging Face model_type
+    llama.py      Llama (LlamaForCausalLM's names and numerics), the first family
+    attention.py  causal grouped-query attention, and the document masks of packed windows
+    loss.py       cross entropy with a one-pass backward
+
+Imports only the ground floor (tetron/__init__.py's layers). Importing the package registers its families.
+"""
+
+from tetron.models import llama  # noqa: F401  (registers the family)
+from tetron.models.spec import FAMILIES, ModelSpec, ParallelPlan, config_from_hf, family, register, spec_of
+
+__all__ = ["FAMILIES", "ModelSpec", "ParallelPlan", "config_from_hf", "family", "register", "spec_of"]

@@ -1,0 +1,138 @@
+"""A model family, described once: what tetron needs to know about a model beyond its own code.
+
+Every parallel strategy, the checkpoints and the planner read a family's `ModelSpec`, never its module
+names: its Hugging Face `model_type`s, its config and module classes, and its `ParallelPlan` (where the
+decoder layers, the embedding, the final norm and the head are; which linears of a layer are column- or
+row-parallel; which norms sit on the residual stream). A new family is a plain single-device module class,
+a config dataclass, and one `register(ModelSpec(...))`; no axis's file changes.
+
+What the module class must offer (Llama's, models/llama.py, is the pattern): it is built from its config
+(`model_class(config)`, on the meta device too), keeps that config as `.config`, names its tensors as
+transformers' class does, has the plan's parts at the plan's paths (a part a pipeline stage drops is set to
+None and skipped by `forward`), its decoder layers in a ModuleDict keyed "0", "1", ..., its attention modules
+with an `attn_fn(q, k, v, docs)` attribute (context parallelism and the KV cache swap it), `tie_weights()`,
+and `forward(input_ids, position_ids, docs)`. Its config dataclass has a `model_type` field, `from_hf`,
+`to_hf`, `num_params` and `flops_per_token`, and the Llama size fields that validation checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Block:
+    """A part of a decoder layer that tensor parallelism splits with no communication inside: its input
+    linears column-parallel (they share one f at the block's input), its output linear row-parallel (g)."""
+
+    path: str  # the block, relative to a decoder layer: "self_attn"
+    column: tuple[str, ...]  # its input linears, relative to the block: ("q_proj", "k_proj", "v_proj")
+    row: str  # its output linear: "o_proj"
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Where a family's parts are (attribute paths from the model) and how tensor parallelism splits a layer."""
+
+    blocks: tuple[Block, ...]  # the tensor-parallel blocks of one decoder layer, in forward order
+    residual_norms: tuple[str, ...]  # a layer's norms on the residual stream (their weights see one rank's tokens
+    # under sequence parallelism, so their gradients are summed over tp), relative to the layer
+    layers: str = "model.layers"  # the ModuleDict of decoder layers: the pipeline cuts it; recompute, compile
+    # and ZeRO-3's units take its entries
+    embedding: str = "model.embed_tokens"  # the token embedding (first stage; vocab-parallel under tp)
+    final_norm: str = "model.norm"  # the norm after the last layer (last stage; sequence-parallel under sp)
+    head: str = "lm_head"  # the output projection (last stage; column-parallel over the vocabulary)
+
+    def part(self, model: nn.Module, path: str) -> Any:
+        """The module at `path` of `model`, or None where a pipeline stage dropped it."""
+        for name in path.split("."):
+            model = getattr(model, name, None)
+            if model is None:
+                return None
+        return model
+
+    def set_part(self, model: nn.Module, path: str, value: nn.Module | None) -> None:
+        """Replace (or, with None, drop) the module at `path`."""
+        parent, _, name = path.rpartition(".")
+        setattr(self.part(model, parent) if parent else model, name, value)
+
+    def layers_of(self, model: nn.Module) -> nn.ModuleDict:
+        """The decoder layers this model (or pipeline chunk) holds, keyed by their global index."""
+        return self.part(model, self.layers)
+
+    def stage_part(self, name: str) -> str:
+        """Which part a parameter name belongs to: "layer", "embedding" or "end" (final norm, head)."""
+        if name.startswith(self.layers + "."):
+            return "layer"
+        return "embedding" if name.startswith(self.embedding + ".") else "end"
+
+    def layer_index(self, name: str) -> int:
+        """The decoder layer of a parameter name inside the layers: `model.layers.3.mlp...` -> 3."""
+        return int(name[len(self.layers) + 1:].split(".", 1)[0])
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family."""
+
+    name: str  # the family's name, also its config's `model_type`: "llama"
+    model_types: tuple[str, ...]  # the Hugging Face config.json model_type values it reads: ("llama",)
+    config_class: type  # the config dataclass (fields named as transformers' config)
+    model_class: type[nn.Module]  # the plain single-device model, transformers' tensor names
+    plan: ParallelPlan
+
+
+FAMILIES: dict[str, ModelSpec] = {}  # model_type -> family; filled by register()
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Make a family known by each of its model types (a later registration of a type replaces the earlier)."""
+    for model_type in {spec.name, *spec.model_types}:
+        FAMILIES[model_type] = spec
+    return spec
+
+
+def family(model_type: str) -> ModelSpec:
+    """The family of a model_type, or a ValueError naming the known ones."""
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
+        raise ValueError(f"model_type={model_type!r} is not a known model family; use one of {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def spec_of(config: Any) -> ModelSpec:
+    """The family of a model config (by its model_type)."""
+    return family(config.model_type)
+
+
+def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
+    """A transformers config.json as a dict: from its path, its folder, or the dict itself."""
+    if isinstance(path_or_dict, dict):
+        hf = path_or_dict
+    else:
+        path = os.fspath(path_or_dict)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"no Hugging Face config file at {path}")
+        if os.path.getsize(path) > 64 << 20:
+            raise ValueError(f"{path} is larger than 64 MiB: not a model config")
+        try:
+            with open(path, encoding="utf-8") as f:
+                hf = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            raise ValueError(f"{path} is not valid JSON ({type(err).__name__})") from None
+    if not isinstance(hf, dict):
+        raise ValueError("expected a JSON object of config fields")
+    return hf
+
+
+def config_from_hf(path_or_dict: str | os.PathLike | dict) -> Any:
+    """A family's config from a transformers config.json (its path, its folder, or the dict); its model_type
+    picks the family (a file without one is read as Llama, as older Llama files are)."""
+    hf = read_hf_config(path_or_dict)
+    return family(hf.get("model_type", "llama")).config_class.from_hf(hf)
