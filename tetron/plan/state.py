@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
 
 import torch
@@ -41,35 +40,36 @@ def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
 def layer_numels(cfg: Config) -> list[int]:
     """Elements of one decoder layer's parameters on a rank, in `parameters()` order (for Llama: q, k, v, o,
     gate, up, down, each 1/tp, then the two RMSNorm weights, whole)."""
-    return [n for n, _ in _layer_params(cfg.model.model_type, _fields(cfg), cfg.parallel.tp)]
+    return [n for n, _ in _layer_params(cfg)]
 
 
 def layer_matmul_numels(cfg: Config) -> int:
     """Elements of one decoder layer's matmul weights on a rank (its plan's column- and row-parallel linears)."""
-    return sum(n for n, matmul in _layer_params(cfg.model.model_type, _fields(cfg), cfg.parallel.tp) if matmul)
+    return sum(n for n, matmul in _layer_params(cfg) if matmul)
 
 
-def _fields(cfg: Config) -> str:
-    return json.dumps(dataclasses.asdict(cfg.model), sort_keys=True)  # a hashable key of the model config
+_LAYER_PARAMS: dict[tuple[str, int], tuple[tuple[int, bool], ...]] = {}  # (model config, tp) -> what follows
 
 
-@functools.lru_cache(maxsize=256)
-def _layer_params(model_type: str, fields: str, tp: int) -> tuple[tuple[int, bool], ...]:
+def _layer_params(cfg: Config) -> tuple[tuple[int, bool], ...]:
     """(elements on a rank, is a matmul weight) of each parameter of one decoder layer, read off the family's
     module built on the meta device and its parallel plan: column-parallel linears split by rows (their
-    biases too), row-parallel ones by columns (their biases stay whole), everything else whole."""
-    spec = family(model_type)
-    config = spec.config_class(**{**json.loads(fields), "num_hidden_layers": 1})
-    with torch.device("meta"):
-        layer = spec.plan.layers_of(spec.model_class(config))["0"]
-    column = {f"{b.path}.{name}" for b in spec.plan.blocks for name in b.column}
-    row = {f"{b.path}.{b.row}" for b in spec.plan.blocks}
-    out = []
-    for name, param in layer.named_parameters():
-        module, _, kind = name.rpartition(".")
-        split = module in column or (module in row and kind == "weight")
-        out.append((param.numel() // tp if split else param.numel(), module in column | row and kind == "weight"))
-    return tuple(out)
+    biases too), row-parallel ones by columns (their biases stay whole), everything else whole. Memoised:
+    the layout search asks for every chunk of every layout."""
+    key = (repr(cfg.model), cfg.parallel.tp)  # a dataclass's repr names every field
+    if key not in _LAYER_PARAMS:
+        spec, tp = family(cfg.model.model_type), cfg.parallel.tp
+        with torch.device("meta"):
+            layer = spec.plan.layers_of(spec.model_class(dataclasses.replace(cfg.model, num_hidden_layers=1)))["0"]
+        column = {f"{b.path}.{name}" for b in spec.plan.blocks for name in b.column}
+        row = {f"{b.path}.{b.row}" for b in spec.plan.blocks}
+        out = []
+        for name, param in layer.named_parameters():
+            module, _, kind = name.rpartition(".")
+            split = module in column or (module in row and kind == "weight")
+            out.append((param.numel() // tp if split else param.numel(), module in column | row and kind == "weight"))
+        _LAYER_PARAMS[key] = tuple(out)
+    return _LAYER_PARAMS[key]
 
 
 def chunk_units(cfg: Config, chunk: Chunk) -> list[list[int]]:
@@ -81,7 +81,8 @@ def chunk_units(cfg: Config, chunk: Chunk) -> list[list[int]]:
         root.append(s.h)
         if not (tied and chunk.first):
             root.append(s.vocab * s.h)
-    return [root] + [layer_numels(cfg) for _ in range(chunk.layers)]
+    layer = layer_numels(cfg)
+    return [root] + [layer for _ in range(chunk.layers)]
 
 
 @dataclass(frozen=True)
