@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo lint test bench gpu-check clean
+.PHONY: venv demo lint test bench gpu-check docs clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,10 @@ bench: $(STAMP)
 	$(PY) bench/zero.py
 	$(PY) bench/step_overhead.py
 	$(PY) bench/documents.py
+
+# docs/config.md from the config's field comments, and the docs' live outputs (docs/build.py says which).
+docs: $(STAMP)
+	$(PY) docs/build.py
 
 clean:
 	rm -rf $(VENV) runs

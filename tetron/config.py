@@ -69,8 +69,8 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "stdlib"  # file, folder, glob of .txt/.jsonl/.parquet, "stdlib", hf:NAME[:SPLIT], or a token
-    # store folder (tetron tokenize)
+    path: str = "stdlib"  # file, folder, glob of .txt/.md/.py/.jsonl/.parquet, "stdlib", hf:NAME[[:CONFIG]:SPLIT],
+    # or a token store folder (tetron tokenize)
     sources: list[dict[str, Any]] | None = None  # a mixture instead of path: [{path: STORE_OR_SPEC, weight: W,
     # epochs: E}], rows drawn by weight; a source leaves after `epochs` passes (optional; none: no limit)
     hash_contents: bool = False  # key the token cache of local files by their bytes, not their sizes and mtimes

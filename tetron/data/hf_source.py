@@ -1,4 +1,4 @@
-"""Hugging Face datasets as data (`hf:NAME[:CONFIG][:SPLIT]`): what a spec names, what identifies its
+"""Hugging Face datasets as data (`hf:NAME[[:CONFIG]:SPLIT]`): what a spec names, what identifies its
 contents without downloading it, and how it is opened.
 
 A local dataset folder is identified by its files and a hub dataset by its repository's current commit

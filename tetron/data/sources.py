@@ -1,5 +1,5 @@
 """Text sources: local files (.txt, .jsonl, .parquet, source code), the Python standard library
-(`stdlib`) or a Hugging Face dataset (`hf:NAME[:CONFIG][:SPLIT]`), read as documents in a fixed order,
+(`stdlib`) or a Hugging Face dataset (`hf:NAME[[:CONFIG]:SPLIT]`), read as documents in a fixed order,
 and a fingerprint of what a source yields, for cache keys.
 
 Every record is read defensively: a .jsonl line is bounded (MAX_RECORD_BYTES), and bad UTF-8, bad JSON,

@@ -27,7 +27,7 @@ def tokenize_command(args: list[str]) -> int:
     """`tetron tokenize`: returns the exit status; a bad source or argument is one line on stderr."""
     parser = _Parser(prog="tetron tokenize", description="Tokenize a data source into a token store that "
                      "data.path or data.sources can name.")
-    parser.add_argument("source", help="a file, folder, glob, stdlib, or hf:NAME[:CONFIG][:SPLIT] (streamed)")
+    parser.add_argument("source", help="a file, folder, glob, stdlib, or hf:NAME[[:CONFIG]:SPLIT] (streamed)")
     parser.add_argument("--tokenizer", required=True, help="bytes, bpe:N (trained on the source), a tokenizer "
                         "folder or tokenizer.json, or a hub name")
     parser.add_argument("--out", required=True, help="the store folder (a killed run resumes into it)")
