@@ -174,7 +174,7 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch
     spec = spec_of(config)
     with torch.device("meta"):
         model = spec.model_class(config)
-    tied_head = f"{spec.plan.head}.weight" if config.tie_word_embeddings else None
+    tied_head = spec.plan.tied_head(config)
     expected = {k for k in model.state_dict() if k != tied_head}
     if (folder / "model.safetensors").is_file():
         state = load_file(folder / "model.safetensors", device=str(device))
@@ -221,8 +221,8 @@ def _source_name(name: str, param: nn.Parameter, reader: TensorReader, chunk: nn
     for a tied head that the folder leaves out (as transformers does)."""
     src = layout_of(param).source or name
     plan = spec_of(chunk.config).plan
-    if src == f"{plan.head}.weight" and reader.info(src) is None:
-        return f"{plan.embedding}.weight"
+    if src == plan.head_weight and reader.info(src) is None:
+        return plan.embedding_weight
     return src
 
 

@@ -93,8 +93,7 @@ def save_state(state: dict[str, Tensor], config: Any, folder: Path, *,
     tmp = temp_name(folder)
     tmp.mkdir(parents=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-    if config.tie_word_embeddings:  # the head is the embedding's tensor; HF ties it back on load
-        state.pop(f"{spec_of(config).plan.head}.weight", None)
+    state.pop(spec_of(config).plan.tied_head(config), None)  # the embedding's tensor; HF ties it back on load
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     write_configs(tmp, config, tokenizer)
     replace_folder(tmp, folder)
@@ -133,7 +132,7 @@ def model_specs(config: Any, dtype: torch.dtype = torch.float32) -> list[Spec]:
     spec = spec_of(config)
     with torch.device("meta"):
         whole = spec.model_class(config)  # names and full shapes, no storage
-    tied_head = f"{spec.plan.head}.weight" if config.tie_word_embeddings else None
+    tied_head = spec.plan.tied_head(config)
     return [(name, name, dtype, tuple(p.shape)) for name, p in whole.named_parameters(remove_duplicate=False)
             if name != tied_head]
 

@@ -61,6 +61,30 @@ class ParallelPlan:
         parent, _, name = path.rpartition(".")
         setattr(self.part(model, parent) if parent else model, name, value)
 
+    @property
+    def embedding_weight(self) -> str:
+        return f"{self.embedding}.weight"
+
+    @property
+    def head_weight(self) -> str:
+        return f"{self.head}.weight"
+
+    def tied_head(self, config: Any) -> str | None:
+        """The head's weight name where it is the embedding's tensor (stored once, as the embedding), else None."""
+        return self.head_weight if config.tie_word_embeddings else None
+
+    def tp_dim(self, name: str) -> int | None:
+        """The dim along which tensor parallelism splits a decoder layer's parameter (`self_attn.q_proj.weight`,
+        relative to the layer): 0 for column-parallel weights and biases, 1 for row-parallel weights, None for
+        what stays whole (norms, a row-parallel bias, added once after the sum)."""
+        module, _, kind = name.rpartition(".")
+        for block in self.blocks:
+            if module in {f"{block.path}.{c}" for c in block.column}:
+                return 0
+            if module == f"{block.path}.{block.row}" and kind == "weight":
+                return 1
+        return None
+
     def layers_of(self, model: nn.Module) -> nn.ModuleDict:
         """The decoder layers this model (or pipeline chunk) holds, keyed by their global index."""
         return self.part(model, self.layers)

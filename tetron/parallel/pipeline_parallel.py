@@ -98,7 +98,7 @@ def apply_pipeline_stage(model: nn.Module, layers: range, *, first: bool, last: 
         # The head's weight is the embedding's Parameter (tied). This stage keeps it as its own copy:
         # started from the embedding's tensor (init by that name), kept equal to the first stage's by
         # summing the two gradients before each step, and counted once in the gradient norm.
-        set_layout(plan.part(model, plan.head).weight, tied_copy=True, source=f"{plan.embedding}.weight")
+        set_layout(plan.part(model, plan.head).weight, tied_copy=True, source=plan.embedding_weight)
     return model
 
 

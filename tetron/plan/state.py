@@ -53,22 +53,17 @@ _LAYER_PARAMS: dict[tuple[str, int], tuple[tuple[int, bool], ...]] = {}  # (mode
 
 def _layer_params(cfg: Config) -> tuple[tuple[int, bool], ...]:
     """(elements on a rank, is a matmul weight) of each parameter of one decoder layer, read off the family's
-    module built on the meta device and its parallel plan: column-parallel linears split by rows (their
-    biases too), row-parallel ones by columns (their biases stay whole), everything else whole. Memoised:
+    module built on the meta device and split as its parallel plan says (ParallelPlan.tp_dim). Memoised:
     the layout search asks for every chunk of every layout."""
     key = (repr(cfg.model), cfg.parallel.tp)  # a dataclass's repr names every field
     if key not in _LAYER_PARAMS:
         spec, tp = family(cfg.model.model_type), cfg.parallel.tp
         with torch.device("meta"):
             layer = spec.plan.layers_of(spec.model_class(dataclasses.replace(cfg.model, num_hidden_layers=1)))["0"]
-        column = {f"{b.path}.{name}" for b in spec.plan.blocks for name in b.column}
-        row = {f"{b.path}.{b.row}" for b in spec.plan.blocks}
-        out = []
-        for name, param in layer.named_parameters():
-            module, _, kind = name.rpartition(".")
-            split = module in column or (module in row and kind == "weight")
-            out.append((param.numel() // tp if split else param.numel(), module in column | row and kind == "weight"))
-        _LAYER_PARAMS[key] = tuple(out)
+        dims = [(param.numel(), spec.plan.tp_dim(name), name.endswith(".weight"))
+                for name, param in layer.named_parameters()]
+        _LAYER_PARAMS[key] = tuple((n if dim is None else n // tp, dim is not None and weight)
+                                   for n, dim, weight in dims)
     return _LAYER_PARAMS[key]
 
 
