@@ -115,9 +115,11 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _is_rank(pid: int) -> bool:
+def _is_rank(pid: int, launcher: int) -> bool:
+    """On the CPU the launcher forks its ranks (tetron.device.rank_start_method): a rank is a child running
+    the launcher's own command line."""
     try:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/cmdline").read_bytes() == Path(f"/proc/{launcher}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -136,7 +138,7 @@ def test_sigkill_of_a_rank_restarts_and_resumes(corpus, cache_dir, tmp_path):
     while killed is None and time.time() < deadline and proc.poll() is None:
         lines = metrics.read_text().splitlines() if metrics.exists() else []
         if lines and json.loads(lines[-1])["step"] >= 3:
-            ranks = [p for p in _children(proc.pid) if _is_rank(p)]
+            ranks = [p for p in _children(proc.pid) if _is_rank(p, proc.pid)]
             if ranks:
                 killed = ranks[-1]
                 os.kill(killed, signal.SIGKILL)

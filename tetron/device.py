@@ -60,6 +60,15 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def rank_start_method(kind: str) -> str:
+    """How a launcher on this machine starts the ranks of parallel.device=`kind`: forked on the CPU, where a
+    rank then inherits the imported torch and starts in a fraction of a second (spawning costs each rank
+    seconds of imports); spawned for CUDA, which cannot be used in a forked child of a process that
+    initialised it."""
+    cuda = kind == "cuda" or (kind == "auto" and torch.cuda.is_available())
+    return "spawn" if cuda else "fork"
+
+
 def device_problem(kind: str, ranks_per_node: int | None) -> str | None:
     """Why parallel.device=`kind` cannot run `ranks_per_node` ranks on this machine (None: unknown, as
     under torchrun), or None when it can: checked before any rank starts."""

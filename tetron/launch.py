@@ -52,9 +52,12 @@ def launch(cfg: Config) -> int:
         return 0
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    start_method = dev.rank_start_method(cfg.parallel.device)
+    if start_method == "fork":
+        import torch._dynamo  # noqa: F401  (every rank's optimizer imports it, with sympy: once here, inherited)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=cfg.parallel.max_restarts,
-                          monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                          monitor_interval=0.1, start_method=start_method, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     print(f"tetron: starting {cfg.world_size} ranks (dp={cfg.parallel.dp} tp={cfg.parallel.tp} "
           f"pp={cfg.parallel.pp} cp={cfg.parallel.cp}), run folder {cfg.out}", flush=True)
     _quiet_launcher_logs()
@@ -115,6 +118,8 @@ def run_rank(raw_config: dict[str, Any], reports: str | None = None) -> None:
     `reports`: the folder of tetron's launcher (watch.py), which prints the run's last line from what each
     rank reports there; None under torchrun or in a single process, where rank 0 prints it."""
     cfg = from_dict(raw_config)
+    if reports is not None:
+        _forget_launcher_signals(stop_signals(cfg.checkpoint.stop_signal))
     # The elastic launcher counts restarts; a restarted rank continues from OUT's latest checkpoint.
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     rank = int(os.environ.get("RANK", 0))
@@ -144,6 +149,15 @@ def run_rank(raw_config: dict[str, Any], reports: str | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         rank_log.restore()
+
+
+def _forget_launcher_signals(signals: list[signal.Signals]) -> None:
+    """A rank forked by tetron's launcher inherits the launcher's signal handlers and wakeup fd, which would
+    hand the rank's signals to the launcher's watch (also after this rank restores what it found): start
+    from the defaults a spawned rank has."""
+    signal.set_wakeup_fd(-1)
+    for sig in signals:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
 def _end_without_launcher(launcher: int) -> None:

@@ -132,11 +132,11 @@ def measure(cfg: Config, *, steps: int = 3, timed_steps: int = 3) -> list[dict[s
 
     with tempfile.TemporaryDirectory(prefix="tetron-measure-") as out:
         raw = _quiet(cfg, out).to_dict()
-        start_method = "fork" if cfg.parallel.device == "cpu" or not torch.cuda.is_available() else "spawn"
         # the ranks' own lines (model size, data) go to files: what `tetron plan` prints is its table
         logs = DefaultLogsSpecs(log_dir=os.path.join(out, "logs"), redirects=Std.ALL)
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size, run_id=str(uuid.uuid4()),
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                              monitor_interval=0.1, start_method=start_method, logs_specs=logs)
+                              monitor_interval=0.1, start_method=dev.rank_start_method(cfg.parallel.device),
+                              logs_specs=logs)
         results = elastic_launch(config, _launched)(raw, steps, timed_steps)
     return [results[r] for r in sorted(results)]
