@@ -267,4 +267,7 @@ def test_selective_under_tp_frees_each_step(corpus, cache_dir, tmp_path):
 
     prepare_data(from_dict(raw))
     for counts in run_ranks(2, _live_tensors_per_step, raw):
-        assert counts[2:] == [counts[2]] * 4, counts
+        # A leak adds its tensors at every step, so the fewest alive over the last two steps would exceed the
+        # fewest over steps 3-4 by 26. A tensor that is only passing through when gc counts (gloo's
+        # in-flight work: seen once, +1 at one step) leaves the minimum alone.
+        assert min(counts[4:]) <= min(counts[2:4]), counts
