@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from test_cli import user_env
+from test_cli import cli_in_process, user_env
 
 from tetron.checkpoint.save import seal
 from tetron.config import ConfigError, from_dict
@@ -162,16 +162,20 @@ def test_bad_inputs_through_the_cli(good, tmp_path):
     (tmp_path / "foreign" / "model" / "notes.txt").write_text("not tetron's: a run must not replace model/")
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump({**raw, "checkpoint": {}}))
     before = hashes(tmp_path)
-    procs = {name: subprocess.Popen([sys.executable, "-m", "tetron.cli", "train", str(tmp_path / "tiny.yaml"),
-                                     *args(tmp_path, folder)], cwd=tmp_path, env=user_env(),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, (args, _) in CLI_CASES.items()}
-    convert = subprocess.Popen([sys.executable, "-m", "tetron.cli", "convert", str(folder), str(tmp_path / "file.txt")],
-                               cwd=tmp_path, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    for name, proc in [*procs.items(), ("convert onto an existing path", convert)]:
+    # Two real processes (the exit code of an interpreter); the other cases run the CLI in this process.
+    real = {"truncated checkpoint": ["train", str(tmp_path / "tiny.yaml"), "--resume", str(folder)],
+            "convert onto an existing path": ["convert", str(folder), str(tmp_path / "file.txt")]}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "tetron.cli", *argv], cwd=tmp_path, env=user_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, argv in real.items()}
+    results = {name: cli_in_process(["train", str(tmp_path / "tiny.yaml"), *args(tmp_path, folder)], tmp_path)
+               for name, (args, _) in CLI_CASES.items() if name not in procs}
+    for name, proc in procs.items():
         out, err = proc.communicate(timeout=120)
-        err = err.decode()
-        assert proc.returncode == 2, (name, err)
+        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
+    assert set(results) == {*CLI_CASES, "convert onto an existing path"}
+    for name, result in results.items():
+        err = result.stderr
+        assert result.returncode == 2, (name, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("tetron: error: "), (name, err)
         pattern = CLI_CASES[name][1] if name in CLI_CASES else "(truncated|already exists)"

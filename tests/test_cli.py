@@ -1,11 +1,13 @@
 """The `tetron` command as a user runs it: bad input fails with one line, `train` launches ranks for real.
 
-Every child is a fresh interpreter that imports torch (a few seconds each); the three real launches
-(elastic launcher, torchrun, torchrun with the wrong world size) are all this file starts.
+Every child is a fresh interpreter that imports torch (a few seconds each): two bad inputs and the three
+real launches (elastic launcher, torchrun, torchrun with the wrong world size) are all this file starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -18,6 +20,7 @@ import pytest
 import torch
 import yaml
 
+from tetron import cli as tetron_cli
 from tetron.checkpoint.load import load_model
 from tetron.config import TrainConfig, from_dict
 from tetron.data.sources import iter_texts
@@ -101,13 +104,30 @@ BAD_INPUT = {
 }
 
 
+# Started as real processes (exit code, stderr and stdout of an interpreter); the rest run tetron.cli.main in
+# this process, which is the same code after the first import, without a torch import each.
+REAL_PROCESS = ("unknown flag", "missing config")
+
+
+def cli_in_process(args: list[str], workdir: Path) -> subprocess.CompletedProcess:
+    def launch(cfg):
+        raise AssertionError(f"launched {cfg.out}")
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(workdir)
+        patch.setattr(tetron_cli, "launch", launch)
+        code = tetron_cli.main(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def bad_runs(workdir) -> dict[str, subprocess.CompletedProcess]:
-    """Every BAD_INPUT command, started at once (each child's time is mostly importing torch)."""
-    procs = {name: subprocess.Popen([sys.executable, "-m", "tetron.cli", *args], cwd=workdir, env=user_env(),
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for name, (args, _) in BAD_INPUT.items()}
-    results = {}
+    """Every BAD_INPUT command: REAL_PROCESS ones started at once, the rest in this process meanwhile."""
+    procs = {name: subprocess.Popen([sys.executable, "-m", "tetron.cli", *BAD_INPUT[name][0]], cwd=workdir,
+                                    env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name in REAL_PROCESS}
+    results = {name: cli_in_process(args, workdir) for name, (args, _) in BAD_INPUT.items() if name not in procs}
     try:
         for name, proc in procs.items():
             out, err = proc.communicate(timeout=ERROR_TIMEOUT)
