@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_cli import cli_in_process
 
 from tetron.config import from_dict, load_config
 from tetron.data.loader import prepare_data
@@ -147,6 +148,10 @@ def test_search_ranks_valid_layouts_that_fit(tmp_path):
 
 
 def tetron(*args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`tetron ARGS` through tetron.cli.main in this process (the same code a user's command runs, without
+    importing torch again); --measure starts ranks, so it runs as its own process."""
+    if "--measure" not in args:
+        return cli_in_process([str(a) for a in args], cwd)
     return subprocess.run([sys.executable, "-m", "tetron.cli", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env={**_env(), "PYTHONPATH": str(REPO)})
 
