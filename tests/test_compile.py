@@ -17,8 +17,12 @@ from harness import run_ranks
 
 
 def _compiled_rank(raw: dict) -> dict:
+    import torch._inductor.config
     from torch._dynamo.utils import counters
 
+    # Inductor's default pool of compile workers starts processes that each import torch: on 2 cores that
+    # costs more than it saves on these few small kernels.
+    torch._inductor.config.compile_threads = 1
     cfg = from_dict(raw)
     result = train(cfg, Mesh(tp=cfg.parallel.tp))
     layers = list(result.model.model.layers.values())
