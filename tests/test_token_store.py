@@ -192,6 +192,37 @@ def test_bad_records_in_the_parallel_path(tmp_path, capsys):
     assert err.count("\n") == 1 and "bad.parquet is not a readable parquet file" in err
 
 
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_out_is_new_empty_or_the_same_store(tmp_path, capsys, monkeypatch):
+    """--out: a folder of someone's files (a tokenizer/, a temporary, a file named like a shard), a live run
+    folder, a file, or '' (the current folder) is refused in one line and left as it was; a new folder
+    becomes the store, and the same command again finds it."""
+    src = _jsonl(tmp_path / "d.jsonl", ["x = 1\n" * 20] * 20)
+    mine, run = tmp_path / "mine", tmp_path / "run"
+    (mine / "tokenizer").mkdir(parents=True)
+    (mine / "tokenizer" / "vocab.json").write_text("{}")
+    (mine / "notes.tmp-1").write_text("mine")
+    (mine / "u00000-keep.bin").write_text("mine")
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "tetron.lock").write_text("{}")
+    monkeypatch.chdir(mine)
+    before = _snapshot(tmp_path)
+    for out, pattern in [(mine, f"--out={re.escape(str(mine))}: a folder that is neither empty nor a token store"),
+                         (run, f"--out={re.escape(str(run))}: a folder that is neither empty nor a token store"),
+                         (src, "--out=.*d.jsonl: exists and is not a folder"), ("", "--out='': give the store's")]:
+        assert cli_main(["tokenize", str(src), "--tokenizer", "bytes", "--out", str(out), "--workers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.match(f"tetron: error: {pattern}", err), err
+    assert _snapshot(tmp_path) == before
+    args = ["tokenize", str(src), "--tokenizer", "bytes", "--out", str(tmp_path / "store"), "--workers", "1"]
+    assert cli_main(args) == 0 and cli_main(args) == 0, capsys.readouterr().err
+    assert len(TokenStore(tmp_path / "store")) == 20 * 20 * 6
+
+
 # ----------------------------------------------------------------------------- streaming hf: datasets
 
 

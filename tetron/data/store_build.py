@@ -39,6 +39,7 @@ from tetron.data.units import plan_units, unit_pieces
 from tetron.errors import DataError
 from tetron.fs import FolderLock, describe_size, read_bounded, recover_temps, replace_folder, temp_name, write_json
 
+STORE_LOCK = "tokenize.lock"  # in the store while a build writes it (FolderLock)
 ENCODE_DOCS = 256  # documents per encode_batch call
 ENCODE_CHARS = 4 << 20  # or fewer, when they are long: a batch's text stays a few MB
 
@@ -176,6 +177,22 @@ def _save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
     replace_folder(tmp, folder)
 
 
+def check_store_folder(folder: Path) -> None:
+    """A store is built only into a new or empty folder, or a store's own (its plan.json, then checked against
+    this store's): building clears temporaries, unfinished units' `u*` files and tokenizer/, so any other
+    folder (a run's, the current one) is refused with every file kept."""
+    folder = Path(folder).expanduser()
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    if not folder.is_dir():
+        raise DataError(f"--out={folder}: exists and is not a folder; give a new or empty folder for the store")
+    names = {p.name for p in folder.iterdir()}
+    if names <= {STORE_LOCK} or "plan.json" in names:  # a lock alone: a build killed before it wrote its plan
+        return
+    raise DataError(f"--out={folder}: a folder that is neither empty nor a token store (it has no plan.json); "
+                    f"give a new or empty folder for the store")
+
+
 def _check_plan(folder: Path, plan: dict[str, Any]) -> None:
     """Write STORE/plan.json, or check that the one there describes the same store."""
     path = folder / "plan.json"
@@ -201,7 +218,8 @@ def build_store(spec: str, tokenizer: Tokenizer, folder: Path, *, workers: int =
     told the progress every `progress_every` s (and at the end, with `say_done`). `wait`:
     when another process is building this store, wait for it (else a DataError)."""
     folder = Path(folder).expanduser()
-    lock = FolderLock(folder, "tokenize.lock")
+    check_store_folder(folder)
+    lock = FolderLock(folder, STORE_LOCK)
     while True:
         try:
             lock.acquire()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from tetron.data.loader import default_cache_dir
-from tetron.data.store_build import build_store
+from tetron.data.store_build import build_store, check_store_folder
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import DataError
 
@@ -54,6 +54,9 @@ def tokenize_command(args: list[str]) -> int:
             raise DataError(f"--tokenizer={ns.tokenizer} would read all of {ns.source} to train before tokenizing "
                             f"it; train it on a sample (tetron tokenize SAMPLE --tokenizer {ns.tokenizer} saves it in "
                             f"STORE/tokenizer) and give that folder")
+        if not ns.out.strip():
+            raise DataError("--out='': give the store's folder (a new or empty folder, or a store to resume)")
+        check_store_folder(Path(ns.out))  # before a bpe:N tokenizer is trained: refused at once
         cache = Path(ns.cache_dir).expanduser() if ns.cache_dir else default_cache_dir()
         tok = load_tokenizer(ns.tokenizer, data_spec=ns.source, cache_dir=cache, text_field=ns.text_field, say=say,
                              skip_bad=ns.on_bad_record == "skip")
