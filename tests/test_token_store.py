@@ -10,8 +10,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -154,6 +156,103 @@ def test_killed_run_resumes(tmp_path, bpe):
     assert TokenStore(out).tolist() == [i for d in docs for i in (*bpe.encode(d), bpe.eos_id)]
 
 
+def _workers(parent: int) -> list[int]:
+    """The pids of the spawned worker processes whose parent is `parent`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if (int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent
+                    and b"spawn_main" in (stat.parent / "cmdline").read_bytes()):
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _when_working(folder: Path, parent: int, act: Callable[[list[int]], None], seen: dict) -> threading.Thread:
+    """A thread that, once `folder` holds a finished unit and `parent` runs its 2 workers, notes the workers and
+    the finished units' times in `seen` and calls `act(workers)`."""
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done = list(folder.glob("u*.done.json"))
+            pids = _workers(parent) if done else []
+            if len(pids) == 2:
+                seen.update(workers=pids, kept={p.name: p.stat().st_mtime_ns for p in done})
+                act(pids)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_stopped_or_killed_tokenize_leaves_no_worker(tmp_path, bpe, capsys):
+    """Once a unit is done (2 workers): SIGTERM to tetron tokenize, or Ctrl-C twice (a terminal sends it to
+    every process of its group, the workers too) ends the workers, then releases the lock, then ends with
+    one line (exit 143, 130), the finished units kept; SIGKILL to tetron: its workers die with it."""
+    src = _jsonl(tmp_path / "d.jsonl", list(iter_texts("stdlib", max_bytes=1_500_000)) * 4)
+    bpe.save(tmp_path / "tok")
+
+    def args(name: str) -> list[str]:
+        return [str(src), "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / name), "--workers", "2",
+                "--shard-mb", "0.05"]
+
+    def unhandled(*_) -> None:
+        raise AssertionError("SIGTERM reached the test: tetron tokenize does not handle it")
+
+    killed: dict = {}
+    proc = _tokenize_cli(*args("kill"))  # meanwhile, in this process:
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        watch = _when_working(tmp_path / "kill", proc.pid, lambda _: proc.kill(), killed)
+
+        def ctrl_c(workers: list[int]) -> None:
+            for _ in range(2):
+                for pid in [*workers, os.getpid()]:
+                    try:
+                        os.kill(pid, signal.SIGINT)
+                    except ProcessLookupError:  # the second: a worker already ended
+                        pass
+                time.sleep(0.05)
+
+        me = os.getpid()
+        for name, act, code in [("term", lambda _: os.kill(me, signal.SIGTERM), 143), ("int", ctrl_c, 130)]:
+            seen: dict = {}
+            _when_working(tmp_path / name, me, act, seen)
+            capsys.readouterr()
+            assert cli_main(["tokenize", *args(name)]) == code
+            err = capsys.readouterr().err
+            assert seen and not any(_alive(pid) for pid in seen["workers"]), err  # gone before tetron ended
+            assert not (tmp_path / name / "tokenize.lock").exists(), err
+            lines = [line for line in err.splitlines() if not line.startswith("tokenize: ")]  # progress lines
+            sig = "SIGTERM" if name == "term" else "SIGINT"
+            assert len(lines) == 1 and re.fullmatch(rf"tetron: tokenize stopped by {sig}: \d+ finished units kept "
+                                                    rf"in {tmp_path / name}; run the same command again to resume",
+                                                    lines[0]), err
+            assert all((tmp_path / name / n).stat().st_mtime_ns == t for n, t in seen["kept"].items())
+        watch.join(120)
+        proc.wait(60)
+        stop = time.monotonic() + 10
+        while killed and any(_alive(pid) for pid in killed["workers"]) and time.monotonic() < stop:
+            time.sleep(0.05)
+        assert killed and not any(_alive(pid) for pid in killed["workers"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of that run's session
+        except ProcessLookupError:
+            pass
+
+
 # ----------------------------------------------------------------------------- bad data
 
 
@@ -174,7 +273,8 @@ def test_bad_records_in_the_parallel_path(tmp_path, capsys):
     args = [str(tmp_path), "--tokenizer", "bytes", "--out", str(out), "--workers", "2", "--shard-mb", "0.005"]
     assert cli_main(["tokenize", *args]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if not line.startswith("tokenize: ")]  # progress, on a busy machine
+    assert len(lines) == 1 and "Traceback" not in err
     assert f"d.jsonl line at byte {offset} is not JSON" in err and "data.on_bad_record=skip" in err
     assert not (out / "index.json").exists()
     assert cli_main(["tokenize", *args, "--on-bad-record", "skip"]) == 2  # another plan: refused, named
