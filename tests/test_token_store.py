@@ -176,6 +176,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
+BUILD = ("import sys; from pathlib import Path; from tetron.data.store_build import build_store; "
+         "from tetron.data.tokenizer import load_tokenizer; src, tok, out = sys.argv[1:]; "
+         "build_store(src, load_tokenizer(tok, data_spec=None, cache_dir=Path(tok)), Path(out), workers=2, "
+         "shard_mb=0.05)")
+
+
 def _when_working(folder: Path, parent: int, act: Callable[[list[int]], None], seen: dict) -> threading.Thread:
     """A thread that, once `folder` holds a finished unit and `parent` runs its 2 workers, notes the workers and
     the finished units' times in `seen` and calls `act(workers)`."""
@@ -206,12 +212,18 @@ def test_a_stopped_or_killed_tokenize_leaves_no_worker(tmp_path, bpe, capsys):
         return [str(src), "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / name), "--workers", "2",
                 "--shard-mb", "0.05"]
 
-    def unhandled(*_) -> None:
-        raise AssertionError("SIGTERM reached the test: tetron tokenize does not handle it")
+    running = [False]
+
+    def unhandled(signum: int, _frame) -> None:  # tetron's own handlers replace this while it runs
+        if running[0]:
+            raise AssertionError(f"signal {signum} reached the test: tetron tokenize does not handle it")
+        # else a second Ctrl-C that came after tetron ended: a terminal's would reach the shell
 
     killed: dict = {}
-    proc = _tokenize_cli(*args("kill"))  # meanwhile, in this process:
-    previous = signal.signal(signal.SIGTERM, unhandled)
+    # the killed one builds the store as tetron tokenize does, in a process that needs no torch (seconds)
+    proc = subprocess.Popen([sys.executable, "-c", BUILD, str(src), str(tmp_path / "tok"), str(tmp_path / "kill")],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    previous = {sig: signal.signal(sig, unhandled) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         watch = _when_working(tmp_path / "kill", proc.pid, lambda _: proc.kill(), killed)
 
@@ -227,10 +239,14 @@ def test_a_stopped_or_killed_tokenize_leaves_no_worker(tmp_path, bpe, capsys):
         me = os.getpid()
         for name, act, code in [("term", lambda _: os.kill(me, signal.SIGTERM), 143), ("int", ctrl_c, 130)]:
             seen: dict = {}
-            _when_working(tmp_path / name, me, act, seen)
+            thread = _when_working(tmp_path / name, me, act, seen)
             capsys.readouterr()
-            assert cli_main(["tokenize", *args(name)]) == code
+            running[0] = True
+            code_ = cli_main(["tokenize", *args(name)])
+            running[0] = False
+            thread.join(120)
             err = capsys.readouterr().err
+            assert code_ == code, err
             assert seen and not any(_alive(pid) for pid in seen["workers"]), err  # gone before tetron ended
             assert not (tmp_path / name / "tokenize.lock").exists(), err
             lines = [line for line in err.splitlines() if not line.startswith("tokenize: ")]  # progress lines
@@ -246,7 +262,8 @@ def test_a_stopped_or_killed_tokenize_leaves_no_worker(tmp_path, bpe, capsys):
             time.sleep(0.05)
         assert killed and not any(_alive(pid) for pid in killed["workers"])
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of that run's session
         except ProcessLookupError:
