@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
+# Again, it moves the earlier demo aside to runs/demo.old-N (a run folder holds one run; nothing is deleted).
 demo: $(STAMP)
-	$(VENV)/bin/tetron train configs/demo.yaml --out runs/demo
+	$(VENV)/bin/tetron train configs/demo.yaml --out runs/demo --overwrite
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

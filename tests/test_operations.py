@@ -181,8 +181,44 @@ def test_the_run_folder_is_new_empty_or_tetrons(ck, tmp_path, tetron_cli):
         one_line(code, err, pattern, launched)
     assert hashes(tmp_path) == before
     (tmp_path / "empty").mkdir()
-    for out in (tmp_path / "empty", tmp_path / "new", tmp_path / "run"):
+    for out in (tmp_path / "empty", tmp_path / "new"):
         assert tetron_cli("train", config, "--out", out, "--checkpoint.resume=null")[3], out
+    assert tetron_cli("train", config, "--out", tmp_path / "run", "--resume", "auto", "--steps", "6")[3]
+
+
+def test_a_fresh_run_never_mixes_with_or_replaces_an_earlier_run(ck, tmp_path, tetron_cli, monkeypatch):
+    """The issue's example: the same command with another --seed into a finished run's folder (or a copy of
+    it) is refused in one line saying how to continue and how to start anew; --overwrite moves the run to
+    the first free OUT.old-N, whole; metrics alone are a run too; a torchrun restart of the job goes on."""
+    run, config, _ = fresh(ck, tmp_path)
+    shutil.copytree(run, tmp_path / "copy")
+    (tmp_path / "run.old-1").mkdir()  # taken: the run moves to run.old-2
+    before = hashes(tmp_path)
+    for args in (["--seed", "5"], ["--out", tmp_path / "copy"], ["--init-from", run / "model"]):
+        code, _, err, launched = tetron_cli("train", config, *args)
+        one_line(code, err, r"out=.*(run|copy) holds an earlier run \(metrics\.jsonl, checkpoints/step_4, model/\); "
+                            r"continue it with --resume auto, or start anew with another --out, or --overwrite to "
+                            r"move it to .*(run\.old-2|copy\.old-1)$", launched)
+    code, _, err, launched = tetron_cli("train", config, "--overwrite", "--resume", "auto")
+    one_line(code, err, r"checkpoint\.overwrite=true with checkpoint\.resume=auto: .* give one of them", launched)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    code, _, err, launched = tetron_cli("train", config, "--overwrite")  # torchrun's first attempt
+    one_line(code, err, r"holds an earlier run .* move it aside before torchrun starts", launched)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert tetron_cli("train", config)[3]  # torchrun's restart: it resumes
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert hashes(tmp_path) == before
+    code, out, err, launched = tetron_cli("train", config, "--seed", "5", "--overwrite")
+    assert code == 0 and launched, err
+    assert f"tetron: moved the earlier run in {run} to {tmp_path / 'run.old-2'}\n" in out
+    assert hashes(tmp_path / "run.old-2") == hashes(tmp_path / "copy") and not run.exists()
+    shutil.rmtree(tmp_path / "copy" / "checkpoints")
+    shutil.rmtree(tmp_path / "copy" / "model")
+    code, _, err, launched = tetron_cli("train", config, "--out", tmp_path / "copy")
+    one_line(code, err, r"copy holds an earlier run \(metrics\.jsonl\)", launched)
 
 
 def test_every_path_the_run_writes_is_checked_before_start(ck, tmp_path, tetron_cli):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -233,3 +234,64 @@ def test_the_job_script(tmp_path):
     no_sbatch = tetron(*run, "--dp", "8", "--tp", "2", *job_args, "--submit", cwd=tmp_path,
                        env={**os.environ, "PATH": str(tmp_path)})
     assert no_sbatch.returncode == 2 and "sbatch is not on PATH" in no_sbatch.stderr
+
+
+STUBS = {  # Slurm's commands and the node's python, recording what they were given (STUB_LOG) instead
+    "srun": '#!/bin/bash\nprintf "%s\\n" "$@" > "$STUB_LOG/srun.args"\nwhile [[ "$1" == --* ]]; do shift; done\n'
+            'SLURM_NODEID=0 exec "$@"\n',
+    "scontrol": '#!/bin/bash\nif [ "$2" = hostnames ]; then echo node1; else echo "NodeName=node1 NodeAddr=10.0.0.1"; '
+                'fi\n',
+    "python": '#!/bin/bash\nprintf "%s\\0" "$@" > "$STUB_LOG/python.args"\npwd > "$STUB_LOG/cwd"\n',
+}
+
+
+def test_hostile_values_never_run_as_shell_code(tmp_path, monkeypatch, capsys):
+    """A run folder full of shell syntax is one path everywhere job.sh and node.sh name it (run here with stub
+    srun, scontrol and python); Slurm options off their syntax, and control characters, are one line each."""
+    from tetron.cli import main
+    from tetron.plan.slurm import SlurmJob, _check_job
+
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name, text in STUBS.items():
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(stubs / "python"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.txt").write_text("x = 1\n" * 100)
+    canary = tmp_path / "pwned"
+    out = f"runs/x $(touch {canary}) `touch {canary}` ';' \"q\" 50%j"
+    run = ["slurm", "demo", "--data", "data.txt", "--tokenizer", "bytes", "--parallel.device=cpu", "--dp", "2",
+           "--nodes", "2", "--gpus-per-node", "1", "--time", "1-12:00"]
+    assert main([*run, "--out", out]) == 0, capsys.readouterr().err
+    slurm_dir = tmp_path / out / "slurm"
+    job = (slurm_dir / "job.sh").read_text()
+    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(tmp_path),
+           "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
+    result = subprocess.run(["bash", str(slurm_dir / "job.sh")], cwd=stubs, env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert not canary.exists()
+    assert (tmp_path / "srun.args").read_text().splitlines()[-2:] == ["bash", str(slurm_dir / "node.sh")]
+    args = (tmp_path / "python.args").read_text().split("\0")[:-1]
+    assert args[-5:] == ["tetron.cli", "train", str(slurm_dir / "config.yaml"), "--resume", "auto"], args
+    assert f"--log-dir={tmp_path / out}/logs/job_7/node_0" in args and (tmp_path / out / "logs" / "job_7").is_dir()
+    assert "--rdzv-endpoint=10.0.0.1:29507" in args
+    assert (tmp_path / "cwd").read_text().strip() == str(tmp_path)
+    output = next(line for line in job.splitlines() if line.startswith("#SBATCH --output="))
+    # sbatch reads an #SBATCH value as one word, with double quotes and backslashes as a POSIX shell does
+    assert shlex.split(output.removeprefix("#SBATCH --output=")) == [str(slurm_dir).replace("%", "%%") + "/job_%j.out"]
+    assert re.search(r"^#SBATCH --job-name=tetron-[\w.+@:-]+$", job, re.M) and "#SBATCH --time=1-12:00" in job
+
+    capsys.readouterr()
+    for flag, value, pattern in [("--partition", "gpu\nrm -rf ~", r"--partition='gpu\\nrm -rf ~' is not a Slurm"),
+                                 ("--job-name", "a$(id)", r"--job-name='a\$\(id\)' is not a Slurm job-name"),
+                                 ("--time", "abc; rm -rf /", r"--time='abc; rm -rf /' is not a Slurm time; use HH"),
+                                 ("--account", "a b", r"--account='a b' is not a Slurm account"),
+                                 ("--out", "runs/y\n$(id)", r"out='runs/y\\n\$\(id\)': a path with a control")]:
+        assert main([*run, flag, value] if flag == "--out" else [*run, "--out", "runs/z", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and re.match(rf"tetron: error: {pattern}", err), err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["x $(touch "]  # nothing else written
+    for time_limit in ("90", "30:00", "02:00:00", "2-0", "1-12:00", "1-00:00:00", "UNLIMITED"):
+        _check_job(SlurmJob(nodes=1, gpus_per_node=1, time=time_limit, partition="gpu,debug", job_name="my.job-1"))

@@ -10,8 +10,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -154,6 +156,120 @@ def test_killed_run_resumes(tmp_path, bpe):
     assert TokenStore(out).tolist() == [i for d in docs for i in (*bpe.encode(d), bpe.eos_id)]
 
 
+def _workers(parent: int) -> list[int]:
+    """The pids of the spawned worker processes whose parent is `parent`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if (int(stat.read_text().rsplit(")", 1)[1].split()[1]) == parent
+                    and b"spawn_main" in (stat.parent / "cmdline").read_bytes()):
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+BUILD = ("import sys; from pathlib import Path; from tetron.data.store_build import build_store; "
+         "from tetron.data.tokenizer import load_tokenizer; src, tok, out = sys.argv[1:]; "
+         "build_store(src, load_tokenizer(tok, data_spec=None, cache_dir=Path(tok)), Path(out), workers=2, "
+         "shard_mb=0.05)")
+
+
+def _when_working(folder: Path, parent: int, act: Callable[[list[int]], None], seen: dict) -> threading.Thread:
+    """A thread that, once `folder` holds a finished unit and `parent` runs its 2 workers, notes the workers and
+    the finished units' times in `seen` and calls `act(workers)`."""
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done = list(folder.glob("u*.done.json"))
+            pids = _workers(parent) if done else []
+            if len(pids) == 2:
+                seen.update(workers=pids, kept={p.name: p.stat().st_mtime_ns for p in done})
+                act(pids)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_stopped_or_killed_tokenize_leaves_no_worker(tmp_path, bpe, capsys):
+    """Once a unit is done (2 workers): SIGTERM to tetron tokenize, or Ctrl-C twice (a terminal sends it to
+    every process of its group, the workers too) ends the workers, then releases the lock, then ends with
+    one line (exit 143, 130), the finished units kept; SIGKILL to tetron: its workers die with it."""
+    src = _jsonl(tmp_path / "d.jsonl", list(iter_texts("stdlib", max_bytes=1_500_000)) * 4)
+    bpe.save(tmp_path / "tok")
+
+    def args(name: str) -> list[str]:
+        return [str(src), "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / name), "--workers", "2",
+                "--shard-mb", "0.05"]
+
+    running = [False]
+
+    def unhandled(signum: int, _frame) -> None:  # tetron's own handlers replace this while it runs
+        if running[0]:
+            raise AssertionError(f"signal {signum} reached the test: tetron tokenize does not handle it")
+        # else a second Ctrl-C that came after tetron ended: a terminal's would reach the shell
+
+    killed: dict = {}
+    # the killed one builds the store as tetron tokenize does, in a process that needs no torch (seconds)
+    proc = subprocess.Popen([sys.executable, "-c", BUILD, str(src), str(tmp_path / "tok"), str(tmp_path / "kill")],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    previous = {sig: signal.signal(sig, unhandled) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        watch = _when_working(tmp_path / "kill", proc.pid, lambda _: proc.kill(), killed)
+
+        def ctrl_c(workers: list[int]) -> None:
+            for _ in range(2):
+                for pid in [*workers, os.getpid()]:
+                    try:
+                        os.kill(pid, signal.SIGINT)
+                    except ProcessLookupError:  # the second: a worker already ended
+                        pass
+                time.sleep(0.05)
+
+        me = os.getpid()
+        for name, act, code in [("term", lambda _: os.kill(me, signal.SIGTERM), 143), ("int", ctrl_c, 130)]:
+            seen: dict = {}
+            thread = _when_working(tmp_path / name, me, act, seen)
+            capsys.readouterr()
+            running[0] = True
+            code_ = cli_main(["tokenize", *args(name)])
+            running[0] = False
+            thread.join(120)
+            err = capsys.readouterr().err
+            assert code_ == code, err
+            assert seen and not any(_alive(pid) for pid in seen["workers"]), err  # gone before tetron ended
+            assert not (tmp_path / name / "tokenize.lock").exists(), err
+            lines = [line for line in err.splitlines() if not line.startswith("tokenize: ")]  # progress lines
+            sig = "SIGTERM" if name == "term" else "SIGINT"
+            assert len(lines) == 1 and re.fullmatch(rf"tetron: tokenize stopped by {sig}: \d+ finished units kept "
+                                                    rf"in {tmp_path / name}; run the same command again to resume",
+                                                    lines[0]), err
+            assert all((tmp_path / name / n).stat().st_mtime_ns == t for n, t in seen["kept"].items())
+        watch.join(120)
+        proc.wait(60)
+        stop = time.monotonic() + 10
+        while killed and any(_alive(pid) for pid in killed["workers"]) and time.monotonic() < stop:
+            time.sleep(0.05)
+        assert killed and not any(_alive(pid) for pid in killed["workers"])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of that run's session
+        except ProcessLookupError:
+            pass
+
+
 # ----------------------------------------------------------------------------- bad data
 
 
@@ -192,6 +308,37 @@ def test_bad_records_in_the_parallel_path(tmp_path, capsys):
     assert cli_main(["tokenize", str(tmp_path / "p"), "--tokenizer", "bytes", "--out", str(tmp_path / "s3")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "bad.parquet is not a readable parquet file" in err
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_out_is_new_empty_or_the_same_store(tmp_path, capsys, monkeypatch):
+    """--out: a folder of someone's files (a tokenizer/, a temporary, a file named like a shard), a live run
+    folder, a file, or '' (the current folder) is refused in one line and left as it was; a new folder
+    becomes the store, and the same command again finds it."""
+    src = _jsonl(tmp_path / "d.jsonl", ["x = 1\n" * 20] * 20)
+    mine, run = tmp_path / "mine", tmp_path / "run"
+    (mine / "tokenizer").mkdir(parents=True)
+    (mine / "tokenizer" / "vocab.json").write_text("{}")
+    (mine / "notes.tmp-1").write_text("mine")
+    (mine / "u00000-keep.bin").write_text("mine")
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "tetron.lock").write_text("{}")
+    monkeypatch.chdir(mine)
+    before = _snapshot(tmp_path)
+    for out, pattern in [(mine, f"--out={re.escape(str(mine))}: a folder that is neither empty nor a token store"),
+                         (run, f"--out={re.escape(str(run))}: a folder that is neither empty nor a token store"),
+                         (src, "--out=.*d.jsonl: exists and is not a folder"), ("", "--out='': give the store's")]:
+        assert cli_main(["tokenize", str(src), "--tokenizer", "bytes", "--out", str(out), "--workers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.match(f"tetron: error: {pattern}", err), err
+    assert _snapshot(tmp_path) == before
+    args = ["tokenize", str(src), "--tokenizer", "bytes", "--out", str(tmp_path / "store"), "--workers", "1"]
+    assert cli_main(args) == 0 and cli_main(args) == 0, capsys.readouterr().err
+    assert len(TokenStore(tmp_path / "store")) == 20 * 20 * 6
 
 
 # ----------------------------------------------------------------------------- streaming hf: datasets

@@ -22,7 +22,7 @@ from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
 from tetron.data.loader import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
 from tetron.device import cuda_count
 from tetron.errors import ConfigError, DataError, UserError, check
-from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, find_latest, read_json
+from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, aside_name, earlier_run, find_latest, read_json, set_aside
 from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
 from tetron.observe.metrics import say
@@ -90,6 +90,37 @@ def _lock_run_folder(cfg: Config) -> FolderLock:
     return lock
 
 
+def _claim_run_folder(cfg: Config, *, inside_launch: bool) -> FolderLock:
+    """Lock OUT; a run that does not resume must not mix its metrics with an earlier run's, nor replace its
+    checkpoints and model: such a folder is refused, or with checkpoint.overwrite renamed aside first."""
+    ck, out = cfg.checkpoint, Path(cfg.out).expanduser()
+    check(not (ck.overwrite and ck.resume is not None), f"checkpoint.overwrite=true with checkpoint.resume="
+          f"{ck.resume}: overwrite starts anew, resume continues; give one of them")
+    lock = _lock_run_folder(cfg)
+    # torchrun starts a failed job again with the same command line; that attempt resumes "auto" (launch.py)
+    if ck.resume is not None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        return lock
+    found = earlier_run(out)
+    if not found:
+        return lock
+    if not ck.overwrite or inside_launch:  # under torchrun the other ranks already write their logs into OUT
+        lock.release()
+        how = (", or move it aside before torchrun starts (its ranks already write there)" if inside_launch
+               else f", or --overwrite to move it to {aside_name(out)}")
+        raise ConfigError(f"out={cfg.out} holds an earlier run ({', '.join(found)}); continue it with --resume "
+                          f"auto, or start anew with another --out{how}")
+    try:
+        aside = set_aside(out)  # with the lock held, so that no run is moved from under itself
+    except OSError as err:
+        lock.release()
+        raise ConfigError(f"out={cfg.out}: cannot move the earlier run aside ({err.strerror}); give another "
+                          f"--out") from None
+    lock.release()  # its file moved along: it names nothing here any more
+    (aside / RUN_LOCK).unlink(missing_ok=True)
+    say(f"moved the earlier run in {cfg.out} to {aside}")
+    return _lock_run_folder(cfg)
+
+
 def train_command(args: list[str]) -> int:
     config_path = None
     if args and not args[0].startswith("--"):
@@ -103,7 +134,7 @@ def train_command(args: list[str]) -> int:
         check_fits(cfg, ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if inside_launch else cfg.world_size,
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         if not inside_launch or os.environ.get("RANK") == "0":
-            lock = _lock_run_folder(cfg)
+            lock = _claim_run_folder(cfg, inside_launch=inside_launch)
             _check_data(cfg)
         note = _schedule_note(cfg)
     except UserError as err:

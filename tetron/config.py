@@ -127,6 +127,8 @@ class CheckpointConfig:
     new_model_settings: bool = False  # start from weights trained with another rope_theta, rope_scaling or
     # rms_norm_eps (e.g. to extend the context); otherwise such a difference is refused
     new_data: bool = False  # resume on other data than the checkpoint's (its data order does not continue)
+    overwrite: bool = False  # OUT holds an earlier run (metrics, checkpoints, model): rename it to OUT.old-N and
+    # start anew; without this (or resume) such a folder is refused, never mixed with or replaced
     stop_signal: str | None = "SIGUSR1"  # besides SIGTERM and SIGINT, this signal makes a run finish its step,
     # save a checkpoint and exit 0 (Slurm: --signal=USR1@120); null: only those two
 

@@ -356,3 +356,35 @@ def is_run_folder(out: Path) -> bool:
     if root.is_dir() and any(p.name == "latest" or STEP_DIR.match(p.name.split(".tmp-")[0]) for p in root.iterdir()):
         return True
     return (out / "model" / "tetron_tokenizer.json").is_file()
+
+
+def earlier_run(out: Path) -> list[str]:
+    """What of an earlier run the folder `out` holds that a new run would mix with or replace: its metrics
+    (a new run appends to them), its last complete checkpoint, its model/ (an empty list: none of these)."""
+    found = []
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
+    done = complete_checkpoints(out)
+    if done:
+        found.append(f"checkpoints/{done[-1].name}")
+    model = out / "model"
+    if model.is_dir() and any(model.iterdir()):
+        found.append("model/")
+    return found
+
+
+def aside_name(folder: Path) -> Path:
+    """The first `folder.old-N` beside `folder` that does not exist."""
+    n = 1
+    while (aside := folder.with_name(f"{folder.name}.old-{n}")).exists() or aside.is_symlink():
+        n += 1
+    return aside
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename `folder` to `aside_name(folder)` and return the new path: moved, never deleted."""
+    aside = aside_name(folder)
+    os.rename(folder, aside)
+    fsync_dir(aside.parent)
+    return aside

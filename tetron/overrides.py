@@ -31,6 +31,7 @@ SHORT_FLAGS = {
     "cp-impl": "parallel.cp_impl",
     "save-every": "checkpoint.save_every",
     "resume": "checkpoint.resume",
+    "overwrite": "checkpoint.overwrite",
     "init-from": "checkpoint.init_from",
     "max-restarts": "parallel.max_restarts",
     "zero": "parallel.zero",
@@ -38,8 +39,8 @@ SHORT_FLAGS = {
     "force": "parallel.ignore_memory_limit",
     "profile": "logging.profile",
 }
-# Flags that may stand alone, meaning true: `--sp`, `--force`.
-BOOL_FLAGS = {"sp", "force"}
+# Flags that may stand alone, meaning true: `--sp`, `--force`, `--overwrite`.
+BOOL_FLAGS = {"sp", "force", "overwrite"}
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

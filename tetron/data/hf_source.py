@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from tetron.data.hub import hub_problem, offline_reason
 from tetron.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 SHA_TIMEOUT_S = 10.0  # for the one request that asks the hub for a dataset's commit
 SHA_TTL_S = 600.0  # a commit asked for is reused this long: one request per run, one answer for key and read
@@ -125,6 +125,10 @@ def share_hub_commits(rank: int, world_size: int, device: torch.device) -> None:
     a collective, so it is also every rank's wait for rank 0."""
     if world_size == 1:
         return
+    # imported here: `tetron tokenize`'s worker processes import this module, and torch would cost each seconds
+    import torch
+    import torch.distributed as dist
+
     payload = json.dumps(asked_commits()).encode() if rank == 0 else b""
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)

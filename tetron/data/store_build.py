@@ -11,9 +11,12 @@ the store is made of (source, tokenizer, units): another run into the same folde
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import multiprocessing as mp
+import os
+import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -39,6 +42,7 @@ from tetron.data.units import plan_units, unit_pieces
 from tetron.errors import DataError
 from tetron.fs import FolderLock, describe_size, read_bounded, recover_temps, replace_folder, temp_name, write_json
 
+STORE_LOCK = "tokenize.lock"  # in the store while a build writes it (FolderLock)
 ENCODE_DOCS = 256  # documents per encode_batch call
 ENCODE_CHARS = 4 << 20  # or fewer, when they are long: a batch's text stays a few MB
 
@@ -91,10 +95,30 @@ def encode_unit(unit: dict[str, Any], unit_id: int, *, folder: Path, tokenizer: 
 # ----------------------------------------------------------------------------- worker processes
 
 _WORKER: dict[str, Any] = {}  # in a worker process only: its progress counter (set by its initializer)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when its parent dies
 
 
-def _init_worker(counter: Any) -> None:
+def _init_worker(counter: Any, parent: int) -> None:
+    """A worker leaves stopping to its parent, which kills it on SIGINT or SIGTERM (Ctrl-C reaches every
+    process of the terminal's group: the workers must not stop, each with a traceback, on their own), and
+    dies with it: a parent killed outright must not leave workers writing into a store it no longer locks."""
     _WORKER["counter"] = counter
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the parent's clean-up below still ends the workers
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _end_workers(workers: list[Any]) -> None:
+    """Kill the workers and wait until each is gone: only then may the store's lock be released."""
+    for proc in workers:
+        proc.kill()
+    for proc in workers:
+        proc.join()
 
 
 @lru_cache(maxsize=2)
@@ -145,24 +169,28 @@ def _run_pool(pending: list[int], units: list[dict[str, Any]], *, folder: Path, 
     ctx = mp.get_context("spawn")  # fresh interpreters: no inherited threads (tokenizers' pool, torch's)
     counter = ctx.Value("q", 0)
     tokens = sum(s["num_tokens"] for d in done.values() if d for s in d["shards"])
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter,)) as pool:
+    others = set(mp.active_children())
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=(counter, os.getpid()))
+    try:
         futures: dict[Future, int] = {pool.submit(_work, units[i], i, str(folder), shard_tokens, text_field,
                                                   skip_bad): i for i in pending}
-        try:
-            while futures:
-                finished, _ = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    record = f.result()
-                    done[futures.pop(f)] = record
-                    tokens += sum(s["num_tokens"] for s in record["shards"])
-                progress.show(counter.value, sum(1 for d in done.values() if d), tokens)
-        except BrokenProcessPool:
-            raise DataError(f"tokenize: a worker process died (killed, or out of memory); run the same command "
-                            f"again to resume: the {sum(1 for d in done.values() if d)} finished units in "
-                            f"{folder} are kept") from None
-        finally:
-            for f in futures:
-                f.cancel()
+        while futures:
+            finished, _ = wait(futures, timeout=1.0, return_when=FIRST_COMPLETED)
+            for f in finished:
+                record = f.result()
+                done[futures.pop(f)] = record
+                tokens += sum(s["num_tokens"] for s in record["shards"])
+            progress.show(counter.value, sum(1 for d in done.values() if d), tokens)
+    except BrokenProcessPool:
+        _end_workers([p for p in mp.active_children() if p not in others])
+        raise DataError(f"tokenize: a worker process died (killed, or out of memory); run the same command "
+                        f"again to resume: the {sum(1 for d in done.values() if d)} finished units in "
+                        f"{folder} are kept") from None
+    except BaseException:  # an error in a unit, Ctrl-C, SIGTERM (tokenize.py): no unit goes on
+        _end_workers([p for p in mp.active_children() if p not in others])
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------- the store
@@ -174,6 +202,22 @@ def _save_tokenizer(tokenizer: Tokenizer, folder: Path) -> None:
     tmp = temp_name(folder)
     tokenizer.save(tmp)
     replace_folder(tmp, folder)
+
+
+def check_store_folder(folder: Path) -> None:
+    """A store is built only into a new or empty folder, or a store's own (its plan.json, then checked against
+    this store's): building clears temporaries, unfinished units' `u*` files and tokenizer/, so any other
+    folder (a run's, the current one) is refused with every file kept."""
+    folder = Path(folder).expanduser()
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    if not folder.is_dir():
+        raise DataError(f"--out={folder}: exists and is not a folder; give a new or empty folder for the store")
+    names = {p.name for p in folder.iterdir()}
+    if names <= {STORE_LOCK} or "plan.json" in names:  # a lock alone: a build killed before it wrote its plan
+        return
+    raise DataError(f"--out={folder}: a folder that is neither empty nor a token store (it has no plan.json); "
+                    f"give a new or empty folder for the store")
 
 
 def _check_plan(folder: Path, plan: dict[str, Any]) -> None:
@@ -201,7 +245,8 @@ def build_store(spec: str, tokenizer: Tokenizer, folder: Path, *, workers: int =
     told the progress every `progress_every` s (and at the end, with `say_done`). `wait`:
     when another process is building this store, wait for it (else a DataError)."""
     folder = Path(folder).expanduser()
-    lock = FolderLock(folder, "tokenize.lock")
+    check_store_folder(folder)
+    lock = FolderLock(folder, STORE_LOCK)
     while True:
         try:
             lock.acquire()

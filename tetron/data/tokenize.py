@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, Callable, NoReturn
 
 from tetron.data.loader import default_cache_dir
-from tetron.data.store_build import build_store
+from tetron.data.store_build import build_store, check_store_folder
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import DataError
 
@@ -21,6 +23,39 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise DataError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM: the build stops (store_build ends its workers first), finished units are kept."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signals() -> Callable[[], None]:
+    """SIGINT and SIGTERM raise Stopped in this (the main) thread; a second one is ignored, so that it cannot
+    cut the clean-up short. Returns a function that restores the previous handlers."""
+    def stop(signum: int, _frame: Any) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread can set handlers
+        return lambda: None
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def _stopped_line(err: Stopped, out: Path) -> str:
+    done = len(list(out.glob("u*.done.json"))) if out.is_dir() else 0
+    return (f"tetron: tokenize stopped by {err}: {done} finished units kept in {out}; run the same command again "
+            f"to resume")
 
 
 def tokenize_command(args: list[str]) -> int:
@@ -47,6 +82,7 @@ def tokenize_command(args: list[str]) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    restore = _stop_on_signals()
     try:
         if ns.workers < 1 or not ns.shard_mb > 0:
             raise DataError(f"--workers={ns.workers} must be >= 1 and --shard-mb={ns.shard_mb} positive")
@@ -54,6 +90,9 @@ def tokenize_command(args: list[str]) -> int:
             raise DataError(f"--tokenizer={ns.tokenizer} would read all of {ns.source} to train before tokenizing "
                             f"it; train it on a sample (tetron tokenize SAMPLE --tokenizer {ns.tokenizer} saves it in "
                             f"STORE/tokenizer) and give that folder")
+        if not ns.out.strip():
+            raise DataError("--out='': give the store's folder (a new or empty folder, or a store to resume)")
+        check_store_folder(Path(ns.out))  # before a bpe:N tokenizer is trained: refused at once
         cache = Path(ns.cache_dir).expanduser() if ns.cache_dir else default_cache_dir()
         tok = load_tokenizer(ns.tokenizer, data_spec=ns.source, cache_dir=cache, text_field=ns.text_field, say=say,
                              skip_bad=ns.on_bad_record == "skip")
@@ -67,6 +106,11 @@ def tokenize_command(args: list[str]) -> int:
     except OSError as err:
         print(f"tetron: error: {err.filename or ns.out}: {err.strerror or err}", file=sys.stderr)
         return 2
+    except Stopped as err:
+        print(_stopped_line(err, Path(ns.out).expanduser()), file=sys.stderr)
+        return 128 + err.signum
+    finally:
+        restore()
     secs = time.monotonic() - start
     print(f"tetron: {ns.out}: {index['num_tokens']:,} tokens in {len(index['shards'])} shards, "
           f"{index['num_docs']:,} documents ({secs:.1f} s); train on it with --data.path={ns.out}")

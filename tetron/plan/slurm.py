@@ -49,12 +49,54 @@ class SlurmJob:
     job_name: str | None = None
 
 
+# Each option's syntax (Slurm's sbatch manual): the value lands in an #SBATCH line that sbatch parses, so
+# it is checked, not trusted; a newline there would end the comment and run the rest as shell code.
+NAME = r"[A-Za-z0-9][A-Za-z0-9_.+@:-]{0,127}"
+OPTION_SYNTAX = {
+    "partition": (rf"{NAME}(,{NAME})*", "partition names joined by commas, e.g. gpu or gpu,debug"),
+    "account": (NAME, "an account name of letters, digits and . _ - + @ :"),
+    "job-name": (NAME, "letters, digits and . _ - + @ : (at most 128)"),
+    # minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
+    "time": (r"[0-9]{1,6}(:[0-9]{1,2}){0,2}|[0-9]{1,4}-[0-9]{1,2}(:[0-9]{1,2}){0,2}|(?i:unlimited|infinite)",
+             "HH:MM:SS, MM, D-HH:MM or D-HH:MM:SS, e.g. 02:00:00 or 1-12:00"),
+}
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_job(job: SlurmJob) -> None:
+    """Every option the job asks Slurm for, against its syntax, in one line naming the flag and the value."""
+    check(job.nodes >= 1 and job.gpus_per_node >= 1, "--nodes and --gpus-per-node must be at least 1")
+    check(job.cpus_per_task is None or job.cpus_per_task >= 1,
+          f"--cpus-per-task={job.cpus_per_task} must be at least 1")
+    for flag, value in (("partition", job.partition), ("account", job.account), ("job-name", job.job_name),
+                        ("time", job.time)):
+        pattern, works = OPTION_SYNTAX[flag]
+        check(value is None or re.fullmatch(pattern, value) is not None,
+              f"--{flag}={_shown(value)} is not a Slurm {flag}; use {works}")
+
+
+def _shown(value: str | None, limit: int = 40) -> str:
+    """A value for a one-line error: quoted, control characters escaped, cut to `limit` characters."""
+    text = repr(value[:limit] if value else value)
+    return text if value is None or len(value) <= limit else text + "..."
+
+
+def _slurm_value(text: str) -> str:
+    """`text` as one argument of an #SBATCH line: sbatch splits the line at blanks and honours double quotes
+    and backslashes; in a file name `%` starts a pattern (%j: the job id) and `%%` is a percent sign."""
+    if re.fullmatch(r"[A-Za-z0-9_./%:@+,=-]+", text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _directives(job: SlurmJob, cfg: Config, slurm_dir: Path) -> list[str]:
     gpus = cfg.parallel.device != "cpu"
-    lines = [f"#SBATCH --job-name={job.job_name or 'tetron-' + Path(cfg.out).name}",
+    name = job.job_name or "tetron-" + re.sub(r"[^A-Za-z0-9_.+@:-]", "_", Path(cfg.out).name)
+    log = _slurm_value(str(slurm_dir).replace("%", "%%") + "/job_%j.out")
+    lines = [f"#SBATCH --job-name={name}",
              f"#SBATCH --nodes={job.nodes}",
              "#SBATCH --ntasks-per-node=1  # one torchrun per node; it starts the node's ranks",
-             f"#SBATCH --output={slurm_dir}/job_%j.out",
+             f"#SBATCH --output={log}",
              "#SBATCH --open-mode=append  # a requeued job appends to its log",
              "#SBATCH --requeue  # after a node failure or preemption: run again, resuming the run folder"]
     if gpus:
@@ -73,7 +115,8 @@ def job_script(job: SlurmJob, cfg: Config, *, slurm_dir: Path) -> str:
     """job.sh: the sbatch directives, the rendezvous host and port, one srun task per node."""
     return "\n".join([
         "#!/bin/bash", *_directives(job, cfg, slurm_dir),
-        f"# Written by `tetron slurm` for the run folder {cfg.out}; submit with: sbatch {slurm_dir}/job.sh",
+        f"# Written by `tetron slurm` for the run folder {cfg.out}; submit with: sbatch "
+        f"{shlex.quote(str(slurm_dir / 'job.sh'))}",
         "set -euo pipefail",
         "# The c10d rendezvous is hosted by the first node's torchrun; every node's torchrun joins it, at the",
         "# address Slurm itself reaches that node by (its NodeAddr; the name when none is set).",
@@ -83,7 +126,8 @@ def job_script(job: SlurmJob, cfg: Config, *, slurm_dir: Path) -> str:
         f"export TETRON_RDZV_PORT=$(( {RDZV_PORT_BASE} + SLURM_JOB_ID % 1000 ))",
         'echo "tetron: job $SLURM_JOB_ID on $SLURM_NNODES node(s): $SLURM_JOB_NODELIST; '
         'rendezvous $TETRON_RDZV_HOST:$TETRON_RDZV_PORT"',
-        f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash {slurm_dir}/node.sh", ""])
+        f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash "
+        f"{shlex.quote(str(slurm_dir / 'node.sh'))}", ""])
 
 
 def node_script(job: SlurmJob, cfg: Config, *, slurm_dir: Path, workdir: Path) -> str:
@@ -122,8 +166,8 @@ def _absolute(cfg: Config, workdir: Path) -> Config:
 
 def write_job(cfg: Config, job: SlurmJob, *, workdir: Path | None = None) -> Path:
     """Check `cfg` for the job's world size and write OUT/slurm/{config.yaml, job.sh, node.sh}; returns job.sh."""
+    _check_job(job)
     world = job.nodes * job.gpus_per_node
-    check(job.nodes >= 1 and job.gpus_per_node >= 1, "--nodes and --gpus-per-node must be at least 1")
     check(cfg.world_size == world,
           f"dp*tp*pp*cp = {cfg.world_size} but the job has {job.nodes} node(s) x {job.gpus_per_node} = {world} "
           f"ranks; set the parallel sizes so their product is {world}")
@@ -132,6 +176,9 @@ def write_job(cfg: Config, job: SlurmJob, *, workdir: Path | None = None) -> Pat
           f"that run with --init-from, or copy the checkpoint into the run folder")
     validate(cfg, world_size=world)
     workdir = (workdir or Path.cwd()).resolve()
+    for what, path in (("out", cfg.out), ("the current folder", str(workdir))):
+        check(CONTROL.search(path) is None, f"{what}={_shown(path)}: a path with a control character (a newline, "
+                                            f"a tab) cannot be named in a job script; choose another")
     cfg = _absolute(cfg, workdir)
     out = Path(cfg.out)
     slurm_dir = out / "slurm"
