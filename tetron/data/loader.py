@@ -208,7 +208,7 @@ class BatchSampler:
         pos = step * self.global_batch + np.arange(self.global_batch, dtype=np.int64)
         epochs, offsets = np.divmod(pos, self.num_windows)
         out = np.empty(self.global_batch, dtype=np.int64)
-        for e in np.unique(epochs):
+        for e in sorted(set(epochs.tolist())):  # not np.unique: it imports numpy.ma, 0.1-0.2 s in every rank
             mask = epochs == e
             out[mask] = self._perm(int(e))[offsets[mask]]
         return out
