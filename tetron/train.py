@@ -33,7 +33,7 @@ from tetron.checkpoint.save import clean_stale, save_checkpoint, write_model_fol
 from tetron.config import Config
 from tetron.data.batch import MicroBatch, rank_micro_batch
 from tetron.data.hf_source import share_hub_commits
-from tetron.data.loader import DataLoader, load_tokens, prepare_data, tokenizer_spec
+from tetron.data.loader import DataLoader, check_token_ids, load_tokens, prepare_data, tokenizer_spec
 from tetron.data.mixture import MixtureLoader, Source
 from tetron.data.tokenizer import Tokenizer
 from tetron.errors import ConfigError
@@ -232,8 +232,9 @@ def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
 def next_batch(run: Run) -> list[MicroBatch]:
     """The loader's next step: this rank's positions of each micro-batch, on the device (on a GPU copied
     asynchronously, so that the batch of step s+1 travels while step s computes)."""
-    return [rank_micro_batch(mb, run.positions, run.device_positions, run.cfg.data, run.device)
-            for mb in run.loader.next_batch()]
+    batch = run.loader.next_batch()
+    check_token_ids(batch, run.cfg, step=run.loader.step)
+    return [rank_micro_batch(mb, run.positions, run.device_positions, run.cfg.data, run.device) for mb in batch]
 
 
 def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
