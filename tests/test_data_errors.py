@@ -3,20 +3,26 @@ field and what would help, never a traceback (issue 27)."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
-from tetron.config import from_dict
+from tetron.cli import _check_data
+from tetron.cli import main as cli_main
+from tetron.config import from_dict, load_config
 from tetron.data.batch import MicroBatch
 from tetron.data.loader import check_token_ids, prepare_data
 from tetron.data.store_build import build_store
 from tetron.data.token_store import TokenStore
 from tetron.data.tokenizer import Tokenizer
-from tetron.errors import DataError
+from tetron.errors import ConfigError, DataError
+from tetron.fs import STATE_FILE
 from tetron.validate import validate
 
 from conftest import tiny_config
@@ -79,3 +85,74 @@ def test_token_ids_beyond_the_vocabulary(corpus, tmp_path):
     with pytest.raises(DataError, match=rf"^data: step 3's batch holds token id 256, not below model.vocab_size=256: "
                                         rf"{corpus} holds ids of another vocabulary"):
         check_token_ids([ok, bad], cfg, step=3)
+
+
+# ----------------------------------------------------------------------------- mixtures
+
+
+def _mixture_config(store: Path, corpus: Path, tmp_path: Path, *, steps: int, epochs=None, weight="5e-1") -> Path:
+    """A YAML config of two sources, written as a user would (YAML 1.1 reads `5e-1` as text)."""
+    raw = tiny_config(corpus, tmp_path / "cache", tmp_path / "out", train={"steps": steps})
+    raw["data"] = {**raw["data"], "path": "stdlib", "tokenizer": None,
+                   "sources": [{"path": str(store), "weight": weight}, {"path": str(corpus), "weight": 1}]}
+    if epochs is not None:
+        for s in raw["data"]["sources"]:
+            s["epochs"] = epochs
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump(raw).replace("'5e-1'", "5e-1"))
+    return path
+
+
+def test_a_weight_in_exponent_form_is_a_number(store, corpus, tmp_path):
+    """`weight: 5e-1` in YAML is accepted like `lr: 3e-4`: a number, not the text '5e-1'."""
+    path = _mixture_config(store, corpus, tmp_path, steps=2)
+    assert "weight: 5e-1" in path.read_text() and isinstance(yaml.safe_load(path.read_text())["data"]["sources"][0]
+                                                              ["weight"], str)
+    cfg = load_config(str(path))
+    assert cfg.data.sources[0]["weight"] == 0.5
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].weight='half': expected a number"):
+        from_dict({"data": {"sources": [{"path": str(store), "weight": "half"}]}})
+
+
+def test_epochs_that_end_before_the_steps_are_refused_before_start(store, corpus, tmp_path, capsys):
+    """Every source has epochs: the windows they give bound the steps; more is one line before any rank."""
+    path = _mixture_config(store, corpus, tmp_path, steps=100_000, epochs="1e0")
+    assert cli_main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"tetron: error: data.sources: the epochs of {store} \([\d,]+ tokens\), {corpus} \([\d,]+ "
+                        rf"tokens\) give [\d,]+ more windows of data.seq_len\+1=33, fewer than the 200,000 that 100000 "
+                        rf"steps of 2 rows need; train at most \d+ steps, raise their epochs, or leave one without "
+                        rf"epochs\n", err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_reordered_sources_on_resume(store, corpus, tmp_path):
+    """A checkpoint's sources given in another order: refused before start, naming both lists; the loader
+    refuses it too, even when the token counts cannot tell (two stores of one size)."""
+    from tetron.data.mixture import MixtureLoader, Source
+
+    tokens = np.arange(3000) % 200
+    first = [Source(tokens, 1.0, name="a"), Source(tokens[::-1].copy(), 1.0, name="b")]
+    loader = MixtureLoader(first, 8, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=0)
+    loader.next_batch()
+    swapped = MixtureLoader(first[::-1], 8, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=0)
+    with pytest.raises(DataError, match=r"in another order: the checkpoint was trained on a \(3,000 tokens\), b "
+                                        r"\(3,000 tokens\); this run gives b \(3,000 tokens\), a \(3,000 tokens\)"):
+        swapped.load_state_dict(loader.state_dict())
+    moved = [Source(tokens, 1.0, name="elsewhere/a"), Source(tokens, 1.0, name="elsewhere/b")]
+    MixtureLoader(moved, 8, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=0).load_state_dict(
+        loader.state_dict())  # stores copied to another folder: the counts decide
+
+    path = _mixture_config(store, corpus, tmp_path, steps=4)
+    cfg = load_config(str(path))
+    state = {"step": 2, "seed": 1, "global_batch": 2, "seq_len": 32, "num_tokens": 0,
+             "sources": [{"path": str(corpus), "num_tokens": len(TokenStore(prepare_data(cfg)[1][1])), "consumed": 3},
+                         {"path": str(store), "num_tokens": len(TokenStore(store)), "consumed": 1}]}
+    step = tmp_path / "out" / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / STATE_FILE).write_text(json.dumps({"step": 2, "loader": state}))
+    with pytest.raises(DataError) as err:  # what tetron train checks before it starts any rank
+        _check_data(load_config(str(path), ["--resume", "auto"]))
+    assert str(err.value).startswith(f"data.sources: in another order: the checkpoint was trained on {corpus} (")
+    assert f"this run gives {store} (" in str(err.value)

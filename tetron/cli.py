@@ -20,6 +20,7 @@ import yaml
 
 from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
 from tetron.data.loader import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
+from tetron.data.mixture import check_mixture
 from tetron.device import cuda_count
 from tetron.errors import ConfigError, DataError, UserError, check
 from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, find_latest, read_json
@@ -71,6 +72,8 @@ def _check_data(cfg: Config) -> None:
     folder = start_folder(cfg) if cfg.checkpoint.resume is not None else None
     state = read_json(folder / STATE_FILE) if folder is not None and (folder / STATE_FILE).is_file() else None
     before = (state.get("loader") or {}).get("num_tokens") if isinstance(state, dict) else None
+    if d.sources:
+        check_mixture(cfg, token_path, state.get("loader") if isinstance(state, dict) else None)
     if before not in (None, num_tokens) and not (cfg.checkpoint.new_data or cfg.checkpoint.new_tokenizer):
         raise ConfigError(f"data.path={d.path} gives {num_tokens:,} tokens, but {folder} was trained on {before:,}: "
                           f"other data, whose order the run cannot continue; use that data, or set "

@@ -34,7 +34,7 @@ from tetron.config import Config
 from tetron.data.batch import MicroBatch, rank_micro_batch
 from tetron.data.hf_source import share_hub_commits
 from tetron.data.loader import DataLoader, check_token_ids, load_tokens, prepare_data, tokenizer_spec
-from tetron.data.mixture import MixtureLoader, Source
+from tetron.data.mixture import MixtureLoader, mixture_sources
 from tetron.data.tokenizer import Tokenizer
 from tetron.errors import ConfigError
 from tetron.fs import find_latest
@@ -99,9 +99,8 @@ def load_data(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[Tokenizer,
     shape = dict(micro_batch=t.micro_batch, grad_acc=t.grad_acc, dp_size=mesh.size("dp"),
                  dp_rank=mesh.local_rank("dp"), seed=t.seed, documents=d.mask_documents or d.reset_positions)
     if isinstance(token_path, list):  # data.sources: a weighted mixture of stores
-        sources = [Source(load_tokens(path), float(s.get("weight", 1.0)), s.get("epochs"), name=str(s["path"]))
-                   for path, s in zip(token_path, d.sources)]
-        return tokenizer, MixtureLoader(sources, d.seq_len, **shape)  # validate refuses val_fraction here
+        # validate refuses val_fraction here
+        return tokenizer, MixtureLoader(mixture_sources(cfg, token_path), d.seq_len, **shape)
     tokens = training_tokens(load_tokens(token_path), cfg)  # data.val_fraction's held-out tail cut off
     return tokenizer, DataLoader(tokens, d.seq_len, **shape)
 
