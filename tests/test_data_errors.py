@@ -3,6 +3,7 @@ field and what would help, never a traceback (issue 27)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -19,10 +20,12 @@ from tetron.config import from_dict, load_config
 from tetron.data.batch import MicroBatch
 from tetron.data.loader import check_token_ids, prepare_data
 from tetron.data.store_build import build_store
-from tetron.data.token_store import TokenStore
+from tetron.data.token_store import ShardWriter, TokenStore
 from tetron.data.tokenizer import Tokenizer
-from tetron.errors import ConfigError, DataError
+from tetron.errors import ConfigError, DataError, StorageError
 from tetron.fs import STATE_FILE
+from tetron.observe.metrics import MetricsLog
+from tetron.observe.step_report import check_outputs
 from tetron.validate import validate
 
 from conftest import tiny_config
@@ -156,3 +159,136 @@ def test_reordered_sources_on_resume(store, corpus, tmp_path):
         _check_data(load_config(str(path), ["--resume", "auto"]))
     assert str(err.value).startswith(f"data.sources: in another order: the checkpoint was trained on {corpus} (")
     assert f"this run gives {store} (" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- full disks, damaged outputs
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_tokenizing(corpus, tmp_path, monkeypatch, capsys):
+    """A full cache disk (data.path tokenized on start) or store disk (tetron tokenize --out) is one line
+    saying "no space" and naming the folder, not an OSError traceback or a line blaming data.path."""
+    monkeypatch.setattr(ShardWriter, "add", _no_space)
+    raw = tiny_config(corpus, tmp_path / "cache", tmp_path / "out")
+    with pytest.raises(StorageError, match=rf"^{tmp_path}/cache/tokens/\w+.*: no space left on device \([\d.]+ \w+ "
+                                           rf"free\), while tokenizing into {tmp_path}/cache/tokens/\w+; free space"):
+        prepare_data(from_dict(raw))
+    assert cli_main(["tokenize", str(corpus), "--tokenizer", "bytes", "--out", str(tmp_path / "s"),
+                     "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"tetron: error: {tmp_path}/s\S*: no space left on device .*, while tokenizing into "
+                        rf"{tmp_path}/s; .*finished units are kept\)\n", err), err
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A tiny model folder (weights, config.json, bytes tokenizer), written in-process."""
+    from tetron.checkpoint.save import save_model
+    from tetron.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    save_model(Llama(config), tmp_path / "model", tokenizer=Tokenizer(None, None))
+    return tmp_path / "model"
+
+
+def test_convert_to_a_full_or_unwritable_destination(model_dir, tmp_path, monkeypatch, capsys):
+    """Both directions: one line naming the destination, and no temporary folder left beside it."""
+    import tetron.checkpoint.convert as convert
+
+    monkeypatch.setattr(convert, "write_tensors", _no_space)
+    assert cli_main(["convert", str(model_dir), str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"tetron: error: {tmp_path}\S*: no space left on device \(.* free; it needs about "
+                        rf"[\d.]+ KiB\), while writing {tmp_path}/ck\n", err), err
+    monkeypatch.undo()
+    assert cli_main(["convert", str(model_dir), str(tmp_path / "ck")]) == 0
+    monkeypatch.setattr(convert.shutil, "copyfile", _no_space)
+    assert cli_main(["convert", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 2
+    assert "no space left on device" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert cli_main(["convert", str(tmp_path / "ck"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"tetron: error: {tmp_path}/\.hf\.tmp-\w+: cannot write \(Read-only file system\), while "
+                        rf"writing {tmp_path}/hf\n", err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "model"]
+
+
+@pytest.mark.parametrize("temperature", ["1e-30", "1e30", "0", "1e-300"])
+def test_generate_at_extreme_temperatures(model_dir, temperature, capsys):
+    """Tiny temperatures are greedy in the limit (not inf - inf = nan inside torch.multinomial); huge ones
+    near uniform."""
+    assert cli_main(["generate", str(model_dir), "--temperature", temperature, "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+@pytest.mark.parametrize("temperature", ["-1", "nan", "inf"])
+def test_generate_refuses_bad_temperatures(model_dir, temperature, capsys):
+    assert cli_main(["generate", str(model_dir), "--temperature", temperature]) == 2
+    assert capsys.readouterr().err == (f"tetron: error: --temperature={float(temperature)} must be a finite number "
+                                       f">= 0 (0: greedy)\n")
+
+
+def test_generate_from_weights_holding_nan(model_dir, capsys):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    assert cli_main(["generate", str(model_dir), "--max-new-tokens", "4"]) == 2
+    assert capsys.readouterr().err == (f"tetron: error: {model_dir}: the weights of model.norm.weight hold NaN or inf "
+                                       f"(saved from a run that diverged?); sample from an earlier checkpoint "
+                                       f"(RUN/checkpoints/step_N)\n")
+
+
+def test_metrics_log_replaced_by_a_folder(corpus, tmp_path, capsys):
+    """Refused before any rank starts (and where the log is opened), not an IsADirectoryError on rank 0."""
+    (tmp_path / "out" / "metrics.jsonl").mkdir(parents=True)
+    raw = tiny_config(corpus, tmp_path / "cache", tmp_path / "out", train={"steps": 2})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli_main(["train", str(path)]) == 2
+    assert capsys.readouterr().err == (f"tetron: error: out: {tmp_path}/out/metrics.jsonl is a folder, where the "
+                                       f"run appends its log; move it aside or give another out\n")
+    with pytest.raises(StorageError, match="is a folder"):
+        MetricsLog(tmp_path / "out" / "metrics.jsonl")
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """A machine without W&B credentials: no key in the environment, an empty home (no ~/.netrc)."""
+    import wandb
+
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "NETRC", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    wandb.teardown()  # wandb keeps the settings it first read
+    yield
+    wandb.teardown()
+
+
+def test_wandb_without_credentials_is_refused_before_start(corpus, tmp_path, monkeypatch, no_wandb_login):
+    import wandb
+
+    cfg = from_dict(tiny_config(corpus, tmp_path / "cache", tmp_path / "out", logging={"wandb": "proj"}))
+    with pytest.raises(ConfigError, match=r"^logging.wandb=proj: no W&B credentials here \(WANDB_API_KEY, or "
+                                          r"~/.netrc from `wandb login`\); run `wandb login`, set WANDB_MODE=offline"):
+        check_outputs(cfg)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # offline needs none
+    wandb.teardown()
+    check_outputs(cfg)
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    wandb.teardown()
+    check_outputs(cfg)

@@ -27,6 +27,7 @@ from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, find_latest, read_json
 from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
 from tetron.observe.metrics import say
+from tetron.observe.step_report import check_outputs
 from tetron.overrides import SHORT_FLAGS
 from tetron.plan.fit import check_fits
 from tetron.schedule import schedule_change
@@ -108,6 +109,7 @@ def train_command(args: list[str]) -> int:
         if not inside_launch or os.environ.get("RANK") == "0":
             lock = _lock_run_folder(cfg)
             _check_data(cfg)
+            check_outputs(cfg)
         note = _schedule_note(cfg)
     except UserError as err:
         if lock is not None:
