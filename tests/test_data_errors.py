@@ -7,6 +7,7 @@ import errno
 import json
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -292,3 +293,78 @@ def test_wandb_without_credentials_is_refused_before_start(corpus, tmp_path, mon
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
     wandb.teardown()
     check_outputs(cfg)
+
+
+# ----------------------------------------------------------------------------- stops and restarts, as said
+
+
+def _report(folder: Path, attempt: int, rank: int, state: str, **fields) -> None:
+    (folder / f"attempt{attempt}_rank{rank}.json").write_text(json.dumps(
+        {"pid": 1 << 22, "rank": rank, "attempt": attempt, "state": state, **fields}))
+
+
+def _checkpoint(out: Path, step: int) -> Path:
+    folder = out / "checkpoints" / f"step_{step}"
+    folder.mkdir(parents=True)
+    (folder / STATE_FILE).write_text("{}")
+    return folder
+
+
+def test_a_killed_rank_suggests_resuming_only_from_a_checkpoint(tmp_path):
+    """"continue with --resume auto" only where something was saved to resume from."""
+    from types import SimpleNamespace
+
+    from tetron.observe.watch import RankWatch
+
+    (tmp_path / "reports").mkdir()
+    watch = RankWatch(tmp_path / "reports", out=str(tmp_path / "out"), steps=10, timeout_s=5, stop_signal=None)
+    error = SimpleNamespace(failures={1: SimpleNamespace(exitcode=-signal.SIGKILL)})
+    reports = {0: {"rank": 0, "state": "running"}, 1: {"rank": 1, "state": "running"}}
+    assert watch.failure_line(error, reports) == (
+        "tetron: error: rank 1 was killed by SIGKILL (out of memory, or killed from outside); the run ended (no "
+        "checkpoint was saved: run the same command again to start over)")
+    watch.stuck = {1: "T"}
+    timed_out = {0: {"rank": 0, "state": "timeout"}, 1: {"rank": 1, "state": "running"}}
+    assert watch.failure_line(error, timed_out).endswith("the run ended (no checkpoint was saved: run the same "
+                                                         "command again to start over)")
+    _checkpoint(tmp_path / "out", 4)
+    assert watch.failure_line(error, timed_out).endswith("the run ended (continue with --resume auto)")
+
+
+def test_a_stop_signal_sent_to_one_rank_ends_with_the_stopped_line(tmp_path, capsys):
+    """SIGTERM to one rank's pid (not to tetron): every rank saves; the launcher's last line says so, naming
+    the signal and the rank that got it, as for a signal to tetron itself."""
+    from tetron.observe.watch import RankWatch
+
+    (tmp_path / "reports").mkdir()
+    step = _checkpoint(tmp_path / "out", 3)
+    _report(tmp_path / "reports", 0, 0, "stopped", step=3, checkpoint=str(step), signal=None)
+    _report(tmp_path / "reports", 0, 1, "stopped", step=3, checkpoint=str(step), signal="SIGTERM")
+    watch = RankWatch(tmp_path / "reports", out=str(tmp_path / "out"), steps=10, timeout_s=5, stop_signal=None)
+    assert watch.finish(None) == 0
+    assert capsys.readouterr().out == (f"tetron: stopped by SIGTERM (sent to rank 1) after step 3 of 10: saved {step}; "
+                                       f"continue with the same command and --resume auto\n")
+
+
+def test_a_restart_names_the_rank_that_died_and_its_signal(tmp_path):
+    """The launcher notes how each rank's process ends without collecting it (torch's launcher still does),
+    and the restart's line names the first rank to die and its signal, and where the ranks resume."""
+    import subprocess
+    import sys
+
+    from tetron.observe.watch import RankWatch
+
+    (tmp_path / "reports").mkdir()
+    watch = RankWatch(tmp_path / "reports", out=str(tmp_path / "out"), steps=10, timeout_s=5, stop_signal=None,
+                      max_restarts=2)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child.kill()
+    watch._wait_exit(0, 1, child.pid)
+    assert child.wait(timeout=10) == -signal.SIGKILL  # still there to be collected by its parent
+    _report(tmp_path / "reports", 0, 0, "peer", message="connection closed by peer")  # what rank 1's death did
+    _report(tmp_path / "reports", 0, 1, "running")
+    assert watch.restart_line(1) == "restart 1 of 2 after rank 1 was killed by SIGKILL: starting over: no checkpoint " \
+                                    "was saved"
+    step = _checkpoint(tmp_path / "out", 2)
+    _report(tmp_path / "reports", 0, 0, "error", message="disk full")
+    assert watch.restart_line(1) == f"restart 1 of 2 after rank 0 failed (an error): resuming from {step}"

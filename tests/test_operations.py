@@ -409,10 +409,10 @@ def _steps(workdir: Path, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, corpus, cache_dir) -> dict:
-    """Four real launches of 2 ranks at once. `preempt`: SIGTERM to tetron once step 2 is logged, then
+    """Real launches of 2 ranks at once. `preempt`: SIGTERM to tetron once step 2 is logged, then
     `--resume auto` to the end. `abort`: SIGINT twice. `stopped`: rank 1 gets SIGSTOP, timeout_s=5.
-    `killed`: tetron itself gets SIGKILL. Each records its exit code, log, how long it took to end after the
-    signal, and its ranks' pids."""
+    `killed`: tetron itself gets SIGKILL. `one_rank`: rank 1 gets SIGTERM. `single`: one rank, SIGTERM. Each
+    records its exit code, log, how long it took to end after the signal, and its ranks' pids."""
     workdir = tmp_path_factory.mktemp("launches")
     raw = tiny_config(corpus, cache_dir, workdir / "unused", parallel={"dp": 2}, train={"steps": PREEMPT_STEPS})
     raw["out"] = "unused"
@@ -423,6 +423,7 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
             "abort": _launch(workdir, "abort", "--steps", 5000, "--save-every", 2),
             "stopped": _launch(workdir, "stopped", "--steps", 5000, "--parallel.timeout_s=5"),
             "killed": _launch(workdir, "killed", "--steps", 5000),
+            "one_rank": _launch(workdir, "one_rank", "--steps", 5000),
             "single": _launch(workdir, "single", "--steps", 5000, "--dp", 1)}
     acted, ended, pids = {}, {}, {}
     deadline = time.monotonic() + LAUNCH_TIMEOUT
@@ -435,6 +436,8 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
                     pids[name] = ranks
                     if name in ("preempt", "single"):
                         proc.send_signal(signal.SIGTERM)
+                    elif name == "one_rank":
+                        os.kill(ranks[1], signal.SIGTERM)
                     elif name == "abort":
                         proc.send_signal(signal.SIGINT)
                         time.sleep(0.05)
@@ -493,6 +496,18 @@ def test_sigterm_through_the_launcher_saves_exits_0_and_resumes_exactly(launches
 
 
 @pytest.mark.timeout(600)
+def test_sigterm_to_one_rank_saves_and_says_so(launches):
+    """A stop signal to one rank's pid, not to tetron: every rank saves after the same step, and the run
+    ends with the same line, naming the rank that got it."""
+    run = launches["one_rank"]
+    assert run["code"] == 0 and "Traceback" not in run["log"], run["log"]
+    assert re.fullmatch(r"tetron: stopped by SIGTERM \(sent to rank 1\) after step (\d+) of 5000: saved "
+                        r"one_rank/checkpoints/step_\1; continue with the same command and --resume auto",
+                        run["log"].strip().splitlines()[-1]), run["log"]
+    assert inspect_checkpoint(find_latest(launches["workdir"] / "one_rank"))["step"] >= 2
+
+
+@pytest.mark.timeout(600)
 def test_a_second_signal_aborts_at_once_and_keeps_the_last_checkpoint(launches):
     run = launches["abort"]
     assert run["code"] == 128 + signal.SIGINT, run["log"]
@@ -510,8 +525,10 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(launches):
     run = launches["stopped"]
     assert run["code"] == 1, run["log"]
     errors = [line for line in run["log"].splitlines() if "error" in line.lower() or "Traceback" in line]
+    # nothing was saved (no --save-every): nothing to resume from
     assert errors == ["tetron: error: rank 1 stopped answering (its process is stopped): rank 0 waited "
-                      "parallel.timeout_s=5 s in a collective; the run ended (continue with --resume auto)"], run["log"]
+                      "parallel.timeout_s=5 s in a collective; the run ended (no checkpoint was saved: run the same "
+                      "command again to start over)"], run["log"]
     assert run["took"] < 5 + 20, run["took"]  # the timeout, the watch's grace, the launcher's wind-down
     assert all(_gone(pid) for pid in run["pids"].values())
 

@@ -60,7 +60,7 @@ def launch(cfg: Config) -> int:
     _quiet_launcher_logs()
     with tempfile.TemporaryDirectory(prefix="tetron-ranks-") as folder:
         watch = RankWatch(Path(folder), out=cfg.out, steps=cfg.train.steps, timeout_s=cfg.parallel.timeout_s,
-                          stop_signal=cfg.checkpoint.stop_signal)
+                          stop_signal=cfg.checkpoint.stop_signal, max_restarts=cfg.parallel.max_restarts)
         return watch.run(lambda: elastic_launch(config, run_rank)(raw, folder))
 
 
@@ -163,7 +163,7 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
     request the line saying where to resume."""
     if restart > 0 and cfg.checkpoint.resume is None:
         cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
-    if restart > 0 and os.environ.get("RANK", "0") == "0":
+    if restart > 0 and os.environ.get("RANK", "0") == "0" and report is None:  # tetron's launcher names the rank
         say(f"restart {restart} of {cfg.parallel.max_restarts} after a rank failed: resuming from the latest "
             f"checkpoint in {cfg.out}")
     device = dev.pick_device(cfg.parallel.device, int(os.environ.get("LOCAL_RANK", 0)))
@@ -177,8 +177,8 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
     result = train(cfg, mesh, device=device, stop=stop)
     if result.stopped_at is not None:
         folder = str(checkpoints_dir(Path(cfg.out)) / f"step_{result.stopped_at}")
-        if report is not None:
-            report.write("stopped", step=result.stopped_at, checkpoint=folder)
+        if report is not None:  # the signal, where this rank got it itself (the others learn of it in a collective)
+            report.write("stopped", step=result.stopped_at, checkpoint=folder, signal=stop.signal)
         elif mesh.rank == 0:
             print(stopped_line(stop.signal or "a signal", result.stopped_at, steps=cfg.train.steps, folder=folder),
                   flush=True)
