@@ -2,9 +2,10 @@
 
 One section per class of the operations issue, each with the issue's examples and more. Most checks run in
 this process: validate, the CLI's `main` with the launcher replaced (exit code, one stderr line, files
-unchanged), forked ranks. Three real launches start at once for what only they can show: SIGTERM saves and
-the run resumes to the uninterrupted run's losses exactly, a second signal aborts at once, and a rank
-stopped with SIGSTOP ends the run within parallel.timeout_s, naming that rank.
+unchanged), forked ranks. Real launches start at once for what only they can show: SIGTERM saves and
+the run resumes to the uninterrupted run's losses exactly (also sent to one rank, or to torchrun's agent), a
+second signal aborts at once, and a rank stopped with SIGSTOP ends the run within parallel.timeout_s, naming
+that rank.
 """
 
 from __future__ import annotations
@@ -348,9 +349,9 @@ def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step_and_resumes_exa
     assert stopped[0][0] + rest == whole  # bit for bit
 
 
-def _launch(workdir: Path, name: str, *args) -> tuple[subprocess.Popen, Path]:
+def _launch(workdir: Path, name: str, *args, launcher: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     log = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "tetron.cli", "train", "tiny.yaml", "--out", name, *map(str, args)]
+    cmd = [sys.executable, *launcher, "-m", "tetron.cli", "train", "tiny.yaml", "--out", name, *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=workdir, env=user_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     return proc, log
 
@@ -411,8 +412,9 @@ def _steps(workdir: Path, name: str) -> int:
 def launches(tmp_path_factory, corpus, cache_dir) -> dict:
     """Real launches of 2 ranks at once. `preempt`: SIGTERM to tetron once step 2 is logged, then
     `--resume auto` to the end. `abort`: SIGINT twice. `stopped`: rank 1 gets SIGSTOP, timeout_s=5.
-    `killed`: tetron itself gets SIGKILL. `one_rank`: rank 1 gets SIGTERM. `single`: one rank, SIGTERM. Each
-    records its exit code, log, how long it took to end after the signal, and its ranks' pids."""
+    `killed`: tetron itself gets SIGKILL. `one_rank`: rank 1 gets SIGTERM. `single`: one rank, SIGTERM.
+    `torchrun`: its agent (tetron.torchrun) gets SIGTERM. Each records its exit code, log, how long it took to
+    end after the signal, and its ranks' pids."""
     workdir = tmp_path_factory.mktemp("launches")
     raw = tiny_config(corpus, cache_dir, workdir / "unused", parallel={"dp": 2}, train={"steps": PREEMPT_STEPS})
     raw["out"] = "unused"
@@ -424,17 +426,20 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
             "stopped": _launch(workdir, "stopped", "--steps", 5000, "--parallel.timeout_s=5"),
             "killed": _launch(workdir, "killed", "--steps", 5000),
             "one_rank": _launch(workdir, "one_rank", "--steps", 5000),
-            "single": _launch(workdir, "single", "--steps", 5000, "--dp", 1)}
+            "single": _launch(workdir, "single", "--steps", 5000, "--dp", 1),
+            "torchrun": _launch(workdir, "torchrun", "--steps", 5000, launcher=(
+                "-m", "tetron.torchrun", "--standalone", "--nproc-per-node", "2"))}
     acted, ended, pids = {}, {}, {}
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     try:
         while len(ended) < len(runs) and time.monotonic() < deadline:
             for name, (proc, _) in runs.items():
                 ready = _steps(workdir, name) >= (4 if name == "abort" else 2)
-                ranks = {0: proc.pid} if name == "single" else _rank_pids(proc.pid) if ready else {}
-                if name not in acted and ready and len(ranks) == (1 if name == "single" else 2):
+                alone = name in ("single", "torchrun")  # no tetron launcher's reports: signal the process itself
+                ranks = {0: proc.pid} if alone else _rank_pids(proc.pid) if ready else {}
+                if name not in acted and ready and len(ranks) == (1 if alone else 2):
                     pids[name] = ranks
-                    if name in ("preempt", "single"):
+                    if name in ("preempt", "single", "torchrun"):
                         proc.send_signal(signal.SIGTERM)
                     elif name == "one_rank":
                         os.kill(ranks[1], signal.SIGTERM)
@@ -541,6 +546,16 @@ def test_sigterm_to_a_single_process_run_saves_and_exits_0(launches):
     assert re.fullmatch(r"tetron: stopped by SIGTERM after step (\d+) of 5000: saved single/checkpoints/step_\1; "
                         r"continue with the same command and --resume auto", run["log"].strip().splitlines()[-1])
     assert inspect_checkpoint(find_latest(launches["workdir"] / "single"))["step"] >= 2
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_torchrun_saves_and_exits_0(launches):
+    """Under torchrun (tetron.torchrun, as `tetron slurm` starts it) a preemption's SIGTERM to the agent: the
+    ranks save, and the exit status is 0 as under tetron's launcher (torchrun itself exits 1)."""
+    run = launches["torchrun"]
+    assert run["code"] == 0 and "Traceback" not in run["log"], run["log"]
+    assert re.fullmatch(r"tetron: stopped by SIGTERM after step (\d+) of 5000: saved torchrun/checkpoints/step_\1; "
+                        r"continue with the same command and --resume auto", run["log"].strip().splitlines()[-1])
 
 
 @pytest.mark.timeout(600)

@@ -30,12 +30,13 @@ import torch.distributed as dist
 from tetron import device as dev
 from tetron.config import Config, from_dict
 from tetron.errors import UserError
-from tetron.fs import checkpoints_dir, find_latest
+from tetron.fs import checkpoints_dir, find_latest, write_text
 from tetron.mesh import Mesh
 from tetron.observe.metrics import say
 from tetron.observe.rank_logs import RankLog
 from tetron.observe.watch import RankReport, RankWatch
 from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line, watch_signals
+from tetron.torchrun import STOPPED_FILE_ENV
 from tetron.train import train
 
 # How long torch's launcher waits for ranks it stops before it kills them: tetron's watch kills a rank that
@@ -182,6 +183,9 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
         elif mesh.rank == 0:
             print(stopped_line(stop.signal or "a signal", result.stopped_at, steps=cfg.train.steps, folder=folder),
                   flush=True)
+        note = os.environ.get(STOPPED_FILE_ENV)  # under tetron.torchrun: its exit status is 0 after this save
+        if report is None and note and os.environ.get("LOCAL_RANK", "0") == "0":
+            write_text(Path(note), folder + "\n")
         return
     if mesh.rank == 0 and cfg.logging.sample_tokens > 0:
         from tetron.observe.generate import sample_from_run
