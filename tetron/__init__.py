@@ -11,7 +11,7 @@ packages import each other (tests/test_structure.py reads this list and checks e
     5. parallel: one file per strategy, reading each family's parallel plan; parallelize() applies them
     6. checkpoint: save (model folders transformers loads), load by slices, checks, conversion
     7. observe: metrics and sinks, validation, timers' reports, memory, profiles, samples, the launcher's watch
-    8. train, validate, launch, torchrun: the loop, the checks before start, starting ranks (and torchrun's exit)
+    8. train, validate, launch: the loop, the checks before start, starting ranks
     9. plan: the memory and step-time model, layout search, the fit check, Slurm job scripts
    10. cli: the `tetron` command
 """

@@ -6,6 +6,12 @@ launched child, each rank enters `run_rank`: the only code in tetron that reads 
 environment (RANK, LOCAL_RANK, WORLD_SIZE, restart counts). A rank turns a stop signal into a saved
 checkpoint (stop.py), and a user error, a timed-out collective or a lost peer into one line (or, under
 tetron's launcher, into its report, from which the launcher prints the line).
+
+`python -m tetron.launch [torchrun's arguments]` is torchrun, except that a stop signal after which the ranks
+saved ends it with exit status 0, as tetron's launcher does: torch's agent turns SIGTERM, SIGINT or SIGHUP into
+a SignalException, passes the signal on to the ranks (which finish their step and save), waits for them, then
+raises it, and torchrun exits 1 with a traceback: a scheduler would count a clean preemption as a failure.
+`tetron slurm` starts each node's ranks this way.
 """
 
 from __future__ import annotations
@@ -36,9 +42,9 @@ from tetron.observe.metrics import say
 from tetron.observe.rank_logs import RankLog
 from tetron.observe.watch import RankReport, RankWatch
 from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line, watch_signals
-from tetron.torchrun import STOPPED_FILE_ENV
 from tetron.train import train
 
+STOPPED_FILE_ENV = "TETRON_STOPPED_FILE"  # set by torchrun_main for its ranks; the first rank of a node writes it
 # How long torch's launcher waits for ranks it stops before it kills them: tetron's watch kills a rank that
 # does not end by itself well before (GRACE_S); this only bounds what the watch cannot see.
 SHUTDOWN_TIMEOUT_S = 10
@@ -183,7 +189,7 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
         elif mesh.rank == 0:
             print(stopped_line(stop.signal or "a signal", result.stopped_at, steps=cfg.train.steps, folder=folder),
                   flush=True)
-        note = os.environ.get(STOPPED_FILE_ENV)  # under tetron.torchrun: its exit status is 0 after this save
+        note = os.environ.get(STOPPED_FILE_ENV)  # under torchrun_main: its exit status is 0 after this save
         if report is None and note and os.environ.get("LOCAL_RANK", "0") == "0":
             write_text(Path(note), folder + "\n")
         return
@@ -252,3 +258,24 @@ def _abort(sig: signal.Signals, out: str, *, announce: bool) -> None:
         where = f"the last complete checkpoint is {latest}" if latest else "no checkpoint was saved"
         os.write(2, f"tetron: aborted by a second {sig.name}; {where}\n".encode())
     os._exit(128 + sig)
+
+
+def torchrun_main(argv: list[str] | None = None) -> int:
+    """torchrun with `argv`; 0 when it ends by a signal the ranks saved on (the first rank of this node notes
+    the save in the file STOPPED_FILE_ENV names), else as torchrun ends."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
+    with tempfile.TemporaryDirectory(prefix="tetron-torchrun-") as folder:
+        note = Path(folder) / "stopped"
+        os.environ[STOPPED_FILE_ENV] = str(note)  # this process is the node's launcher: its ranks inherit it
+        try:
+            torchrun(sys.argv[1:] if argv is None else argv)
+        except SignalException:
+            if not note.is_file():  # the ranks did not save: a failure, as torchrun says
+                raise
+    return 0  # the ranks' own last line (stop.stopped_line) said where they saved
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main())

@@ -116,7 +116,7 @@ class MixtureLoader:
                 alive = left > 0
                 if not alive.any():
                     names = describe_sources([s.name for s in self.sources], [len(s.tokens) for s in self.sources])
-                    raise DataError(f"data.sources: every source ({names}) has given its epochs by step {step + 1}; "
+                    raise DataError(f"data.sources: every source has given its epochs by step {step + 1} ({names}); "
                                     f"raise their epochs, leave one without a limit, or train fewer steps")
                 w = np.where(alive, weights, 0.0)
                 src[j] = np.searchsorted(np.cumsum(w / w.sum()), u[j], side="right")
