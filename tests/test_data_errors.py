@@ -368,3 +368,15 @@ def test_a_restart_names_the_rank_that_died_and_its_signal(tmp_path):
     step = _checkpoint(tmp_path / "out", 2)
     _report(tmp_path / "reports", 0, 0, "error", message="disk full")
     assert watch.restart_line(1) == f"restart 1 of 2 after rank 0 failed (an error): resuming from {step}"
+
+
+def test_messages_about_a_mixture_name_its_sources(store, corpus, tmp_path):
+    """Before start, with data.sources set: a source too short for a window, and too few windows for a batch,
+    name the sources in use, not data.path (which the run does not read)."""
+    path = _mixture_config(store, corpus, tmp_path, steps=2)
+    with pytest.raises(DataError, match=rf"^data.sources\[0\] \({store}\): [\d,]+ tokens give no training window of "
+                                        r"data.seq_len\+1=2049"):
+        _check_data(load_config(str(path), ["--data.seq_len=2048", "--model.max_position_embeddings=2048"]))
+    with pytest.raises(ConfigError, match=rf"^data.sources \({store}, {corpus}\): [\d,]+ tokens make [\d,]+ windows "
+                                          r"of data.seq_len\+1=33, fewer than one global batch of 100000"):
+        _check_data(load_config(str(path), ["--train.micro_batch=100000"]))

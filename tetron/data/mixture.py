@@ -67,6 +67,9 @@ def check_mixture(cfg: Config, paths: list[Path], loader_state: Any) -> None:
     """Before any rank starts: a resumed run's sources are the checkpoint's (`loader_state`, None when starting
     afresh), and their epochs last the steps left."""
     sources, consumed, done = mixture_sources(cfg, paths), None, 0
+    t = cfg.train  # each source gives a window (its loader's own check, here before start rather than on a rank)
+    MixtureLoader(sources, cfg.data.seq_len, micro_batch=t.micro_batch, grad_acc=t.grad_acc, dp_size=cfg.parallel.dp,
+                  dp_rank=0, seed=t.seed)
     if isinstance(loader_state, dict):
         check_resumed_sources(loader_state.get("sources"), [s.name for s in sources], [len(s.tokens) for s in sources])
         consumed, done = [t["consumed"] for t in loader_state["sources"]], int(loader_state.get("step", 0))
