@@ -61,13 +61,14 @@ def _fail(message: str) -> int:
 def _check_data(cfg: Config) -> None:
     """Tokenize (or find the cache) before any rank starts; check the vocabulary fits the model, the data
     fills a global batch, and a resumed run goes on with the data it was trained on."""
-    # the data in use, as messages name it: data.path is not used when data.sources is set
-    what = f"data.sources ({', '.join(data_specs(cfg))})" if cfg.data.sources else f"data.path={cfg.data.path}"
+    # the data in use, as messages name it: data.path is not read when data.sources is set
+    field, specs = ("data.sources" if cfg.data.sources else "data.path"), ", ".join(data_specs(cfg))
+    what = f"{field} ({specs})" if cfg.data.sources else f"{field}={specs}"
     try:
         tokenizer, token_path = prepare_data(cfg, say=say)
     except OSError as err:  # a cache folder that cannot be written, a data file that cannot be read
-        raise DataError(f"data: {err.filename or ', '.join(data_specs(cfg))}: {err.strerror or err} (check "
-                        f"{what.split(' ')[0].split('=')[0]}, and that data.cache_dir is writable)") from None
+        raise DataError(f"data: {err.filename or specs}: {err.strerror or err} (check {field}, and that "
+                        f"data.cache_dir is writable)") from None
     check_tokenizer_pairing(cfg, tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "

@@ -45,6 +45,7 @@ from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line,
 from tetron.train import train
 
 STOPPED_FILE_ENV = "TETRON_STOPPED_FILE"  # set by torchrun_main for its ranks; the first rank of a node writes it
+
 # How long torch's launcher waits for ranks it stops before it kills them: tetron's watch kills a rank that
 # does not end by itself well before (GRACE_S); this only bounds what the watch cannot see.
 SHUTDOWN_TIMEOUT_S = 10

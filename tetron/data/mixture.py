@@ -66,13 +66,13 @@ def mixture_sources(cfg: Config, paths: list[Path]) -> list[Source]:
 def check_mixture(cfg: Config, paths: list[Path], loader_state: Any) -> None:
     """Before any rank starts: a resumed run's sources are the checkpoint's (`loader_state`, None when starting
     afresh), and their epochs last the steps left."""
-    sources, consumed, done = mixture_sources(cfg, paths), None, 0
-    t = cfg.train  # each source gives a window (its loader's own check, here before start rather than on a rank)
-    MixtureLoader(sources, cfg.data.seq_len, micro_batch=t.micro_batch, grad_acc=t.grad_acc, dp_size=cfg.parallel.dp,
-                  dp_rank=0, seed=t.seed)
+    sources, consumed, done, train = mixture_sources(cfg, paths), None, 0, cfg.train
+    # each source gives a window: the loader's own check, here before start rather than on a rank
+    MixtureLoader(sources, cfg.data.seq_len, micro_batch=train.micro_batch, grad_acc=train.grad_acc,
+                  dp_size=cfg.parallel.dp, dp_rank=0, seed=train.seed)
     if isinstance(loader_state, dict):
         check_resumed_sources(loader_state.get("sources"), [s.name for s in sources], [len(s.tokens) for s in sources])
-        consumed, done = [t["consumed"] for t in loader_state["sources"]], int(loader_state.get("step", 0))
+        consumed, done = [e["consumed"] for e in loader_state["sources"]], int(loader_state.get("step", 0))
     check_epochs_last(sources, seq_len=cfg.data.seq_len, global_batch=cfg.global_batch,
                       steps=cfg.train.steps - done, consumed=consumed)
 
@@ -203,7 +203,7 @@ def check_resumed_sources(theirs: Any, names: list[str], sizes: list[int]) -> No
     moved = set(paths) != set(names)  # stores copied elsewhere (or a checkpoint that names none): counts decide
     if same and (moved or paths == names):
         return
-    reordered = paths != names and not moved or sorted(map(str, counts)) == sorted(map(str, sizes))
+    reordered = (paths != names and not moved) or sorted(map(str, counts)) == sorted(map(str, sizes))
     old = describe_sources([p if isinstance(p, str) else f"source {i}" for i, p in enumerate(paths)], counts)
     raise DataError(f"data.sources: {'in another order: ' if reordered else ''}the checkpoint was trained on {old}; "
                     f"this run gives {describe_sources(names, sizes)}: give the same sources in the same order "

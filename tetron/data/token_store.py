@@ -151,8 +151,8 @@ def read_index(folder: Path) -> dict[str, Any]:
     ok = isinstance(index, dict) and index.get("format") == FORMAT and index.get("dtype") in ("uint16", "uint32") \
         and type(index.get("vocab_size")) is int and isinstance(index.get("shards"), list) \
         and all(isinstance(s, dict) and isinstance(s.get("name"), str) and Path(s["name"]).name == s["name"]
-                and type(s.get("num_tokens")) is int and s["num_tokens"] > 0 and type(s.get("num_docs")) is int
-        and s["num_docs"] >= 0 for s in index["shards"])
+                and type(s.get("num_tokens")) is int and s["num_tokens"] > 0
+                and type(s.get("num_docs")) is int and s["num_docs"] >= 0 for s in index["shards"])
     if not ok:
         raise DataError(f"{path} is damaged (not a {FORMAT} index with dtype, vocab_size and shards); "
                         f"make the store again with tetron tokenize")

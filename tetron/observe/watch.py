@@ -86,7 +86,8 @@ class RankWatch:
                  max_restarts: int = 0) -> None:
         self.folder, self.out, self.steps, self.timeout_s = Path(folder), out, steps, timeout_s
         self.max_restarts = max_restarts
-        self.exits: dict[tuple[int, int], tuple[float, int]] = {}  # (attempt, rank) -> (when, how: exit_how)
+        # (attempt, rank) -> (when its process ended, its exit code or minus the signal that ended it)
+        self.exits: dict[tuple[int, int], tuple[float, int]] = {}
         self.waited: set[int] = set()  # pids an exit watcher waits for
         self.signals = stop_signals(stop_signal)
         self.stop_signal: str | None = None  # the signal that asked this run to stop
@@ -182,9 +183,11 @@ class RankWatch:
     def _wait_exit(self, attempt: int, rank: int, pid: int) -> None:
         """Note how and when a rank's process ends, without reaping it (WNOWAIT: torch's launcher, its parent
         in this process, still collects it), so that a restart can name the rank that died and its signal."""
+        if not hasattr(os, "waitid"):  # not on macOS: the restart line then names no signal
+            return
         try:
             info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except (ChildProcessError, OSError):  # already collected, or not this process's child
+        except OSError:  # ChildProcessError: already collected, or not this process's child
             return
         if info is not None:
             killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
