@@ -40,7 +40,7 @@ from tetron.fs import checkpoints_dir, find_latest, write_text
 from tetron.mesh import Mesh
 from tetron.observe.metrics import say
 from tetron.observe.rank_logs import RankLog
-from tetron.observe.watch import RankReport, RankWatch
+from tetron.observe.watch import RankReport, RankWatch, resume_point
 from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line, watch_signals
 from tetron.train import train
 
@@ -171,9 +171,10 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
     request the line saying where to resume."""
     if restart > 0 and cfg.checkpoint.resume is None:
         cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
-    if restart > 0 and os.environ.get("RANK", "0") == "0" and report is None:  # tetron's launcher names the rank
-        say(f"restart {restart} of {cfg.parallel.max_restarts} after a rank failed: resuming from the latest "
-            f"checkpoint in {cfg.out}")
+    # Under tetron's launcher the watch says this, naming the rank and its signal; under torchrun only its agent
+    # knew them, so rank 0 says what it can.
+    if restart > 0 and os.environ.get("RANK", "0") == "0" and report is None:
+        say(f"restart {restart} after a rank failed: {resume_point(cfg.out)}")
     device = dev.pick_device(cfg.parallel.device, int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cpu":
         # Ranks share the cores: more threads than cores per rank only adds contention.

@@ -65,6 +65,12 @@ def process_state(pid: int) -> str | None:
             return None
 
 
+def resume_point(out: str) -> str:
+    """Where restarted ranks continue: the latest checkpoint of the run folder, or from the start."""
+    latest = find_latest(Path(out))
+    return f"resuming from {latest}" if latest else "starting over: no checkpoint was saved"
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
@@ -222,9 +228,8 @@ class RankWatch:
             except (OSError, ValueError):
                 continue
             previous[r["rank"]] = r
-        latest = find_latest(Path(self.out))
-        where = f"resuming from {latest}" if latest else "starting over: no checkpoint was saved"
-        return f"restart {attempt} of {self.max_restarts} after {self.first_failure(attempt - 1, previous)}: {where}"
+        return (f"restart {attempt} of {self.max_restarts} after {self.first_failure(attempt - 1, previous)}: "
+                f"{resume_point(self.out)}")
 
     def resume_hint(self) -> str:
         """How to go on after a failed run: resume where a checkpoint was saved, else start again."""
