@@ -119,15 +119,16 @@ def test_a_weight_in_exponent_form_is_a_number(store, corpus, tmp_path):
         from_dict({"data": {"sources": [{"path": str(store), "weight": "half"}]}})
 
 
+@pytest.mark.timeout(120)  # were it not refused, it would train
 def test_epochs_that_end_before_the_steps_are_refused_before_start(store, corpus, tmp_path, capsys):
     """Every source has epochs: the windows they give bound the steps; more is one line before any rank."""
-    path = _mixture_config(store, corpus, tmp_path, steps=100_000, epochs="1e0")
+    path = _mixture_config(store, corpus, tmp_path, steps=4000, epochs="1e0")  # about 3,150 steps' worth
     assert cli_main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(rf"tetron: error: data.sources: the epochs of {store} \([\d,]+ tokens\), {corpus} \([\d,]+ "
-                        rf"tokens\) give [\d,]+ more windows of data.seq_len\+1=33, fewer than the 200,000 that 100000 "
-                        rf"steps of 2 rows need; train at most \d+ steps, raise their epochs, or leave one without "
-                        rf"epochs\n", err), err
+                        rf"tokens\) give [\d,]+ more windows of data.seq_len\+1=33, fewer than the 8,000 that "
+                        rf"4000 steps of 2 rows need; train at most \d+ steps, raise their epochs, or leave one "
+                        rf"without epochs\n", err), err
     assert not (tmp_path / "out").exists()
 
 
