@@ -10,6 +10,9 @@ collective that timed out, a peer that went away). From those the watch loop
     never ends by itself, and the launcher would wait for it) and remembers it as the rank that stopped
     answering;
   - on a second stop signal, kills every rank at once;
+  - notes how each rank's process ends (a thread waits on it without collecting it: torch's launcher, its
+    parent in this process, does that), and when the launcher restarts the ranks says which rank ended the
+    attempt and how, and where the ranks resume;
 
 and `finish` turns the reports into one line: where to resume, the user error, the ranks that stopped
 answering, or the rank that died.
