@@ -8,6 +8,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -151,7 +152,11 @@ def test_sigkill_of_a_rank_restarts_and_resumes(corpus, cache_dir, tmp_path):
     # One record per step: the restarted ranks resumed (from a checkpoint, or from scratch if the kill
     # came first) and moved the killed attempt's later records aside.
     assert steps == list(range(1, 41))
-    assert "tetron: restart 1 of 1 after a rank failed" in out.decode()  # said on the console, once
+    # said on the console, once, naming the rank that died and its signal
+    restarts = [line for line in out.decode().splitlines() if line.startswith("tetron: restart")]
+    assert len(restarts) == 1 and re.fullmatch(r"tetron: restart 1 of 1 after rank [01] was killed by SIGKILL: "
+                                               r"(resuming from .*step_\d+|starting over: no checkpoint was saved)",
+                                               restarts[0]), restarts
     ref = tiny_config(corpus, cache_dir, tmp_path / "ref", train=train_cfg, parallel={"dp": 2})
     run(ref)
     assert_same_model(tmp_path / "ref" / "model", tmp_path / "run" / "model", atol=1e-6)

@@ -2,9 +2,10 @@
 
 One section per class of the operations issue, each with the issue's examples and more. Most checks run in
 this process: validate, the CLI's `main` with the launcher replaced (exit code, one stderr line, files
-unchanged), forked ranks. Three real launches start at once for what only they can show: SIGTERM saves and
-the run resumes to the uninterrupted run's losses exactly, a second signal aborts at once, and a rank
-stopped with SIGSTOP ends the run within parallel.timeout_s, naming that rank.
+unchanged), forked ranks. Real launches start at once for what only they can show: SIGTERM saves and
+the run resumes to the uninterrupted run's losses exactly (also under torchrun, exiting 0), a
+second signal aborts at once, and a rank stopped with SIGSTOP ends the run within parallel.timeout_s, naming
+that rank.
 """
 
 from __future__ import annotations
@@ -384,9 +385,9 @@ def test_a_stop_on_one_rank_stops_every_rank_after_the_same_step_and_resumes_exa
     assert stopped[0][0] + rest == whole  # bit for bit
 
 
-def _launch(workdir: Path, name: str, *args) -> tuple[subprocess.Popen, Path]:
+def _launch(workdir: Path, name: str, *args, launcher: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
     log = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "tetron.cli", "train", "tiny.yaml", "--out", name, *map(str, args)]
+    cmd = [sys.executable, *launcher, "-m", "tetron.cli", "train", "tiny.yaml", "--out", name, *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=workdir, env=user_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
     return proc, log
 
@@ -445,10 +446,11 @@ def _steps(workdir: Path, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, corpus, cache_dir) -> dict:
-    """Four real launches of 2 ranks at once. `preempt`: SIGTERM to tetron once step 2 is logged, then
+    """Real launches of 2 ranks at once. `preempt`: SIGTERM to tetron once step 2 is logged, then
     `--resume auto` to the end. `abort`: SIGINT twice. `stopped`: rank 1 gets SIGSTOP, timeout_s=5.
-    `killed`: tetron itself gets SIGKILL. Each records its exit code, log, how long it took to end after the
-    signal, and its ranks' pids."""
+    `killed`: tetron itself gets SIGKILL. `single`: one rank, SIGTERM. `torchrun`: one rank under torchrun
+    (python -m tetron.launch), its agent gets SIGTERM. Each records its exit code, log, how long it took to
+    end after the signal, and its ranks' pids."""
     workdir = tmp_path_factory.mktemp("launches")
     raw = tiny_config(corpus, cache_dir, workdir / "unused", parallel={"dp": 2}, train={"steps": PREEMPT_STEPS})
     raw["out"] = "unused"
@@ -459,17 +461,20 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
             "abort": _launch(workdir, "abort", "--steps", 5000, "--save-every", 2),
             "stopped": _launch(workdir, "stopped", "--steps", 5000, "--parallel.timeout_s=5"),
             "killed": _launch(workdir, "killed", "--steps", 5000),
-            "single": _launch(workdir, "single", "--steps", 5000, "--dp", 1)}
+            "single": _launch(workdir, "single", "--steps", 5000, "--dp", 1),
+            "torchrun": _launch(workdir, "torchrun", "--steps", 5000, "--dp", 1, launcher=(
+                "-m", "tetron.launch", "--standalone", "--nproc-per-node", "1"))}
     acted, ended, pids = {}, {}, {}
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     try:
         while len(ended) < len(runs) and time.monotonic() < deadline:
             for name, (proc, _) in runs.items():
                 ready = _steps(workdir, name) >= (4 if name == "abort" else 2)
-                ranks = {0: proc.pid} if name == "single" else _rank_pids(proc.pid) if ready else {}
-                if name not in acted and ready and len(ranks) == (1 if name == "single" else 2):
+                alone = name in ("single", "torchrun")  # no tetron launcher's reports: signal the process itself
+                ranks = {0: proc.pid} if alone else _rank_pids(proc.pid) if ready else {}
+                if name not in acted and ready and len(ranks) == (1 if alone else 2):
                     pids[name] = ranks
-                    if name in ("preempt", "single"):
+                    if name in ("preempt", "single", "torchrun"):
                         proc.send_signal(signal.SIGTERM)
                     elif name == "abort":
                         proc.send_signal(signal.SIGINT)
@@ -546,8 +551,10 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(launches):
     run = launches["stopped"]
     assert run["code"] == 1, run["log"]
     errors = [line for line in run["log"].splitlines() if "error" in line.lower() or "Traceback" in line]
+    # nothing was saved (no --save-every): nothing to resume from
     assert errors == ["tetron: error: rank 1 stopped answering (its process is stopped): rank 0 waited "
-                      "parallel.timeout_s=5 s in a collective; the run ended (continue with --resume auto)"], run["log"]
+                      "parallel.timeout_s=5 s in a collective; the run ended (no checkpoint was saved: run the same "
+                      "command again to start over)"], run["log"]
     assert run["took"] < 5 + 20, run["took"]  # the timeout, the watch's grace, the launcher's wind-down
     assert all(_gone(pid) for pid in run["pids"].values())
 
@@ -560,6 +567,16 @@ def test_sigterm_to_a_single_process_run_saves_and_exits_0(launches):
     assert re.fullmatch(r"tetron: stopped by SIGTERM after step (\d+) of 5000: saved single/checkpoints/step_\1; "
                         r"continue with the same command and --resume auto", run["log"].strip().splitlines()[-1])
     assert inspect_checkpoint(find_latest(launches["workdir"] / "single"))["step"] >= 2
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_torchrun_saves_and_exits_0(launches):
+    """Under torchrun (`python -m tetron.launch`, as `tetron slurm` starts it) a preemption's SIGTERM to the
+    agent: the ranks save, and the exit status is 0 as under tetron's launcher (torchrun itself exits 1)."""
+    run = launches["torchrun"]
+    assert run["code"] == 0 and "Traceback" not in run["log"], run["log"]
+    assert re.fullmatch(r"tetron: stopped by SIGTERM after step (\d+) of 5000: saved torchrun/checkpoints/step_\1; "
+                        r"continue with the same command and --resume auto", run["log"].strip().splitlines()[-1])
 
 
 @pytest.mark.timeout(600)

@@ -19,13 +19,22 @@ from typing import NoReturn
 import yaml
 
 from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
-from tetron.data.loader import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
+from tetron.data.loader import (
+    check_tokenizer_pairing,
+    data_specs,
+    load_tokens,
+    prepare_data,
+    start_folder,
+    tokenizer_spec,
+)
+from tetron.data.mixture import check_mixture
 from tetron.device import cuda_count
 from tetron.errors import ConfigError, DataError, UserError, check
 from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, aside_name, earlier_run, find_latest, read_json, set_aside
 from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
 from tetron.observe.metrics import say
+from tetron.observe.step_report import check_outputs
 from tetron.overrides import SHORT_FLAGS
 from tetron.plan.fit import check_fits
 from tetron.schedule import schedule_change
@@ -52,10 +61,13 @@ def _fail(message: str) -> int:
 def _check_data(cfg: Config) -> None:
     """Tokenize (or find the cache) before any rank starts; check the vocabulary fits the model, the data
     fills a global batch, and a resumed run goes on with the data it was trained on."""
+    # the data in use, as messages name it: data.path is not read when data.sources is set
+    field, specs = ("data.sources" if cfg.data.sources else "data.path"), ", ".join(data_specs(cfg))
+    what = f"{field} ({specs})" if cfg.data.sources else f"{field}={specs}"
     try:
         tokenizer, token_path = prepare_data(cfg, say=say)
     except OSError as err:  # a cache folder that cannot be written, a data file that cannot be read
-        raise DataError(f"data: {err.filename or cfg.data.path}: {err.strerror or err} (check data.path, and that "
+        raise DataError(f"data: {err.filename or specs}: {err.strerror or err} (check {field}, and that "
                         f"data.cache_dir is writable)") from None
     check_tokenizer_pairing(cfg, tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -65,14 +77,16 @@ def _check_data(cfg: Config) -> None:
     check_held_out(cfg, tokenizer, token_path)
     windows = max(num_tokens - 1, 0) // d.seq_len
     if windows < cfg.global_batch:
-        raise ConfigError(f"data.path={d.path}: {num_tokens:,} tokens make {windows:,} windows of data.seq_len+1="
+        raise ConfigError(f"{what}: {num_tokens:,} tokens make {windows:,} windows of data.seq_len+1="
                           f"{d.seq_len + 1}, fewer than one global batch of {cfg.global_batch} "
                           f"(micro_batch*grad_acc*dp); use more data, a shorter seq_len or a smaller batch")
     folder = start_folder(cfg) if cfg.checkpoint.resume is not None else None
     state = read_json(folder / STATE_FILE) if folder is not None and (folder / STATE_FILE).is_file() else None
     before = (state.get("loader") or {}).get("num_tokens") if isinstance(state, dict) else None
+    if d.sources:
+        check_mixture(cfg, token_path, state.get("loader") if isinstance(state, dict) else None)
     if before not in (None, num_tokens) and not (cfg.checkpoint.new_data or cfg.checkpoint.new_tokenizer):
-        raise ConfigError(f"data.path={d.path} gives {num_tokens:,} tokens, but {folder} was trained on {before:,}: "
+        raise ConfigError(f"{what} gives {num_tokens:,} tokens, but {folder} was trained on {before:,}: "
                           f"other data, whose order the run cannot continue; use that data, or set "
                           f"checkpoint.new_data=true")
 
@@ -136,6 +150,7 @@ def train_command(args: list[str]) -> int:
         if not inside_launch or os.environ.get("RANK") == "0":
             lock = _claim_run_folder(cfg, inside_launch=inside_launch)
             _check_data(cfg)
+            check_outputs(cfg)
         note = _schedule_note(cfg)
     except UserError as err:
         if lock is not None:

@@ -289,6 +289,16 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         raise ConfigError(f"{where}.{err}") from None  # its messages start with the field name
 
 
+def _source_numbers(data: DataConfig) -> DataConfig:
+    """data.sources' weight and epochs as numbers, read like any float field: YAML 1.1 keeps `5e-1` as text."""
+    if not data.sources:
+        return data
+    sources = [{**s, **{key: _coerce(s[key], float, f"data.sources[{i}].{key}") for key in ("weight", "epochs")
+                        if isinstance(s.get(key), str)}} if isinstance(s, dict) else s
+               for i, s in enumerate(data.sources)]
+    return dataclasses.replace(data, sources=sources)
+
+
 def from_dict(raw: dict[str, Any]) -> Config:
     """Dataclasses from a raw dict; unknown keys and wrongly typed values raise ConfigError."""
     raw = dict(raw or {})
@@ -299,6 +309,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig,
                 "checkpoint": CheckpointConfig}
     kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name) for name, cls in sections.items()}
+    kwargs["data"] = _source_numbers(kwargs["data"])
     ck = kwargs["checkpoint"]
     # Without a model section, the model is the one a checkpoint or model folder to start from holds.
     source = ck.init_from if ck.resume in (None, "auto") else ck.resume

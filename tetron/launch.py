@@ -6,6 +6,12 @@ launched child, each rank enters `run_rank`: the only code in tetron that reads 
 environment (RANK, LOCAL_RANK, WORLD_SIZE, restart counts). A rank turns a stop signal into a saved
 checkpoint (stop.py), and a user error, a timed-out collective or a lost peer into one line (or, under
 tetron's launcher, into its report, from which the launcher prints the line).
+
+`python -m tetron.launch [torchrun's arguments]` is torchrun, except that a stop signal after which the ranks
+saved ends it with exit status 0, as tetron's launcher does: torch's agent turns SIGTERM, SIGINT or SIGHUP into
+a SignalException, passes the signal on to the ranks (which finish their step and save), waits for them, then
+raises it, and torchrun exits 1 with a traceback: a scheduler would count a clean preemption as a failure.
+`tetron slurm` starts each node's ranks this way.
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ import torch.distributed as dist
 from tetron import device as dev
 from tetron.config import Config, from_dict
 from tetron.errors import UserError
-from tetron.fs import checkpoints_dir, find_latest
+from tetron.fs import checkpoints_dir, find_latest, write_text
 from tetron.mesh import Mesh
 from tetron.observe.metrics import say
 from tetron.observe.rank_logs import RankLog
-from tetron.observe.watch import RankReport, RankWatch
+from tetron.observe.watch import RankReport, RankWatch, resume_point
 from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line, watch_signals
 from tetron.train import train
+
+STOPPED_FILE_ENV = "TETRON_STOPPED_FILE"  # set by torchrun_main for its ranks; the first rank of a node writes it
 
 # How long torch's launcher waits for ranks it stops before it kills them: tetron's watch kills a rank that
 # does not end by itself well before (GRACE_S); this only bounds what the watch cannot see.
@@ -63,7 +71,7 @@ def launch(cfg: Config) -> int:
     _quiet_launcher_logs()
     with tempfile.TemporaryDirectory(prefix="tetron-ranks-") as folder:
         watch = RankWatch(Path(folder), out=cfg.out, steps=cfg.train.steps, timeout_s=cfg.parallel.timeout_s,
-                          stop_signal=cfg.checkpoint.stop_signal)
+                          stop_signal=cfg.checkpoint.stop_signal, max_restarts=cfg.parallel.max_restarts)
         return watch.run(lambda: elastic_launch(config, run_rank)(raw, folder))
 
 
@@ -177,9 +185,10 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
     request the line saying where to resume."""
     if restart > 0 and cfg.checkpoint.resume is None:
         cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto"))
-    if restart > 0 and os.environ.get("RANK", "0") == "0":
-        say(f"restart {restart} of {cfg.parallel.max_restarts} after a rank failed: resuming from the latest "
-            f"checkpoint in {cfg.out}")
+    # Under tetron's launcher the watch says this, naming the rank and its signal; under torchrun only its agent
+    # knew them, so rank 0 says what it can.
+    if restart > 0 and os.environ.get("RANK", "0") == "0" and report is None:
+        say(f"restart {restart} after a rank failed: {resume_point(cfg.out)}")
     device = dev.pick_device(cfg.parallel.device, int(os.environ.get("LOCAL_RANK", 0)))
     if device.type == "cpu":
         # Ranks share the cores: more threads than cores per rank only adds contention.
@@ -191,11 +200,14 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
     result = train(cfg, mesh, device=device, stop=stop)
     if result.stopped_at is not None:
         folder = str(checkpoints_dir(Path(cfg.out)) / f"step_{result.stopped_at}")
-        if report is not None:
-            report.write("stopped", step=result.stopped_at, checkpoint=folder)
+        if report is not None:  # the signal, where this rank got it itself (the others learn of it in a collective)
+            report.write("stopped", step=result.stopped_at, checkpoint=folder, signal=stop.signal)
         elif mesh.rank == 0:
             print(stopped_line(stop.signal or "a signal", result.stopped_at, steps=cfg.train.steps, folder=folder),
                   flush=True)
+        note = os.environ.get(STOPPED_FILE_ENV)  # under torchrun_main: its exit status is 0 after this save
+        if report is None and note and os.environ.get("LOCAL_RANK", "0") == "0":
+            write_text(Path(note), folder + "\n")
         return
     if mesh.rank == 0 and cfg.logging.sample_tokens > 0:
         from tetron.observe.generate import sample_from_run
@@ -262,3 +274,24 @@ def _abort(sig: signal.Signals, out: str, *, announce: bool) -> None:
         where = f"the last complete checkpoint is {latest}" if latest else "no checkpoint was saved"
         os.write(2, f"tetron: aborted by a second {sig.name}; {where}\n".encode())
     os._exit(128 + sig)
+
+
+def torchrun_main(argv: list[str] | None = None) -> int:
+    """torchrun with `argv`; 0 when it ends by a signal the ranks saved on (the first rank of this node notes
+    the save in the file STOPPED_FILE_ENV names), else as torchrun ends."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun
+
+    with tempfile.TemporaryDirectory(prefix="tetron-torchrun-") as folder:
+        note = Path(folder) / "stopped"
+        os.environ[STOPPED_FILE_ENV] = str(note)  # this process is the node's launcher: its ranks inherit it
+        try:
+            torchrun(sys.argv[1:] if argv is None else argv)
+        except SignalException:
+            if not note.is_file():  # the ranks did not save: a failure, as torchrun says
+                raise
+    return 0  # the ranks' own last line (stop.stopped_line) said where they saved
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main())

@@ -33,8 +33,8 @@ from tetron.checkpoint.save import clean_stale, save_checkpoint, write_model_fol
 from tetron.config import Config
 from tetron.data.batch import MicroBatch, rank_micro_batch
 from tetron.data.hf_source import share_hub_commits
-from tetron.data.loader import DataLoader, load_tokens, prepare_data, tokenizer_spec
-from tetron.data.mixture import MixtureLoader, Source
+from tetron.data.loader import DataLoader, check_token_ids, load_tokens, prepare_data, tokenizer_spec
+from tetron.data.mixture import MixtureLoader, mixture_sources
 from tetron.data.tokenizer import Tokenizer
 from tetron.errors import ConfigError
 from tetron.fs import find_latest
@@ -99,9 +99,8 @@ def load_data(cfg: Config, mesh: Mesh, device: torch.device) -> tuple[Tokenizer,
     shape = dict(micro_batch=t.micro_batch, grad_acc=t.grad_acc, dp_size=mesh.size("dp"),
                  dp_rank=mesh.local_rank("dp"), seed=t.seed, documents=d.mask_documents or d.reset_positions)
     if isinstance(token_path, list):  # data.sources: a weighted mixture of stores
-        sources = [Source(load_tokens(path), float(s.get("weight", 1.0)), s.get("epochs"), name=str(s["path"]))
-                   for path, s in zip(token_path, d.sources)]
-        return tokenizer, MixtureLoader(sources, d.seq_len, **shape)  # validate refuses val_fraction here
+        # validate refuses val_fraction here
+        return tokenizer, MixtureLoader(mixture_sources(cfg, token_path), d.seq_len, **shape)
     tokens = training_tokens(load_tokens(token_path), cfg)  # data.val_fraction's held-out tail cut off
     return tokenizer, DataLoader(tokens, d.seq_len, **shape)
 
@@ -232,8 +231,9 @@ def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
 def next_batch(run: Run) -> list[MicroBatch]:
     """The loader's next step: this rank's positions of each micro-batch, on the device (on a GPU copied
     asynchronously, so that the batch of step s+1 travels while step s computes)."""
-    return [rank_micro_batch(mb, run.positions, run.device_positions, run.cfg.data, run.device)
-            for mb in run.loader.next_batch()]
+    batch = run.loader.next_batch()
+    check_token_ids(batch, run.cfg, step=run.loader.step)
+    return [rank_micro_batch(mb, run.positions, run.device_positions, run.cfg.data, run.device) for mb in batch]
 
 
 def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,

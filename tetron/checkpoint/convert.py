@@ -13,10 +13,11 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from tetron.checkpoint.check import inspect_checkpoint, read_model_config
 from tetron.checkpoint.load import TensorReader, copy_tokenizer
-from tetron.checkpoint.save import FORMAT, model_specs, seal, write_tensors
+from tetron.checkpoint.save import FORMAT, checkpoint_bytes, model_specs, seal, storage_error, write_tensors
 from tetron.errors import CheckpointError
 from tetron.fs import STATE_FILE, read_json, replace_folder, sha256, write_json
 
@@ -28,8 +29,28 @@ def _tmp_for(dst: Path) -> Path:
     if not (parent.is_dir() and os.access(parent, os.W_OK)):
         raise CheckpointError(f"{dst}: cannot create it ({parent} is not a writable folder)")
     tmp = parent / f".{dst.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as err:  # a read-only file system, or a folder only root's access check let through
+        raise storage_error(err, parent, what=str(dst), needed=None) from None
     return tmp
+
+
+def _written(tmp: Path, dst: Path, write: Callable[[], None], *, needed: int) -> None:
+    """Run `write` (which fills `tmp`), then put `tmp` at `dst`; on any failure remove `tmp`, and a failed
+    write (a full disk) is one line naming the folder and the space it needs."""
+    try:
+        write()
+        _finish(tmp, dst)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = storage_error(err, dst.parent if str(dst.parent) else Path("."), what=str(dst), needed=needed)
+        if error is None:
+            raise
+        raise error from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _finish(tmp: Path, dst: Path) -> None:
@@ -46,26 +67,24 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
         raise CheckpointError(f"{src}: no such folder (give a tetron checkpoint or a Hugging Face model folder)")
     if (src / STATE_FILE).exists():
         inspect_checkpoint(src)
-        tmp = _tmp_for(dst)
-        try:
-            names = ["config.json"]
-            index = src / "model.safetensors.index.json"
-            names += [index.name, *sorted(set(read_json(index)["weight_map"].values()))]
+        index = src / "model.safetensors.index.json"
+        names = ["config.json", index.name, *sorted(set(read_json(index)["weight_map"].values()))]
+
+        def copy() -> None:
             for name in names:
                 shutil.copyfile(src / name, tmp / name)
             copy_tokenizer(src, tmp)
-            _finish(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        tmp = _tmp_for(dst)
+        _written(tmp, dst, copy, needed=sum((src / name).stat().st_size for name in names))
         return f"wrote the Hugging Face model folder {dst}"
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src}: neither a tetron checkpoint ({STATE_FILE}) "
                               f"nor a Hugging Face folder (config.json)")
     inspect_checkpoint(src, require_state=False)
     config = read_model_config(src)
-    tmp = _tmp_for(dst)
-    try:
+
+    def write() -> None:
         specs = model_specs(config)
         with TensorReader(src, "model") as reader:
             stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
@@ -76,8 +95,7 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
         write_json(tmp / STATE_FILE, seal({"format": FORMAT, "step": 0, "tokens": 0, "loader": None, "config": None,
                                       "layout": None, "optimizer": {"present": False, "step": 0.0},
                                       "files": files, "converted_from": str(src)}))
-        _finish(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    tmp = _tmp_for(dst)
+    _written(tmp, dst, write, needed=checkpoint_bytes(config, optimizer=False))
     return f"wrote the tetron checkpoint {dst} (step 0, no optimizer state: resuming starts AdamW fresh)"

@@ -66,7 +66,15 @@ def tokenizer_spec(cfg: Config) -> str:
     if _ships_tokenizer(folder):
         return str(folder)
     first = data_specs(cfg)[0]
-    return str(Path(first).expanduser() / "tokenizer") if is_store(first) else "bytes"
+    if not is_store(first):
+        return "bytes"
+    saved = Path(first).expanduser() / "tokenizer"
+    if not (saved / "tetron_tokenizer.json").is_file():  # else it would be looked for on the hub
+        where = "data.sources[0].path" if cfg.data.sources else "data.path"
+        raise DataError(f"{where}={first}: the token store has no tokenizer/ folder (tetron tokenize writes one); "
+                        f"set data.tokenizer to the one it was made with, or make the "
+                        f"store again with tetron tokenize")
+    return str(saved)
 
 
 def data_specs(cfg: Config) -> list[str]:
@@ -223,6 +231,18 @@ def micro_batches(windows: list, micro_batch: int, docs: np.ndarray | None = Non
     if docs is not None:
         batches = [b._replace(docs=d) for b, d in zip(batches, torch.from_numpy(docs).split(micro_batch))]
     return batches
+
+
+def check_token_ids(batch: list[MicroBatch], cfg: Config, *, step: int) -> None:
+    """Every id of a step's batch indexes the embedding: a store is opened without reading its tokens, so a
+    damaged one, or one made for a larger vocabulary, shows here, as one line rather than an index error
+    inside the model (a max over the batch, on the host)."""
+    vocab = cfg.model.vocab_size
+    top = max((int(max(mb.inputs.max(), mb.targets.max())) for mb in batch), default=0)
+    if top >= vocab:
+        raise DataError(f"data: step {step}'s batch holds token id {top}, not below model.vocab_size={vocab}: "
+                        f"{', '.join(data_specs(cfg))} holds ids of another vocabulary, or is damaged; make the "
+                        f"store again with tetron tokenize (or raise model.vocab_size)")
 
 
 class DataLoader:

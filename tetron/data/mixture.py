@@ -13,13 +13,15 @@ may change on resume (the sources may not).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from tetron.config import Config
 from tetron.data.batch import MicroBatch
 from tetron.data.documents import stream_ends, window_documents
-from tetron.data.loader import micro_batches
+from tetron.data.loader import load_tokens, micro_batches
 from tetron.errors import DataError
 
 
@@ -53,6 +55,26 @@ class Source:
     weight: float
     epochs: float | None = None  # passes over its windows before it leaves the mixture; None: no limit
     name: str = ""  # for messages
+
+
+def mixture_sources(cfg: Config, paths: list[Path]) -> list[Source]:
+    """data.sources' entries as Sources over their token stores (`paths`, one each, from prepare_data)."""
+    return [Source(load_tokens(path), float(s.get("weight", 1.0)), s.get("epochs"), name=str(s["path"]))
+            for path, s in zip(paths, cfg.data.sources)]
+
+
+def check_mixture(cfg: Config, paths: list[Path], loader_state: Any) -> None:
+    """Before any rank starts: a resumed run's sources are the checkpoint's (`loader_state`, None when starting
+    afresh), and their epochs last the steps left."""
+    sources, consumed, done, train = mixture_sources(cfg, paths), None, 0, cfg.train
+    # each source gives a window: the loader's own check, here before start rather than on a rank
+    MixtureLoader(sources, cfg.data.seq_len, micro_batch=train.micro_batch, grad_acc=train.grad_acc,
+                  dp_size=cfg.parallel.dp, dp_rank=0, seed=train.seed)
+    if isinstance(loader_state, dict):
+        check_resumed_sources(loader_state.get("sources"), [s.name for s in sources], [len(s.tokens) for s in sources])
+        consumed, done = [e["consumed"] for e in loader_state["sources"]], int(loader_state.get("step", 0))
+    check_epochs_last(sources, seq_len=cfg.data.seq_len, global_batch=cfg.global_batch,
+                      steps=cfg.train.steps - done, consumed=consumed)
 
 
 class MixtureLoader:
@@ -96,8 +118,9 @@ class MixtureLoader:
             for j in range(B):
                 alive = left > 0
                 if not alive.any():
-                    raise DataError(f"data.sources: every source has given its epochs by step {step + 1}; raise "
-                                    f"their epochs, leave one without a limit, or train fewer steps")
+                    names = describe_sources([s.name for s in self.sources], [len(s.tokens) for s in self.sources])
+                    raise DataError(f"data.sources: every source has given its epochs by step {step + 1} ({names}); "
+                                    f"raise their epochs, leave one without a limit, or train fewer steps")
                 w = np.where(alive, weights, 0.0)
                 src[j] = np.searchsorted(np.cumsum(w / w.sum()), u[j], side="right")
                 left[src[j]] -= 1
@@ -143,7 +166,8 @@ class MixtureLoader:
         """The position (steps, and windows drawn from each source) and what it depends on, for checkpoints."""
         return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch, "seq_len": self.seq_len,
                 "num_tokens": len(self.tokens),
-                "sources": [{"num_tokens": len(s.tokens), "consumed": c} for s, c in zip(self.sources, self.consumed)]}
+                "sources": [{"path": s.name, "num_tokens": len(s.tokens), "consumed": c}
+                            for s, c in zip(self.sources, self.consumed)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the same sampling (seq_len, global batch, seed) and sources (their token counts, in order);
@@ -153,18 +177,54 @@ class MixtureLoader:
             if state.get(field) != mine[field]:
                 raise DataError(f"data: cannot resume: checkpoint has {field}={state.get(field)}, this run has "
                                 f"{mine[field]} (use the same {field} to continue the same data order)")
-        theirs = state.get("sources")
-        ok = isinstance(theirs, list) and len(theirs) == len(self.sources) and all(
-            isinstance(t, dict) and t.get("num_tokens") == len(s.tokens) and type(t.get("consumed")) is int
-            and t["consumed"] >= 0 for t, s in zip(theirs, self.sources))
-        if not ok:
-            what = (f"sources of {[t.get('num_tokens') if isinstance(t, dict) else None for t in theirs]} tokens"
-                    if isinstance(theirs, list) else "data.path, not data.sources")
-            raise DataError(f"data.sources: the checkpoint was trained on {what}; this run's sources have "
-                            f"{[len(s.tokens) for s in self.sources]} tokens: give the same sources in the same "
-                            f"order (their weights may change)")
-        self.consumed = [t["consumed"] for t in theirs]
+        check_resumed_sources(state.get("sources"), [s.name for s in self.sources],
+                              [len(s.tokens) for s in self.sources])
+        self.consumed = [t["consumed"] for t in state["sources"]]
         self.step = int(state["step"])
+
+
+def describe_sources(names: list[Any], sizes: list[Any]) -> str:
+    """`a (1,000 tokens), b (20 tokens)`: the sources as messages name them."""
+    return ", ".join(f"{name} ({size:,} tokens)" if type(size) is int else f"{name} (? tokens)"
+                     for name, size in zip(names, sizes))
+
+
+def check_resumed_sources(theirs: Any, names: list[str], sizes: list[int]) -> None:
+    """The checkpoint's sources (a loader state's "sources") against this run's `names` and token `sizes`:
+    the same token counts in the same order (a source's draws count its own windows), and where the
+    checkpoint names them (paths may move), none swapped. A DataError naming both lists otherwise."""
+    if not isinstance(theirs, list):
+        raise DataError(f"data.sources: the checkpoint was trained on data.path, not data.sources; this run's sources "
+                        f"are {describe_sources(names, sizes)}")
+    entries = [t if isinstance(t, dict) else {} for t in theirs]
+    paths = [t.get("path") for t in entries]
+    counts = [t.get("num_tokens") for t in entries]
+    same = counts == sizes and all(type(t.get("consumed")) is int and t["consumed"] >= 0 for t in entries)
+    moved = set(paths) != set(names)  # stores copied elsewhere (or a checkpoint that names none): counts decide
+    if same and (moved or paths == names):
+        return
+    reordered = (paths != names and not moved) or sorted(map(str, counts)) == sorted(map(str, sizes))
+    old = describe_sources([p if isinstance(p, str) else f"source {i}" for i, p in enumerate(paths)], counts)
+    raise DataError(f"data.sources: {'in another order: ' if reordered else ''}the checkpoint was trained on {old}; "
+                    f"this run gives {describe_sources(names, sizes)}: give the same sources in the same order "
+                    f"(their weights and epochs may change)")
+
+
+def check_epochs_last(sources: list[Source], *, seq_len: int, global_batch: int, steps: int,
+                      consumed: list[int] | None = None) -> None:
+    """When every source has `epochs`, the mixture runs dry once their windows are drawn: refuse, before any
+    rank starts, a run whose remaining steps need more rows than that (each row takes one window)."""
+    if any(s.epochs is None for s in sources):
+        return
+    limits = [int(s.epochs * (max(len(s.tokens) - 1, 0) // seq_len)) for s in sources]
+    left = sum(limits) - sum(consumed or [0] * len(sources))
+    need = steps * global_batch
+    if need > left:
+        names = [s.name for s in sources]
+        raise DataError(f"data.sources: the epochs of {describe_sources(names, [len(s.tokens) for s in sources])} "
+                        f"give {left:,} more windows of data.seq_len+1={seq_len + 1}, fewer than the {need:,} that "
+                        f"{steps} steps of {global_batch} rows need; train at most {left // global_batch} steps, "
+                        f"raise their epochs, or leave one without epochs")
 
 
 class _Total:

@@ -12,6 +12,7 @@ the store is made of (source, tokenizer, units): another run into the same folde
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import json
 import multiprocessing as mp
@@ -39,8 +40,17 @@ from tetron.data.token_store import (
 )
 from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.data.units import plan_units, unit_pieces
-from tetron.errors import DataError
-from tetron.fs import FolderLock, describe_size, read_bounded, recover_temps, replace_folder, temp_name, write_json
+from tetron.errors import DataError, StorageError
+from tetron.fs import (
+    FolderLock,
+    describe_size,
+    read_bounded,
+    recover_temps,
+    replace_folder,
+    temp_name,
+    write_failure,
+    write_json,
+)
 
 STORE_LOCK = "tokenize.lock"  # in the store while a build writes it (FolderLock)
 ENCODE_DOCS = 256  # documents per encode_batch call
@@ -259,8 +269,21 @@ def build_store(spec: str, tokenizer: Tokenizer, folder: Path, *, workers: int =
         return _build_locked(spec, tokenizer, folder, workers=workers, shard_mb=shard_mb, text_field=text_field,
                              skip_bad=skip_bad, max_bytes=max_bytes, stream_hf=stream_hf,
                              say=say or (lambda _: None), progress_every=progress_every, say_done=say_done)
+    except OSError as err:
+        raise _write_error(err, folder) or err from None
     finally:
         lock.release()
+
+
+def _write_error(err: OSError, folder: Path) -> StorageError | None:
+    """A failed write into the store (a full disk, a read-only folder) as one line naming the folder; None
+    for anything else (a source file that cannot be read says so itself)."""
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not full and not (err.filename and Path(err.filename).is_relative_to(folder)):
+        return None
+    line = write_failure(err, folder)
+    return StorageError(f"{line}, while tokenizing into {folder}; free space there or use another folder, then run "
+                        f"again (finished units are kept)")
 
 
 def _build_locked(spec: str, tokenizer: Tokenizer, folder: Path, *, workers: int, shard_mb: float, text_field: str,

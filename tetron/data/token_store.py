@@ -151,7 +151,8 @@ def read_index(folder: Path) -> dict[str, Any]:
     ok = isinstance(index, dict) and index.get("format") == FORMAT and index.get("dtype") in ("uint16", "uint32") \
         and type(index.get("vocab_size")) is int and isinstance(index.get("shards"), list) \
         and all(isinstance(s, dict) and isinstance(s.get("name"), str) and Path(s["name"]).name == s["name"]
-                and type(s.get("num_tokens")) is int and s["num_tokens"] > 0 for s in index["shards"])
+                and type(s.get("num_tokens")) is int and s["num_tokens"] > 0
+                and type(s.get("num_docs")) is int and s["num_docs"] >= 0 for s in index["shards"])
     if not ok:
         raise DataError(f"{path} is damaged (not a {FORMAT} index with dtype, vocab_size and shards); "
                         f"make the store again with tetron tokenize")
@@ -178,11 +179,9 @@ class TokenStore:
         self.num_tokens = int(self.starts[-1])
         if self.num_tokens == 0:
             raise DataError(f"{self.folder / INDEX}: the store holds no tokens (was its source empty?)")
-        for s in self.shards:
-            size = s["path"].stat().st_size if s["path"].is_file() else None
-            if size != s["num_tokens"] * self.dtype.itemsize:
-                raise DataError(f"{s['path']} is truncated or missing ({size} bytes; the index says "
-                                f"{s['num_tokens'] * self.dtype.itemsize}); make the store again")
+        for s in self.shards:  # sizes only (a stat each): the .docs too, which a document mask reads later
+            _check_size(s["path"], s["num_tokens"] * self.dtype.itemsize)
+            _check_size(s["path"].with_suffix(".docs"), s["num_docs"] * 8)
         self._maps: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -218,9 +217,27 @@ class TokenStore:
 
     def doc_ends(self) -> np.ndarray:
         """Where every document ends in the whole stream (exclusive): read from the .docs files, on request."""
-        ends = [np.fromfile(s["path"].with_suffix(".docs"), dtype=np.int64) + self.starts[k]
+        ends = [_shard_ends(s["path"].with_suffix(".docs"), s["num_tokens"]) + self.starts[k]
                 for k, s in enumerate(self.shards)]
         return np.concatenate(ends) if ends else np.zeros(0, np.int64)
+
+
+def _check_size(path: Path, expected: int) -> None:
+    """A shard's file must hold what the index says: a DataError naming it otherwise."""
+    size = path.stat().st_size if path.is_file() else None
+    if size != expected:
+        raise DataError(f"{path} is truncated or missing ({size} bytes; the index says {expected}); "
+                        f"make the store again with tetron tokenize")
+
+
+def _shard_ends(path: Path, num_tokens: int) -> np.ndarray:
+    """A shard's document ends, checked: increasing offsets inside the shard (garbage of the right size
+    would otherwise mask documents silently wrong)."""
+    ends = np.fromfile(path, dtype=np.int64)
+    if ends.size and (ends[0] < 0 or ends[-1] > num_tokens or np.any(np.diff(ends) < 0)):
+        raise DataError(f"{path} is damaged (its document ends are not increasing offsets within the shard's "
+                        f"{num_tokens} tokens); make the store again with tetron tokenize")
+    return ends
 
 
 class TokenSlice:

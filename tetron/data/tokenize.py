@@ -15,7 +15,7 @@ from typing import Any, Callable, NoReturn
 from tetron.data.loader import default_cache_dir
 from tetron.data.store_build import build_store, check_store_folder
 from tetron.data.tokenizer import load_tokenizer
-from tetron.errors import DataError
+from tetron.errors import DataError, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,7 +100,7 @@ def tokenize_command(args: list[str]) -> int:
         index = build_store(ns.source, tok, Path(ns.out), workers=ns.workers, shard_mb=ns.shard_mb,
                             text_field=ns.text_field, skip_bad=ns.on_bad_record == "skip", say=say,
                             say_done=True)
-    except DataError as err:
+    except UserError as err:  # a DataError, or a StorageError (a full disk)
         print(f"tetron: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:

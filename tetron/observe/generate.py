@@ -60,7 +60,9 @@ def _next_id(logits: Tensor, vocab: int, temperature: float, top_k: int, generat
     logits = logits.float()[:vocab]  # rows past the tokenizer's vocabulary are never data
     if temperature <= 0:
         return int(logits.argmax())
-    logits = logits / temperature
+    # From the largest logit down and in float64, so that a tiny temperature (1e-300 is 0 in float32) gives 0
+    # and -inf, never inf - inf or 0 / 0 = nan: greedy in the limit
+    logits = (logits.double() - logits.max()) / temperature
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -115,10 +117,20 @@ def model_folder(run: Path) -> tuple[Path, Tokenizer]:
     return folder, tokenizer
 
 
+def check_finite(model: Llama, folder: Path) -> None:
+    """A model folder whose weights hold NaN or inf (saved from a run that diverged) samples nothing but
+    noise or fails inside torch.multinomial: one line naming the first such tensor instead."""
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param).all()):
+            raise CheckpointError(f"{folder}: the weights of {name} hold NaN or inf (saved from a run that "
+                                  f"diverged?); sample from an earlier checkpoint (RUN/checkpoints/step_N)")
+
+
 def sample_from_run(run: Path, *, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                     top_k: int = 50, device: torch.device | str = "cpu", seed: int = 0) -> str:
     """Sample from the model folder a run wrote (RUN/model, or a model folder itself)."""
     folder, tokenizer = model_folder(run)
     model = load_model(folder, device=device)
+    check_finite(model, folder)
     return sample(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                   top_k=top_k, seed=seed)

@@ -88,13 +88,26 @@ class ProgressBar:
             ProgressBar.live = None
 
 
+def check_log_file(path: Path) -> None:
+    """OUT/metrics.jsonl is absent or a regular file (a folder or a FIFO there would fail rank 0 once the
+    ranks have started, or block it): checked before any rank starts, and again where it is opened."""
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        kind = "a folder" if path.is_dir() else "a link to nothing" if not path.exists() else "not a regular file"
+        raise StorageError(f"out: {path} is {kind}, where the run appends its log; move it aside or give another out")
+
+
 class MetricsLog:
     """Appends one JSON object per step to OUT/metrics.jsonl, flushed so a killed run keeps its history."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.file = open(path, "a", encoding="utf-8")
+        check_log_file(path)
+        try:
+            self.file = open(path, "a", encoding="utf-8")
+        except OSError as err:
+            raise StorageError(f"{path}: cannot open it to append ({err.strerror}); fix it or give another "
+                               f"out") from None
 
     def write(self, record: dict[str, Any]) -> None:
         try:
@@ -111,6 +124,7 @@ class MetricsLog:
 def trim_after(path: Path, step: int) -> None:
     """Resuming at `step` into a run folder whose log goes further: the later records (and a line torn
     by a kill) belong to the abandoned attempt. Move the whole old log aside, keep steps 1..step."""
+    check_log_file(path)
     if not path.exists():
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)

@@ -67,6 +67,33 @@ class WandbSink:
         self.run.finish()
 
 
+def check_wandb(cfg: Config) -> None:
+    """Before any rank starts: logging.wandb online needs credentials (WANDB_API_KEY, ~/.netrc from `wandb
+    login`); offline or disabled mode (WANDB_MODE, wandb's settings) needs none. Asked of wandb's own loader,
+    without the network and without prompting; where this wandb version has none, wandb.init says it later."""
+    project = cfg.logging.wandb
+    if not project:
+        return
+    import wandb
+
+    settings = wandb.setup().settings
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return
+    try:
+        from wandb.sdk.lib.wbauth.authenticate import authenticate_session
+    except ImportError:
+        return
+    try:
+        found = authenticate_session(host=settings.base_url, source="tetron", prompt=False, update_session=False)
+    except wandb.errors.Error as err:  # credentials found but malformed
+        found, why = None, str(err).splitlines()[0]
+    else:
+        why = "no W&B credentials here (WANDB_API_KEY, or ~/.netrc from `wandb login`)"
+    if found is None:
+        raise ConfigError(f"logging.wandb={project}: {why}; run `wandb login`, set WANDB_MODE=offline (and `wandb "
+                          f"sync` later), or unset logging.wandb")
+
+
 def open_sinks(cfg: Config, *, first_step: int) -> list[Sink]:
     """The sinks logging.tensorboard and logging.wandb ask for; `first_step` is the first step this launch
     writes (1-based)."""

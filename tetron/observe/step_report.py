@@ -15,8 +15,8 @@ from torch import Tensor
 
 from tetron import device as dev
 from tetron.config import Config
-from tetron.observe.metrics import MetricsLog, ProgressBar, mfu, trim_after
-from tetron.observe.sinks import open_sinks
+from tetron.observe.metrics import MetricsLog, ProgressBar, check_log_file, mfu, trim_after
+from tetron.observe.sinks import check_wandb, open_sinks
 
 
 @dataclass
@@ -60,6 +60,13 @@ def check_finite(cfg: Config, step: int, f: StepFigures) -> None:
         what = f"loss is {f.loss}" if not math.isfinite(f.loss) else "the gradient norm is not finite"
         raise FloatingPointError(f"step {step + 1}: {what}; stopping before the weights are updated "
                                  f"(train.on_nonfinite=skip skips such steps)")
+
+
+def check_outputs(cfg: Config) -> None:
+    """Before any rank starts (in the launching process, or rank 0 under torchrun): what rank 0's Reporter
+    opens can be opened, OUT/metrics.jsonl and W&B."""
+    check_log_file(Path(cfg.out) / "metrics.jsonl")
+    check_wandb(cfg)
 
 
 class Reporter:

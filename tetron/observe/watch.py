@@ -10,6 +10,9 @@ collective that timed out, a peer that went away). From those the watch loop
     never ends by itself, and the launcher would wait for it) and remembers it as the rank that stopped
     answering;
   - on a second stop signal, kills every rank at once;
+  - notes how each rank's process ends (a thread waits on it without collecting it: torch's launcher, its
+    parent in this process, does that), and when the launcher restarts the ranks says which rank ended the
+    attempt and how, and where the ranks resume;
 
 and `finish` turns the reports into one line: where to resume, the user error, the ranks that stopped
 answering, or the rank that died.
@@ -65,6 +68,12 @@ def process_state(pid: int) -> str | None:
             return None
 
 
+def resume_point(out: str) -> str:
+    """Where restarted ranks continue: the latest checkpoint of the run folder, or from the start."""
+    latest = find_latest(Path(out))
+    return f"resuming from {latest}" if latest else "starting over: no checkpoint was saved"
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
@@ -82,8 +91,13 @@ _STATES = {"T": " (its process is stopped)", "t": " (stopped by a debugger)", "D
 class RankWatch:
     """Run the launcher (a callable) in a thread and watch its ranks through `folder`'s reports."""
 
-    def __init__(self, folder: Path, *, out: str, steps: int, timeout_s: float, stop_signal: str | None) -> None:
+    def __init__(self, folder: Path, *, out: str, steps: int, timeout_s: float, stop_signal: str | None,
+                 max_restarts: int = 0) -> None:
         self.folder, self.out, self.steps, self.timeout_s = Path(folder), out, steps, timeout_s
+        self.max_restarts = max_restarts
+        # (attempt, rank) -> (when its process ended, its exit code or minus the signal that ended it)
+        self.exits: dict[tuple[int, int], tuple[float, int]] = {}
+        self.waited: set[int] = set()  # pids an exit watcher waits for
         self.signals = stop_signals(stop_signal)
         self.stop_signal: str | None = None  # the signal that asked this run to stop
         self.attempt = -1
@@ -146,8 +160,15 @@ class RankWatch:
         reports = self.reports()
         attempt = max((r["attempt"] for r in reports.values()), default=-1)
         if attempt != self.attempt:  # the launcher restarted the ranks: a new set of processes
+            if attempt > 0:
+                print(f"tetron: {self.restart_line(attempt)}", flush=True)
             self.attempt, self.forwarded, self.failed_at, self.stuck = attempt, set(), None, {}
         running = {rank: r for rank, r in reports.items() if r["state"] == "running"}
+        for rank, r in running.items():
+            if r["pid"] not in self.waited:
+                self.waited.add(r["pid"])
+                threading.Thread(target=self._wait_exit, args=(attempt, rank, r["pid"]), daemon=True,
+                                 name="tetron-rank-exit").start()
         if self.aborted is not None:
             for r in running.values():
                 _kill(r["pid"])
@@ -168,6 +189,57 @@ class RankWatch:
                     self.stuck[rank] = state
                     _kill(r["pid"])
 
+    def _wait_exit(self, attempt: int, rank: int, pid: int) -> None:
+        """Note how and when a rank's process ends, without reaping it (WNOWAIT: torch's launcher, its parent
+        in this process, still collects it), so that a restart can name the rank that died and its signal."""
+        if not hasattr(os, "waitid"):  # not on macOS: the restart line then names no signal
+            return
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except OSError:  # ChildProcessError: already collected, or not this process's child
+            return
+        if info is not None:
+            killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+            self.exits[(attempt, rank)] = (time.monotonic(), -info.si_status if killed else info.si_status)
+
+    def first_failure(self, attempt: int, reports: dict[int, dict[str, Any]]) -> str:
+        """What ended `attempt`, in words: a rank's user error; else the first rank whose process died without a
+        word (a signal, a crash); else a rank whose collective timed out or lost its peer (which is what the
+        others of a dead rank meet)."""
+        ordered = [r for _, r in sorted(reports.items())]
+        errors = [r for r in ordered if r["state"] == "error"]
+        if errors:
+            return f"rank {errors[0]['rank']} failed (an error)"
+        silent = sorted((when, rank, how) for (a, rank), (when, how) in self.exits.items()
+                        if a == attempt and how and reports.get(rank, {}).get("state", "running") == "running")
+        if silent:
+            _, rank, how = silent[0]
+            return (f"rank {rank} was killed by {signal.Signals(-how).name}" if how < 0 else
+                    f"rank {rank} exited with code {how}")
+        failed = [r for r in ordered if r["state"] in FAILED]
+        if failed:
+            what = {"timeout": "a collective that timed out", "peer": "a lost peer"}[failed[0]["state"]]
+            return f"rank {failed[0]['rank']} failed ({what})"
+        return "a rank failed"
+
+    def restart_line(self, attempt: int) -> str:
+        """The line a restart begins with: which rank failed and how, and where the ranks resume."""
+        previous: dict[int, dict[str, Any]] = {}
+        for path in self.folder.glob(f"attempt{attempt - 1}_rank*.json"):
+            try:
+                r = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            previous[r["rank"]] = r
+        return (f"restart {attempt} of {self.max_restarts} after {self.first_failure(attempt - 1, previous)}: "
+                f"{resume_point(self.out)}")
+
+    def resume_hint(self) -> str:
+        """How to go on after a failed run: resume where a checkpoint was saved, else start again."""
+        if find_latest(Path(self.out)) is not None:
+            return "continue with --resume auto"
+        return "no checkpoint was saved: run the same command again to start over"
+
     def finish(self, error: BaseException | None) -> int:
         """Print the run's last line (if it needs one) and return the exit code."""
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -180,18 +252,26 @@ class RankWatch:
                   flush=True)
             return 128 + self.aborted
         if error is None:
-            if self.stop_signal is not None and reports.get(0, {}).get("state") == "stopped":
+            by = self.stop_signal or self.rank_signal(reports)
+            if by is not None and reports.get(0, {}).get("state") == "stopped":
                 latest = find_latest(Path(self.out))  # the step the ranks saved (or an earlier attempt did)
                 if latest is None:
-                    print(f"tetron: stopped by {self.stop_signal} before any checkpoint was saved", flush=True)
+                    print(f"tetron: stopped by {by} before any checkpoint was saved", flush=True)
                 else:
                     step = int(latest.name.removeprefix("step_"))
-                    print(stopped_line(self.stop_signal, step, steps=self.steps, folder=str(latest)), flush=True)
+                    print(stopped_line(by, step, steps=self.steps, folder=str(latest)), flush=True)
             return 0
         if not isinstance(error, ChildFailedError):
             raise error
         print(self.failure_line(error, reports), file=sys.stderr, flush=True)
         return 1
+
+    @staticmethod
+    def rank_signal(reports: dict[int, dict[str, Any]]) -> str | None:
+        """A stop signal sent to a rank rather than to this process (a scheduler signalling one process, `kill`
+        of a rank's pid): `SIGTERM (sent to rank 1)`, from the reports of the ranks that saw it."""
+        seen = [r for _, r in sorted(reports.items()) if r["state"] == "stopped" and r.get("signal")]
+        return f"{seen[0]['signal']} (sent to rank {seen[0]['rank']})" if seen else None
 
     def failure_line(self, error: Any, reports: dict[int, dict[str, Any]]) -> str:
         """One line for a failed run, from the ranks' reports and the launcher's failures."""
@@ -205,13 +285,13 @@ class RankWatch:
                 stuck = sorted(self.stuck)
                 how = "".join(sorted({_STATES.get(s, "") for s in self.stuck.values()}))
                 return (f"tetron: error: {_ranks(stuck)} stopped answering{how}: {_ranks(timed_out)} waited {limit} "
-                        f"in a collective; the run ended (continue with --resume auto)")
+                        f"in a collective; the run ended ({self.resume_hint()})")
             return (f"tetron: error: {_ranks(timed_out)}: a collective did not finish within {limit} "
                     f"(a rank died or hangs)")
         for rank, failure in sorted(error.failures.items()):
             if failure.exitcode < 0 and reports.get(rank, {}).get("state", "running") == "running":
                 name = signal.Signals(-failure.exitcode).name
                 return (f"tetron: error: rank {rank} was killed by {name} (out of memory, or killed from outside); "
-                        f"the run ended (continue with --resume auto)")
+                        f"the run ended ({self.resume_hint()})")
         rank, first = next(iter(error.failures.items()))
         return f"tetron: training failed on rank {rank} (exit code {first.exitcode}); see its error above"

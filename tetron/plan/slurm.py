@@ -135,7 +135,7 @@ def node_script(job: SlurmJob, cfg: Config, *, slurm_dir: Path, workdir: Path) -
     python = shlex.quote(sys.executable)
     logs = Path(cfg.out) / "logs"
     torchrun = [
-        f"exec {python} -m torch.distributed.run",
+        f"exec {python} -m tetron.launch",  # torchrun, exiting 0 after a stop signal the ranks saved on
         '--nnodes="$SLURM_NNODES"', f"--nproc-per-node={job.gpus_per_node}",
         "--rdzv-backend=c10d", '--rdzv-endpoint="$TETRON_RDZV_HOST:$TETRON_RDZV_PORT"', '--rdzv-id="$SLURM_JOB_ID"',
         f"--max-restarts={cfg.parallel.max_restarts}",
