@@ -138,6 +138,8 @@ class LoggingConfig:
     peak_tflops: float | None = None  # the device's peak TFLOP/s per rank, for MFU where not known
     sample_tokens: int = 120  # tokens generated from the trained model at the end; 0 disables
     sample_prompt: str = "def "  # the prompt of that sample
+    sample_temperature: float = 0.8  # that sample's temperature (0: greedy); lower gives more typical text
+    sample_top_k: int = 50  # that sample draws among the k likeliest tokens (0: all)
     tensorboard: bool = False  # also write every metric as TensorBoard events under OUT/tensorboard
     wandb: str | None = None  # also log every metric to this Weights & Biases project (pip install tetron[wandb])
     timers: bool = False  # per step, the time in compute and waiting on each axis' communication (max over ranks)
