@@ -309,6 +309,9 @@ def slurm_command(args: list[str]) -> int:
     return 0
 
 
+MODEL_DEFAULT = "from the model"  # what --help and docs/config.md say of a model field's default
+
+
 def train_help() -> str:
     """`tetron train --help`: the usage, then every config field with its type, default and doc line,
     generated from the config dataclasses (so it cannot miss one), then the short flags."""
@@ -322,7 +325,9 @@ def train_help() -> str:
         for name, kind, default, doc in field_docs(cls):
             key = f"{section}.{name}"
             flag = f" (--{short[key]})" if key in short else ""
-            lines.append(f"  --{key} {kind} [{default}]{flag}")
+            # there is no default model: LlamaConfig's own defaults (Llama-7B's) would read as one
+            shown = MODEL_DEFAULT if section == "model" else default
+            lines.append(f"  --{key} {kind} [{shown}]{flag}")
             lines.append(f"      {doc}")
     lines += ["out:", f"  --out str [{Config().out!r}] (--out)",
               "      the run folder: metrics.jsonl, checkpoints/, model/", "",
