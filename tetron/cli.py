@@ -49,9 +49,10 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _check_data(cfg: Config) -> None:
+def _check_data(cfg: Config) -> list[str]:
     """Tokenize (or find the cache) before any rank starts; check the vocabulary fits the model, the data
-    fills a global batch, and a resumed run goes on with the data it was trained on."""
+    fills a global batch, and a resumed run goes on with the data it was trained on. Returns the notes to
+    print (small data: what validation does)."""
     try:
         tokenizer, token_path = prepare_data(cfg, say=say)
     except OSError as err:  # a cache folder that cannot be written, a data file that cannot be read
@@ -62,7 +63,7 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
                           f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
     num_tokens, d = len(training_tokens(load_tokens(token_path), cfg)), cfg.data  # without a held-out tail
-    check_held_out(cfg, tokenizer, token_path)
+    notes = [note for note in [check_held_out(cfg, tokenizer, token_path)] if note]
     windows = max(num_tokens - 1, 0) // d.seq_len
     if windows < cfg.global_batch:
         raise ConfigError(f"data.path={d.path}: {num_tokens:,} tokens make {windows:,} windows of data.seq_len+1="
@@ -75,6 +76,7 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(f"data.path={d.path} gives {num_tokens:,} tokens, but {folder} was trained on {before:,}: "
                           f"other data, whose order the run cannot continue; use that data, or set "
                           f"checkpoint.new_data=true")
+    return notes
 
 
 def _lock_run_folder(cfg: Config) -> FolderLock:
@@ -96,6 +98,7 @@ def train_command(args: list[str]) -> int:
         config_path, args = args[0], args[1:]
     inside_launch = "RANK" in os.environ
     lock = None  # rank 0, or the launching process, holds the run folder while the run lasts
+    notes: list[str] = []
     try:
         cfg = load_config(config_path, args)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
@@ -104,8 +107,8 @@ def train_command(args: list[str]) -> int:
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         if not inside_launch or os.environ.get("RANK") == "0":
             lock = _lock_run_folder(cfg)
-            _check_data(cfg)
-        note = _schedule_note(cfg)
+            notes = _check_data(cfg)
+        notes.append(_schedule_note(cfg))
     except UserError as err:
         if lock is not None:
             lock.release()
@@ -115,8 +118,9 @@ def train_command(args: list[str]) -> int:
             lock.release()
         print("tetron: interrupted before any rank started; nothing was trained", file=sys.stderr)
         return 130
-    if note and os.environ.get("RANK", "0") == "0":
-        print(f"tetron: note: {note}", flush=True)
+    for note in notes:
+        if note and os.environ.get("RANK", "0") == "0":
+            print(f"tetron: note: {note}", flush=True)
     try:
         return launch(cfg)
     finally:
