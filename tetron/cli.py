@@ -19,14 +19,22 @@ from typing import NoReturn
 import yaml
 
 from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
-from tetron.data.loader import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
+from tetron.data.loader import (
+    check_tokenizer_pairing,
+    fit_vocab,
+    load_tokens,
+    prepare_data,
+    start_folder,
+    tokenizer_spec,
+    yield_tokenizer,
+)
 from tetron.device import cuda_count
 from tetron.errors import ConfigError, DataError, UserError, check
 from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, find_latest, read_json
 from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
 from tetron.observe.metrics import say
-from tetron.overrides import SHORT_FLAGS
+from tetron.overrides import SHORT_FLAGS, apply_overrides
 from tetron.plan.fit import check_fits
 from tetron.schedule import schedule_change
 from tetron.validate import validate
@@ -79,6 +87,15 @@ def _check_data(cfg: Config) -> list[str]:
     return notes
 
 
+def _fit_tokenizer(cfg: Config, args: list[str]) -> tuple[Config, list[str]]:
+    """The tokenizer a store or the starting weights bring wins over the config file's (not over the command
+    line's), and a bytes or bpe:N tokenizer sizes the model's vocabulary; a note for each change."""
+    explicit = "tokenizer" in (apply_overrides({}, list(args)).get("data") or {})
+    cfg, yielded = yield_tokenizer(cfg, explicit=explicit)
+    cfg, fitted = fit_vocab(cfg)
+    return cfg, [note for note in (yielded, fitted) if note]
+
+
 def _lock_run_folder(cfg: Config) -> FolderLock:
     """Hold OUT/tetron.lock while the run lasts: a second run into the same folder is refused in one line
     (a lock left by a killed run is taken over: the kernel dropped it, and its process is gone)."""
@@ -100,14 +117,14 @@ def train_command(args: list[str]) -> int:
     lock = None  # rank 0, or the launching process, holds the run folder while the run lasts
     notes: list[str] = []
     try:
-        cfg = load_config(config_path, args)
+        cfg, notes = _fit_tokenizer(load_config(config_path, args), args)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
         # the memory model's peak per rank against this node's memory, before any rank allocates
         check_fits(cfg, ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if inside_launch else cfg.world_size,
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         if not inside_launch or os.environ.get("RANK") == "0":
             lock = _lock_run_folder(cfg)
-            notes = _check_data(cfg)
+            notes += _check_data(cfg)
         notes.append(_schedule_note(cfg))
     except UserError as err:
         if lock is not None:
@@ -343,7 +360,7 @@ def train_help() -> str:
 def print_config(config_path: str | None, args: list[str]) -> int:
     """The config that these arguments resolve to, as YAML: what a run would train."""
     try:
-        cfg = load_config(config_path, args)
+        cfg, _ = _fit_tokenizer(load_config(config_path, args), args)
     except UserError as err:
         return _fail(str(err))
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
