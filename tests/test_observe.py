@@ -332,3 +332,19 @@ def test_wandb_that_does_not_start_is_one_line(corpus, cache_dir, tmp_path, monk
     with pytest.raises(ConfigError, match=r"^logging.wandb=proj: W&B did not start \(No API key configured.*\); "
                                           r"run `wandb login`, set WANDB_MODE=offline, or unset logging.wandb$"):
         WandbSink("proj", cfg)
+
+
+def test_profiler_start_and_stop_print_nothing(tmp_path, capfd):
+    """Kineto's `USDT: ... profiler_start` / `profiler_stop` lines (one each per rank and profiled step) are
+    dropped; the trace is written, and what else reaches standard error meanwhile still does."""
+    import os
+
+    from tetron.observe.profiling import StepProfiler, trace_path
+
+    profiler = StepProfiler("1", out=tmp_path, rank=0, device=torch.device("cpu"))
+    with profiler.step(0):
+        torch.ones(4) @ torch.ones(4)
+        os.write(2, b"a line of the step\n")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_st" not in err and err == "a line of the step\n", err
+    assert json.loads(trace_path(tmp_path, 1, 0).read_text())["traceEvents"]
