@@ -77,6 +77,7 @@ def test_known_noise_is_quiet_and_real_warnings_are_not():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gpu_check.quiet_known_noise()
-        warnings.warn(gpu_check.TF32_ADVICE + ". Consider setting `torch.set_float32_matmul_precision('high')`")
-        warnings.warn("a real problem")
+        advice = gpu_check.TF32_ADVICE + ". Consider setting `torch.set_float32_matmul_precision('high')`"
+        warnings.warn(advice, stacklevel=1)
+        warnings.warn("a real problem", stacklevel=1)
     assert [str(w.message) for w in caught] == ["a real problem"]

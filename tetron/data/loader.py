@@ -76,25 +76,25 @@ def data_specs(cfg: Config) -> list[str]:
     return [str(s["path"]) for s in cfg.data.sources] if cfg.data.sources else [cfg.data.path]
 
 
-def brought_tokenizer(cfg: Config) -> str | None:
+def brought_tokenizer(cfg: Config) -> tuple[str, str] | None:
     """The tokenizer the run's starting weights (unless checkpoint.new_tokenizer) or token store were made
-    with, if any: their token ids mean what it says."""
+    with, if any, and what was made with it: their token ids mean what it says."""
     folder = start_folder(cfg)
     if _ships_tokenizer(folder) and not cfg.checkpoint.new_tokenizer:
-        return str(folder)
+        return str(folder), "its weights were trained"
     first = data_specs(cfg)[0]
-    return str(Path(first).expanduser() / "tokenizer") if is_store(first) else None
+    return (str(Path(first).expanduser() / "tokenizer"), "the data was tokenized") if is_store(first) else None
 
 
 def yield_tokenizer(cfg: Config, *, explicit: bool) -> tuple[Config, str | None]:
     """A data.tokenizer from a config file gives way to the one the store or starting weights bring, with a
     note: the file may have been written for other data (configs/demo.yaml's bpe:4096 for the stdlib). One
     given on the command line (`explicit`) stands, and a conflict with them is refused later, naming both."""
-    theirs = None if explicit or cfg.data.tokenizer is None else brought_tokenizer(cfg)
-    if theirs is None or cfg.data.tokenizer == theirs:
+    brought = None if explicit or cfg.data.tokenizer is None else brought_tokenizer(cfg)
+    if brought is None or cfg.data.tokenizer == brought[0]:
         return cfg, None
-    note = (f"data.tokenizer={cfg.data.tokenizer} (from the config) gives way to {theirs}, the tokenizer "
-            f"{'the data was tokenized' if theirs.endswith('tokenizer') else 'its weights were trained'} with")
+    note = (f"data.tokenizer={cfg.data.tokenizer} (from the config) gives way to {brought[0]}, the tokenizer "
+            f"{brought[1]} with")
     return replace(cfg, data=replace(cfg.data, tokenizer=None)), note
 
 
