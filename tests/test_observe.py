@@ -252,6 +252,8 @@ BAD_OBSERVING = [
     ({"train": {"eval_batches": 0}}, "train.eval_batches=0 must be at least 1"),
     ({"logging": {"profile": "7:5"}}, "logging.profile='7:5': give steps A:B with 1 <= A <= B"),
     ({"logging": {"profile": "five"}}, "logging.profile='five': give steps as A:B"),
+    ({"logging": {"sample_temperature": -1}}, "logging.sample_temperature=-1.0 must be a finite number >= 0"),
+    ({"logging": {"sample_top_k": -1}}, "logging.sample_top_k=-1 must be >= 0 (0: no limit)"),
 ]
 
 
