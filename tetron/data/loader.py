@@ -77,9 +77,10 @@ def data_specs(cfg: Config) -> list[str]:
 
 
 def brought_tokenizer(cfg: Config) -> tuple[str, str] | None:
-    """The tokenizer the run's starting weights (unless checkpoint.new_tokenizer) or token store were made
-    with, if any, and what was made with it: their token ids mean what it says."""
-    folder = start_folder(cfg)
+    """The tokenizer the weights the run starts from (checkpoint.init_from, unless checkpoint.new_tokenizer) or
+    its token store were made with, if any, and what was made with it: their token ids mean what it says. A
+    resumed run is not asked: its config is the one it was trained with (a different tokenizer is refused)."""
+    folder = start_folder(cfg) if cfg.checkpoint.resume is None else None
     if _ships_tokenizer(folder) and not cfg.checkpoint.new_tokenizer:
         return str(folder), "its weights were trained"
     first = data_specs(cfg)[0]
