@@ -288,6 +288,6 @@ def test_weights_come_with_their_tokenizer(corpus, cache_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"data.tokenizer=bytes is not the tokenizer of "):
         _check_data(explicit)
     # a resumed run's config is the one it trained with: nothing gives way (a differing tokenizer is refused)
-    resumed = from_dict(tiny_config(corpus, cache_dir, tmp_path / "a", model=model, data={"tokenizer": "bytes"},
+    resumed = from_dict(tiny_config(corpus, cache_dir, tmp_path / "a", model=model, data={"tokenizer": "bpe:300"},
                                     checkpoint={"resume": "auto"}))
     assert _fit_tokenizer(resumed, []) == (resumed, [])
