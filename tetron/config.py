@@ -75,8 +75,8 @@ class DataConfig:
     # epochs: E}], rows drawn by weight; a source leaves after `epochs` passes (optional; none: no limit)
     hash_contents: bool = False  # key the token cache of local files by their bytes, not their sizes and mtimes
     tokenizer: str | None = None  # "bytes", "bpe:N", a HF tokenizer folder or hub name; None: the tokenizer of
-    # the checkpoint or model folder the run starts from, else a token store's, else "bytes" (theirs also win
-    # over a config file's; not over --tokenizer)
+    # the checkpoint or model folder the run starts from, else a token store's, else "bytes" (a store's or
+    # init_from's also wins over a config file's, with a note; not over --tokenizer)
     text_field: str = "text"  # the text column of .jsonl/.parquet/hf datasets
     max_bytes: int | None = None  # use only about this many bytes of text (a fixed prefix)
     seq_len: int = 256  # training sequence length in tokens
