@@ -11,6 +11,8 @@ venv: $(STAMP)
 # --system-site-packages; otherwise the CPU build 2.13.0 is installed before anything
 # else, so that no dependency pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
+	@echo "make: creating $(VENV) and installing tetron into it (torch first where the system has none: a few"
+	@echo "      minutes, once; later runs reuse it)"
 	@if python3 -c "import torch" 2>/dev/null; then \
 		python3 -m venv --system-site-packages $(VENV); \
 	else \
@@ -21,6 +23,8 @@ $(STAMP): pyproject.toml
 
 # Again, it moves the earlier demo aside to runs/demo.old-N (a run folder holds one run; nothing is deleted).
 demo: $(STAMP)
+	@echo "make: training the demo (configs/demo.yaml) on 2 ranks into runs/demo; the first time it also trains"
+	@echo "      a tokenizer on the stdlib and tokenizes it (about a minute, then cached)"
 	$(VENV)/bin/tetron train configs/demo.yaml --out runs/demo --overwrite
 
 lint: $(STAMP)

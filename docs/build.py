@@ -44,6 +44,7 @@ def _cell(text: str) -> str:
 
 def config_markdown() -> str:
     """The text of docs/config.md."""
+    from tetron.cli import MODEL_DEFAULT
     from tetron.config import CONFIGS_DIR, SECTIONS, Config, field_docs
     from tetron.overrides import BOOL_FLAGS, SHORT_FLAGS
 
@@ -75,7 +76,8 @@ def config_markdown() -> str:
         for name, kind, default, doc in field_docs(cls):
             key = f"{section}.{name}"
             flag = f"`--{short[key]}`" if key in short else ""
-            lines.append(f"| `{key}` | `{_cell(kind)}` | `{_cell(default)}` | {flag} | {_cell(doc)} |")
+            shown = MODEL_DEFAULT if section == "model" else f"`{_cell(default)}`"  # no default model
+            lines.append(f"| `{key}` | `{_cell(kind)}` | {shown} | {flag} | {_cell(doc)} |")
         lines.append("")
     kind, default, doc = docs["out"]
     lines += ["## out", "", "| field | type | default | flag | meaning |", "|---|---|---|---|---|",

@@ -275,3 +275,19 @@ def test_weights_come_with_their_tokenizer(corpus, cache_dir, tmp_path):
     with_override = cfg(tokenizer="bytes")
     with_override.checkpoint.new_tokenizer = True
     _check_data(with_override)
+    # a tokenizer the config file names gives way to the weights' own, with a note; on the command line it stands
+    from tetron.cli import _fit_tokenizer
+
+    args = ["--tokenizer", "bytes"]
+    yielded, notes = _fit_tokenizer(cfg(tokenizer="bytes"), [])
+    assert yielded.data.tokenizer is None and notes == [
+        f"data.tokenizer=bytes (from the config) gives way to {src}, the tokenizer its weights were trained with"]
+    _check_data(yielded)
+    explicit, notes = _fit_tokenizer(cfg(tokenizer="bytes"), args)
+    assert explicit.data.tokenizer == "bytes" and notes == []
+    with pytest.raises(ConfigError, match=r"data.tokenizer=bytes is not the tokenizer of "):
+        _check_data(explicit)
+    # a resumed run's config is the one it trained with: nothing gives way (a differing tokenizer is refused)
+    resumed = from_dict(tiny_config(corpus, cache_dir, tmp_path / "a", model=model, data={"tokenizer": "bpe:300"},
+                                    checkpoint={"resume": "auto"}))
+    assert _fit_tokenizer(resumed, []) == (resumed, [])

@@ -75,7 +75,7 @@ def tiny_raw(tmp: Path) -> dict:
         "train": {"steps": STEPS, "micro_batch": MICRO_BATCH, "grad_acc": 1, "lr": 1e-2, "warmup_steps": 2,
                   "seed": 1},
         "parallel": {"dp": 1, "device": "cpu"},
-        "logging": {"progress": True, "sample_tokens": SAMPLE_TOKENS},
+        "logging": {"progress": True, "sample_tokens": SAMPLE_TOKENS, "sample_temperature": 0.5, "sample_top_k": 5},
         "out": str(tmp / "out"),
     }
 
@@ -222,7 +222,8 @@ def test_train_launches_2_ranks(elastic_run, reference):
     marker = f"--- sample from {out}/model ---\n"
     assert marker in result.stdout
     sample = result.stdout.split(marker, 1)[1].rsplit("\n---", 1)[0]
-    assert sample == sample_from_run(out, prompt="def ", max_new_tokens=SAMPLE_TOKENS, seed=1)
+    assert sample == sample_from_run(out, prompt="def ", max_new_tokens=SAMPLE_TOKENS, temperature=0.5, top_k=5,
+                                     seed=1)  # logging.sample_temperature and sample_top_k
 
 
 def test_generate_from_the_run(elastic_run, workdir):

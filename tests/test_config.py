@@ -368,9 +368,12 @@ def test_train_help_lists_every_field_and_flag(capsys, args):
     assert main(args) == 0
     text = capsys.readouterr().out
     for section, cls in SECTIONS.items():
-        for name, _, default, doc in field_docs(cls):
-            assert f"--{section}.{name} " in text and f"[{default}]" in text, (section, name)
+        for name, kind, default, doc in field_docs(cls):
+            # no default model: a model field's default is the named model's, not LlamaConfig's Llama-7B numbers
+            shown = "from the model" if section == "model" else default
+            assert f"--{section}.{name} {kind} [{shown}]" in text, (section, name)
             assert doc, f"{section}.{name} has no doc line"  # every field says what it is
+    assert "[11008]" not in text and "[4096]" not in text  # Llama-7B's intermediate_size and hidden_size
     for flag in SHORT_FLAGS:
         assert f"(--{flag})" in text, flag
 
@@ -383,3 +386,19 @@ def test_print_config_is_the_resolved_config(capsys, tiny_yaml):
     assert from_dict(printed) == load_config(tiny_yaml, ["--dp", "2", "--zero", "1"])
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("tetron 0.")
+
+
+@pytest.mark.parametrize("tokenizer, rows", [("bytes", 256), ("bpe:1024", 1024)])
+def test_model_vocabulary_fits_a_bytes_or_bpe_tokenizer(capsys, tokenizer, rows):
+    """`--model demo --tokenizer bytes` trains 256 embedding rows, not the demo's 4096 that no token would
+    reach; a note says so. Weights to start from keep their own."""
+    from tetron.cli import _fit_tokenizer, main
+
+    args = ["--model", "demo", "--tokenizer", tokenizer]
+    assert main(["train", *args, "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["vocab_size"] == rows
+    cfg, notes = _fit_tokenizer(load_config(None, args), args)
+    assert cfg.model.vocab_size == rows
+    assert notes == [f"model.vocab_size=4096 -> {rows}: data.tokenizer={tokenizer} has {rows} token ids"]
+    kept, notes = _fit_tokenizer(load_config(None, [*args, "--init-from", "some/model"]), args)
+    assert kept.model.vocab_size == 4096 and notes == []

@@ -211,3 +211,14 @@ def test_the_checkers_find_what_is_wrong(tmp_path):
     assert unmarked_outputs("measured at 0000000:\n```text\nout\n```\n") == [
         "line 2: measured at 0000000: no such commit"]
     assert unmarked_outputs("<!-- output: tetron --version -->\n```text\n```\n") != []
+
+
+def test_make_demo_says_what_it_does_before_each_long_wait(tmp_path):
+    """`make demo` installs (minutes) and tokenizes (a minute) before its first output: a line says so first."""
+    done = subprocess.run(["make", "-n", "-B", "demo", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=30, check=True)
+    commands = done.stdout.splitlines()
+    install = next(i for i, c in enumerate(commands) if "pip install" in c)
+    train = next(i for i, c in enumerate(commands) if "tetron train" in c)
+    assert any(c.startswith("echo ") and "installing" in c for c in commands[:install]), done.stdout
+    assert any(c.startswith("echo ") and "training the demo" in c for c in commands[install:train]), done.stdout

@@ -66,3 +66,18 @@ def test_speed_rows_run_most_telling_first():
     assert not any(c.compile for c in gc.cases_by_priority(gc.sizes(True), skip_compile=True))
     on_cpu = gc.cases_by_priority(gc.sizes(False), skip_compile=False)
     assert [c for c in on_cpu if c.compile] == [gc.Case("tiny", True, "selective")]
+
+
+def test_known_noise_is_quiet_and_real_warnings_are_not():
+    """Inductor's TF32 advice (the GPU check turns TF32 off for its fp32 checks, then compiles bf16 runs) is
+    silenced; any other warning still shows."""
+    import warnings
+
+    gpu_check = _load()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gpu_check.quiet_known_noise()
+        advice = gpu_check.TF32_ADVICE + ". Consider setting `torch.set_float32_matmul_precision('high')`"
+        warnings.warn(advice, stacklevel=1)
+        warnings.warn("a real problem", stacklevel=1)
+    assert [str(w.message) for w in caught] == ["a real problem"]

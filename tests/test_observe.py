@@ -119,10 +119,14 @@ def test_held_out_windows_are_never_trained_on(corpus, cache_dir, tmp_path):
     evaluated = {int(s) + i for s in eval_windows(val_part, cfg) for i in range(T + 1)}
     assert evaluated and not seen & {int(val_part[i]) for i in evaluated}
     assert len(eval_windows(val_part, cfg)) == 3 * cfg.global_batch
-    small = from_dict(tiny_config(corpus, cache_dir, tmp_path / "run", data={"val_fraction": 0.01},
-                                  train={"eval_every": 1, "eval_batches": 8}))
-    with pytest.raises(ConfigError, match=r"data.val_fraction=0.01 gives \d+ held-out windows .* train.eval_batches"):
-        eval_windows(held_out_tokens(tokens, small), small)
+    # small data: 4 held-out windows fill 2 global batches of 2 (of the 8 asked for), or none of 5; the held-out
+    # part stays the same whatever the batch, so the training data does not depend on it
+    for micro_batch, evaluated in ((2, 4), (5, 0)):
+        small = from_dict(tiny_config(corpus, cache_dir, tmp_path / "run", data={"val_fraction": 0.01},
+                                      train={"eval_every": 1, "eval_batches": 8, "micro_batch": micro_batch}))
+        assert held_out_windows(len(tokens), small) == 4
+        starts = eval_windows(held_out_tokens(tokens, small), small)
+        assert starts.tolist() == [i * T for i in range(evaluated)]
 
 
 def test_val_loss_is_the_models_loss_on_held_out_windows(reference):
@@ -248,6 +252,8 @@ BAD_OBSERVING = [
     ({"train": {"eval_batches": 0}}, "train.eval_batches=0 must be at least 1"),
     ({"logging": {"profile": "7:5"}}, "logging.profile='7:5': give steps A:B with 1 <= A <= B"),
     ({"logging": {"profile": "five"}}, "logging.profile='five': give steps as A:B"),
+    ({"logging": {"sample_temperature": -1}}, "logging.sample_temperature=-1.0 must be a finite number >= 0"),
+    ({"logging": {"sample_top_k": -1}}, "logging.sample_top_k=-1 must be >= 0 (0: no limit)"),
 ]
 
 
@@ -267,17 +273,25 @@ def test_wandb_without_the_package_fails_in_validate(corpus, cache_dir, tmp_path
         validate(from_dict(tiny_config(corpus, cache_dir, tmp_path / "run", logging={"wandb": "proj"})))
 
 
-def test_too_few_held_out_windows_fail_before_any_rank(corpus, cache_dir, tmp_path, capsys):
-    from tetron.cli import main
+@pytest.mark.parametrize("micro_batch, batches", [(2, 3), (8, 0)])
+def test_small_held_out_part_trains_with_a_note(corpus, cache_dir, tmp_path, micro_batch, batches):
+    """Fewer held-out windows than train.eval_batches global batches: a note says what validation does (fewer
+    batches, or none), and the run trains; val_loss is the mean over the batches there are."""
+    from tetron.cli import _check_data
 
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", data={"val_fraction": 0.001},
-                      train={"eval_every": 1, "eval_batches": 100})
-    (tmp_path / "run.yaml").write_text(json.dumps(raw))  # JSON is YAML
-    assert main(["train", str(tmp_path / "run.yaml")]) == 2
-    err = capsys.readouterr().err
-    assert re.match(r"tetron: error: data.val_fraction=0.001 gives \d held-out windows of data.seq_len\+1=33 tokens, "
-                    r"fewer than train.eval_batches=100 x global batch 2 = 200; hold out more data", err), err
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+                      train={"steps": 2, "eval_every": 1, "eval_batches": 100, "micro_batch": micro_batch})
+    cfg = from_dict(raw)
+    held = r"data.val_fraction=0.001 holds out 7 windows of 33 tokens"
+    tail = (rf": validating on {batches} global batches of 2, not train.eval_batches=100$" if batches else
+            r", fewer than one global batch of 8: training without validation \(for val_loss, hold out more")
+    [note] = _check_data(cfg)
+    assert re.match(held + tail, note), note
+    launch(raw)
+    records = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert len(records) == (2 if batches else 0)
+    if batches:  # the model's mean loss over those batches' every target token
+        assert records[-1]["val_loss"] == pytest.approx(direct_val_loss(cfg, tmp_path / "run"), rel=1e-6)
 
 
 @pytest.mark.parametrize("form", ["text", "token store"])
@@ -320,3 +334,19 @@ def test_wandb_that_does_not_start_is_one_line(corpus, cache_dir, tmp_path, monk
     with pytest.raises(ConfigError, match=r"^logging.wandb=proj: W&B did not start \(No API key configured.*\); "
                                           r"run `wandb login`, set WANDB_MODE=offline, or unset logging.wandb$"):
         WandbSink("proj", cfg)
+
+
+def test_profiler_start_and_stop_print_nothing(tmp_path, capfd):
+    """Kineto's `USDT: ... profiler_start` / `profiler_stop` lines (one each per rank and profiled step) are
+    dropped; the trace is written, and what else reaches standard error meanwhile still does."""
+    import os
+
+    from tetron.observe.profiling import StepProfiler, trace_path
+
+    profiler = StepProfiler("1", out=tmp_path, rank=0, device=torch.device("cpu"))
+    with profiler.step(0):
+        torch.ones(4) @ torch.ones(4)
+        os.write(2, b"a line of the step\n")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_st" not in err and err == "a line of the step\n", err
+    assert json.loads(trace_path(tmp_path, 1, 0).read_text())["traceEvents"]

@@ -245,3 +245,33 @@ def test_hf_config_is_a_model(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "layouts valid" in lines[1] and len(lines) == 6
+
+
+def test_plan_model_name_plans_its_whole_config(capsys):
+    """`--model NAME` plans the run of configs/NAME.yaml (its sequence length, dtype and batch), the same as
+    naming the config; --memory-gb without --gpu means GPUs of that memory, not this CPU's processes."""
+    from tetron.cli import main
+    from tetron.config import CONFIGS_DIR
+
+    hardware = ["--nodes", "2", "--gpus-per-node", "8", "--memory-gb", "40", "--top", "2", "--tp", "1", "--pp", "1",
+                "--cp", "1", "--zero", "3", "--recompute", "none"]  # a few layouts: a quick search
+    assert main(["plan", str(CONFIGS_DIR / "smollm-1.7b.yaml"), *hardware]) == 0
+    by_config = capsys.readouterr().out
+    head = by_config.splitlines()[0]
+    assert "on 2 x 8 GPU of 40 GiB" in head and "CPU" not in head
+    assert main(["plan", "--model", "smollm-1.7b", *hardware]) == 0
+    assert capsys.readouterr().out == by_config
+    assert "seq 2048, 256 sequences (524,288 tokens) a step, bfloat16" in head
+
+
+def test_plan_table_columns_stay_aligned(capsys):
+    """Rows whose largest memory terms are longer than the column's heading still line up with it."""
+    from tetron.cli import main
+    from tetron.config import CONFIGS_DIR
+
+    assert main(["plan", str(CONFIGS_DIR / "smollm-1.7b.yaml"), "--nodes", "2", "--gpus-per-node", "8", "--gpu", "H100",
+                 "--top", "4", "--tp", "1", "--pp", "1", "--cp", "1", "--zero", "3"]) == 0
+    table = capsys.readouterr().out.splitlines()[2:]
+    terms = [row[60:].split("  ")[0] for row in table[1:]]  # after the mem/rank column
+    assert max(map(len, terms)) > 40, terms  # longer than the heading's 40 characters
+    assert len({len(row) for row in table}) == 1, "\n".join(table)

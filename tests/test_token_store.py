@@ -431,3 +431,27 @@ def test_held_out_tail_of_a_store(corpus, cache_dir, tmp_path):
     loader = DataLoader(train, cfg.data.seq_len, micro_batch=4, grad_acc=1, dp_size=1, dp_rank=0, seed=0)
     last = max(int(w) for s in range(loader.sampler.num_windows // 4 + 1) for w in loader.sampler.indices(s))
     assert (last + 1) * cfg.data.seq_len + 1 <= len(train)  # the last window sampled ends before the tail
+
+
+def test_a_stores_tokenizer_wins_over_the_config_files(tmp_path, capsys):
+    """configs/demo.yaml names bpe:4096 for the stdlib; on a token store the store's own tokenizer wins, with a
+    note. The same tokenizer given on the command line is still refused in one line."""
+    from tetron.cli import _fit_tokenizer
+    from tetron.config import CONFIGS_DIR, load_config
+    from tetron.data.loader import tokenizer_spec
+
+    (tmp_path / "text.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    store = tmp_path / "store"
+    build_store(str(tmp_path / "text.txt"), Tokenizer(None, None), store, workers=1)
+    demo, data = str(CONFIGS_DIR / "demo.yaml"), ["--data", str(store), "--out", str(tmp_path / "run")]
+    cfg, notes = _fit_tokenizer(load_config(demo, data), data)
+    assert cfg.data.tokenizer is None and tokenizer_spec(cfg) == str(store / "tokenizer")
+    assert notes == [f"data.tokenizer=bpe:4096 (from the config) gives way to {store / 'tokenizer'}, the tokenizer "
+                     f"the data was tokenized with"]
+    assert cli_main(["train", demo, *data, "--print-config"]) == 0
+    assert "  tokenizer: null\n" in capsys.readouterr().out
+    assert cli_main(["train", demo, *data, "--tokenizer", "bpe:4096"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tetron: error: data.tokenizer=bpe:4096 is trained on text, and data.path is a token "
+                          "store: leave data.tokenizer unset") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()

@@ -22,10 +22,12 @@ from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
 from tetron.data.loader import (
     check_tokenizer_pairing,
     data_specs,
+    fit_vocab,
     load_tokens,
     prepare_data,
     start_folder,
     tokenizer_spec,
+    yield_tokenizer,
 )
 from tetron.data.mixture import check_mixture
 from tetron.device import cuda_count
@@ -35,7 +37,7 @@ from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
 from tetron.observe.metrics import say
 from tetron.observe.step_report import check_outputs
-from tetron.overrides import SHORT_FLAGS
+from tetron.overrides import SHORT_FLAGS, apply_overrides
 from tetron.plan.fit import check_fits
 from tetron.schedule import schedule_change
 from tetron.validate import validate
@@ -58,9 +60,10 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _check_data(cfg: Config) -> None:
+def _check_data(cfg: Config) -> list[str]:
     """Tokenize (or find the cache) before any rank starts; check the vocabulary fits the model, the data
-    fills a global batch, and a resumed run goes on with the data it was trained on."""
+    fills a global batch, and a resumed run goes on with the data it was trained on. Returns the notes to
+    print (small data: what validation does)."""
     # the data in use, as messages name it: data.path is not read when data.sources is set
     field, specs = ("data.sources" if cfg.data.sources else "data.path"), ", ".join(data_specs(cfg))
     what = f"{field} ({specs})" if cfg.data.sources else f"{field}={specs}"
@@ -74,7 +77,7 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
                           f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
     num_tokens, d = len(training_tokens(load_tokens(token_path), cfg)), cfg.data  # without a held-out tail
-    check_held_out(cfg, tokenizer, token_path)
+    notes = [note for note in [check_held_out(cfg, tokenizer, token_path)] if note]
     windows = max(num_tokens - 1, 0) // d.seq_len
     if windows < cfg.global_batch:
         raise ConfigError(f"{what}: {num_tokens:,} tokens make {windows:,} windows of data.seq_len+1="
@@ -89,6 +92,16 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(f"{what} gives {num_tokens:,} tokens, but {folder} was trained on {before:,}: "
                           f"other data, whose order the run cannot continue; use that data, or set "
                           f"checkpoint.new_data=true")
+    return notes
+
+
+def _fit_tokenizer(cfg: Config, args: list[str]) -> tuple[Config, list[str]]:
+    """The tokenizer a store or the starting weights bring wins over the config file's (not over the command
+    line's), and a bytes or bpe:N tokenizer sizes the model's vocabulary; a note for each change."""
+    explicit = "tokenizer" in (apply_overrides({}, list(args)).get("data") or {})
+    cfg, yielded = yield_tokenizer(cfg, explicit=explicit)
+    cfg, fitted = fit_vocab(cfg)
+    return cfg, [note for note in (yielded, fitted) if note]
 
 
 def _lock_run_folder(cfg: Config) -> FolderLock:
@@ -141,17 +154,18 @@ def train_command(args: list[str]) -> int:
         config_path, args = args[0], args[1:]
     inside_launch = "RANK" in os.environ
     lock = None  # rank 0, or the launching process, holds the run folder while the run lasts
+    notes: list[str] = []
     try:
-        cfg = load_config(config_path, args)
+        cfg, notes = _fit_tokenizer(load_config(config_path, args), args)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
         # the memory model's peak per rank against this node's memory, before any rank allocates
         check_fits(cfg, ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if inside_launch else cfg.world_size,
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         if not inside_launch or os.environ.get("RANK") == "0":
             lock = _claim_run_folder(cfg, inside_launch=inside_launch)
-            _check_data(cfg)
+            notes += _check_data(cfg)
             check_outputs(cfg)
-        note = _schedule_note(cfg)
+        notes.append(_schedule_note(cfg))
     except UserError as err:
         if lock is not None:
             lock.release()
@@ -161,8 +175,9 @@ def train_command(args: list[str]) -> int:
             lock.release()
         print("tetron: interrupted before any rank started; nothing was trained", file=sys.stderr)
         return 130
-    if note and os.environ.get("RANK", "0") == "0":
-        print(f"tetron: note: {note}", flush=True)
+    for note in notes:
+        if note and os.environ.get("RANK", "0") == "0":
+            print(f"tetron: note: {note}", flush=True)
     try:
         return launch(cfg)
     finally:
@@ -355,6 +370,9 @@ def slurm_command(args: list[str]) -> int:
     return 0
 
 
+MODEL_DEFAULT = "from the model"  # what --help and docs/config.md say of a model field's default
+
+
 def train_help() -> str:
     """`tetron train --help`: the usage, then every config field with its type, default and doc line,
     generated from the config dataclasses (so it cannot miss one), then the short flags."""
@@ -368,7 +386,9 @@ def train_help() -> str:
         for name, kind, default, doc in field_docs(cls):
             key = f"{section}.{name}"
             flag = f" (--{short[key]})" if key in short else ""
-            lines.append(f"  --{key} {kind} [{default}]{flag}")
+            # there is no default model: LlamaConfig's own defaults (Llama-7B's) would read as one
+            shown = MODEL_DEFAULT if section == "model" else default
+            lines.append(f"  --{key} {kind} [{shown}]{flag}")
             lines.append(f"      {doc}")
     lines += ["out:", f"  --out str [{Config().out!r}] (--out)",
               "      the run folder: metrics.jsonl, checkpoints/, model/", "",
@@ -380,7 +400,7 @@ def train_help() -> str:
 def print_config(config_path: str | None, args: list[str]) -> int:
     """The config that these arguments resolve to, as YAML: what a run would train."""
     try:
-        cfg = load_config(config_path, args)
+        cfg, _ = _fit_tokenizer(load_config(config_path, args), args)
     except UserError as err:
         return _fail(str(err))
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")

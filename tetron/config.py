@@ -75,7 +75,8 @@ class DataConfig:
     # epochs: E}], rows drawn by weight; a source leaves after `epochs` passes (optional; none: no limit)
     hash_contents: bool = False  # key the token cache of local files by their bytes, not their sizes and mtimes
     tokenizer: str | None = None  # "bytes", "bpe:N", a HF tokenizer folder or hub name; None: the tokenizer of
-    # the checkpoint or model folder the run starts from, else "bytes"
+    # the checkpoint or model folder the run starts from, else a token store's, else "bytes" (a store's or
+    # init_from's also wins over a config file's, with a note; not over --tokenizer)
     text_field: str = "text"  # the text column of .jsonl/.parquet/hf datasets
     max_bytes: int | None = None  # use only about this many bytes of text (a fixed prefix)
     seq_len: int = 256  # training sequence length in tokens
@@ -140,6 +141,8 @@ class LoggingConfig:
     peak_tflops: float | None = None  # the device's peak TFLOP/s per rank, for MFU where not known
     sample_tokens: int = 120  # tokens generated from the trained model at the end; 0 disables
     sample_prompt: str = "def "  # the prompt of that sample
+    sample_temperature: float = 0.8  # that sample's temperature (0: greedy); lower gives more typical text
+    sample_top_k: int = 50  # that sample draws among the k likeliest tokens (0: all)
     tensorboard: bool = False  # also write every metric as TensorBoard events under OUT/tensorboard
     wandb: str | None = None  # also log every metric to this Weights & Biases project (pip install tetron[wandb])
     timers: bool = False  # per step, the time in compute and waiting on each axis' communication (max over ranks)

@@ -212,8 +212,10 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
     if mesh.rank == 0 and cfg.logging.sample_tokens > 0:
         from tetron.observe.generate import sample_from_run
 
-        text = sample_from_run(Path(cfg.out), prompt=cfg.logging.sample_prompt,
-                               max_new_tokens=cfg.logging.sample_tokens, device=device, seed=cfg.train.seed)
+        lg = cfg.logging
+        text = sample_from_run(Path(cfg.out), prompt=lg.sample_prompt, max_new_tokens=lg.sample_tokens,
+                               temperature=lg.sample_temperature, top_k=lg.sample_top_k, device=device,
+                               seed=cfg.train.seed)
         print(f"\n--- sample from {cfg.out}/model ---\n{text}\n---", flush=True)
     if report is not None:
         report.write("done")

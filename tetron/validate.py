@@ -343,6 +343,9 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     lg = cfg.logging
     _check(lg.log_every >= 1, f"logging.log_every={lg.log_every} must be at least 1")
     _check(lg.sample_tokens >= 0, f"logging.sample_tokens={lg.sample_tokens} must be >= 0")
+    _check(math.isfinite(lg.sample_temperature) and lg.sample_temperature >= 0,
+           f"logging.sample_temperature={lg.sample_temperature} must be a finite number >= 0 (0: greedy)")
+    _check(lg.sample_top_k >= 0, f"logging.sample_top_k={lg.sample_top_k} must be >= 0 (0: no limit)")
     _check(lg.peak_tflops is None or lg.peak_tflops > 0, f"logging.peak_tflops={lg.peak_tflops} must be positive")
     _validate_observing(cfg)
     _validate_out(cfg)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -80,6 +82,43 @@ def tokenizer_spec(cfg: Config) -> str:
 def data_specs(cfg: Config) -> list[str]:
     """What the run trains on: data.path, or each of data.sources' paths."""
     return [str(s["path"]) for s in cfg.data.sources] if cfg.data.sources else [cfg.data.path]
+
+
+def brought_tokenizer(cfg: Config) -> tuple[str, str] | None:
+    """The tokenizer the weights the run starts from (checkpoint.init_from, unless checkpoint.new_tokenizer) or
+    its token store were made with, if any, and what was made with it: their token ids mean what it says. A
+    resumed run is not asked: its config is the one it was trained with (a different tokenizer is refused)."""
+    folder = start_folder(cfg) if cfg.checkpoint.resume is None else None
+    if _ships_tokenizer(folder) and not cfg.checkpoint.new_tokenizer:
+        return str(folder), "its weights were trained"
+    first = data_specs(cfg)[0]
+    return (str(Path(first).expanduser() / "tokenizer"), "the data was tokenized") if is_store(first) else None
+
+
+def yield_tokenizer(cfg: Config, *, explicit: bool) -> tuple[Config, str | None]:
+    """A data.tokenizer from a config file gives way to the one the store or starting weights bring, with a
+    note: the file may have been written for other data (configs/demo.yaml's bpe:4096 for the stdlib). One
+    given on the command line (`explicit`) stands, and a conflict with them is refused later, naming both."""
+    brought = None if explicit or cfg.data.tokenizer is None else brought_tokenizer(cfg)
+    if brought is None or cfg.data.tokenizer == brought[0]:
+        return cfg, None
+    note = (f"data.tokenizer={cfg.data.tokenizer} (from the config) gives way to {brought[0]}, the tokenizer "
+            f"{brought[1]} with")
+    return replace(cfg, data=replace(cfg.data, tokenizer=None)), note
+
+
+def fit_vocab(cfg: Config) -> tuple[Config, str | None]:
+    """A model built here (no checkpoint.init_from weights) gets as many embedding rows as a bytes or bpe:N
+    tokenizer has ids, with a note: `--model demo --tokenizer bytes` trains 256 rows, not the demo's 4096,
+    of which 3840 would never see a token (and only dilute the sampler). Every rank computes the same."""
+    spec = tokenizer_spec(cfg)
+    bpe = re.fullmatch(r"bpe:(\d+)", spec)
+    size = 256 if spec == "bytes" else int(bpe.group(1)) if bpe else None
+    m = cfg.model
+    if m is None or size is None or size < 256 or cfg.checkpoint.init_from is not None or m.vocab_size <= size:
+        return cfg, None
+    note = f"model.vocab_size={m.vocab_size} -> {size}: data.tokenizer={spec} has {size} token ids"
+    return replace(cfg, model=replace(m, vocab_size=size)), note
 
 
 def check_tokenizer_pairing(cfg: Config, tokenizer: Tokenizer) -> None:

@@ -5,7 +5,10 @@ Held-out data. Either `data.val_path`, a separate source tokenized with the run'
 sampler sees the file, so no training window shares a token with them. The windows evaluated are
 `train.eval_batches` global batches of them, spread evenly over the held-out part and fixed for the
 whole run: they depend on neither the layout nor the loader's position, so a resumed run and every
-layout evaluate the same tokens.
+layout evaluate the same tokens. Small data holds out fewer windows than that: then as many whole global
+batches as they fill are evaluated, or none (the run trains without validation); `tetron train` says so
+in one line. The held-out part itself never grows to fill a batch: the training data does not depend on
+the batch or the layout.
 
 Evaluation. Each global batch is cut like a training batch (each dp rank its rows, micro-batches of
 `train.micro_batch`, each cp rank its positions) and run forward only, under `torch.no_grad`: through
@@ -32,7 +35,6 @@ from tetron.data.hf_source import share_hub_commits
 from tetron.data.loader import default_cache_dir, load_tokens, micro_batches, open_store, prepare_data, prepare_tokens
 from tetron.data.token_store import is_store
 from tetron.data.tokenizer import Tokenizer
-from tetron.errors import ConfigError
 from tetron.mesh import Mesh
 from tetron.parallel.parallelize import make_loss_fn
 from tetron.parallel.pipeline_parallel import activation_shape
@@ -82,25 +84,24 @@ def prepare_val_tokens(cfg: Config, tokenizer: Tokenizer, token_path: Path | Non
     return load_tokens(path)
 
 
+def held_out_count(val_tokens: np.ndarray, cfg: Config) -> int:
+    """How many whole windows of seq_len+1 tokens the held-out stream holds."""
+    return max(len(val_tokens) - 1, 0) // cfg.data.seq_len
+
+
 def eval_windows(val_tokens: np.ndarray, cfg: Config) -> np.ndarray:
-    """Start offsets (in tokens) of the windows evaluated: eval_batches global batches of them, evenly
-    spread over the held-out part; a ConfigError when it has too few."""
-    T, needed = cfg.data.seq_len, cfg.train.eval_batches * cfg.global_batch
-    available = max(len(val_tokens) - 1, 0) // T
-    if available < needed:
-        source = f"data.val_path={cfg.data.val_path}" if cfg.data.val_path else \
-            f"data.val_fraction={cfg.data.val_fraction}"
-        raise ConfigError(f"{source} gives {available:,} held-out windows of data.seq_len+1={T + 1} tokens, fewer "
-                          f"than train.eval_batches={cfg.train.eval_batches} x global batch {cfg.global_batch} = "
-                          f"{needed:,}; hold out more data or lower train.eval_batches")
-    return (np.arange(needed, dtype=np.int64) * available // needed) * T
+    """Start offsets (in tokens) of the windows evaluated: train.eval_batches global batches of them, or as
+    many whole ones as the held-out windows fill (none: no validation), evenly spread over the held-out part."""
+    available = held_out_count(val_tokens, cfg)
+    needed = min(cfg.train.eval_batches, available // cfg.global_batch) * cfg.global_batch
+    return (np.arange(needed, dtype=np.int64) * available // max(needed, 1)) * cfg.data.seq_len
 
 
 def rank_batches(val_tokens: np.ndarray, cfg: Config, *, dp_rank: int) -> list[Batch]:
     """This rank's share of every evaluated global batch: its dp rows, cut into micro-batches (whole
     windows, with their documents where data.mask_documents or data.reset_positions needs them)."""
     t, d, T = cfg.train, cfg.data, cfg.data.seq_len
-    starts = eval_windows(val_tokens, cfg).reshape(t.eval_batches, cfg.global_batch)
+    starts = eval_windows(val_tokens, cfg).reshape(-1, cfg.global_batch)  # [batches, global batch]
     per_rank = t.micro_batch * t.grad_acc
     ends = stream_ends(val_tokens) if d.mask_documents or d.reset_positions else None
     batches = []
@@ -123,7 +124,7 @@ class Evaluator:
         self.positions = positions.to(device)  # the same on the device: RoPE positions
         self.batches = rank_batches(val_tokens, cfg, dp_rank=mesh.local_rank("dp"))
         self.token_loss = make_loss_fn(cfg, mesh)  # summed over tokens (whole, from vocabulary shards under tp)
-        self.tokens = cfg.train.eval_batches * cfg.global_batch * cfg.data.seq_len  # target tokens in all
+        self.tokens = len(eval_windows(val_tokens, cfg)) * cfg.data.seq_len  # target tokens in all
 
     @torch.no_grad()
     def __call__(self) -> float:
@@ -191,19 +192,33 @@ class Evaluator:
 
 def build_evaluator(cfg: Config, mesh: Mesh, chunks: list[nn.Module], tokenizer: Tokenizer, *,
                     device: torch.device, dtype: torch.dtype, positions: Tensor) -> Evaluator | None:
-    """The run's evaluator, None without train.eval_every. Rank 0 tokenizes data.val_path first (or finds it
-    cached) while the others wait."""
+    """The run's evaluator, None without train.eval_every or without a global batch of held-out windows.
+    Rank 0 tokenizes data.val_path first (or finds it cached) while the others wait."""
     if cfg.train.eval_every <= 0:
         return None
     if cfg.data.val_path is not None and mesh.rank == 0:
         prepare_val_tokens(cfg, tokenizer)
     share_hub_commits(mesh.rank, mesh.world_size, device)  # rank 0's answers for hf: data; the wait for it
     val_tokens = prepare_val_tokens(cfg, tokenizer)
+    if len(eval_windows(val_tokens, cfg)) == 0:
+        return None
     return Evaluator(cfg, mesh, chunks, val_tokens, device=device, dtype=dtype, positions=positions)
 
 
-def check_held_out(cfg: Config, tokenizer: Tokenizer, token_path: Path) -> None:
-    """Before any rank starts: tokenize data.val_path (cached for the ranks) and check the held-out part
-    fills train.eval_batches global batches."""
-    if cfg.train.eval_every > 0:
-        eval_windows(prepare_val_tokens(cfg, tokenizer, token_path), cfg)
+def check_held_out(cfg: Config, tokenizer: Tokenizer, token_path: Path) -> str | None:
+    """Before any rank starts: tokenize data.val_path (cached for the ranks); a note when the held-out part
+    fills fewer than train.eval_batches global batches (small data), saying what validation does then."""
+    if cfg.train.eval_every <= 0:
+        return None
+    val_tokens = prepare_val_tokens(cfg, tokenizer, token_path)
+    available, batches = held_out_count(val_tokens, cfg), len(eval_windows(val_tokens, cfg)) // cfg.global_batch
+    if batches == cfg.train.eval_batches:
+        return None
+    d = cfg.data
+    source = f"data.val_path={d.val_path}" if d.val_path else f"data.val_fraction={d.val_fraction:g}"
+    held = f"{source} holds out {available:,} windows of {d.seq_len + 1} tokens"
+    if batches == 0:
+        return (f"{held}, fewer than one global batch of {cfg.global_batch}: training without validation "
+                f"(for val_loss, hold out more: a larger data.val_fraction, or data.val_path)")
+    return (f"{held}: validating on {batches} global batch{'es' if batches > 1 else ''} of {cfg.global_batch}, "
+            f"not train.eval_batches={cfg.train.eval_batches}")

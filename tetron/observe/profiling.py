@@ -5,12 +5,20 @@ chrome://tracing open. Other steps run without a profiler."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+# Kineto, torch's profiler backend, prints this line on standard error at every profiler start and stop
+# (`USDT:<date> <time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52] profiler_start`): above the ERROR
+# level torch sets it to, and only its environment variable, read once, would lower it
+_KINETO_USDT = re.compile(r"USDT:[^\n]*\] profiler_(?:start|stop)\n?")
 
 
 def parse_steps(spec: str) -> tuple[int, int]:
@@ -42,8 +50,35 @@ class StepProfiler:
         if self.steps is None or not self.steps[0] <= step + 1 <= self.steps[1]:
             yield
             return
-        with profile(activities=self.activities, record_shapes=True) as prof:
+        prof = profile(activities=self.activities, record_shapes=True)
+        with _without_kineto_marks():
+            prof.__enter__()
+        try:
             yield
+        finally:
+            with _without_kineto_marks():
+                prof.__exit__(None, None, None)
         path = trace_path(self.out, step + 1, self.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
+
+
+@contextlib.contextmanager
+def _without_kineto_marks() -> Iterator[None]:
+    """Standard error (the file descriptor, which C++ writes to) caught while the profiler starts or stops,
+    then passed on without Kineto's profiler_start/profiler_stop lines: one per rank and step, noise among
+    the run's lines. Anything else printed there, a real error included, still reaches standard error."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            rest = _KINETO_USDT.sub("", caught.read().decode("utf-8", errors="replace"))
+            if rest:
+                sys.stderr.write(rest)
+                sys.stderr.flush()

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 import yaml
 
-from tetron.config import Config, load_config
+from tetron.config import CONFIGS_DIR, Config, load_config
 from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError, check
 from tetron.fs import write_text
+from tetron.overrides import apply_overrides
 from tetron.plan import hardware as hwlib
 from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import predict_rank
@@ -43,21 +44,35 @@ class PlanRequest:
 
 
 def hardware(req: PlanRequest) -> Hardware:
-    """The device the plan is for: a named GPU, this machine's GPU, or this CPU; --memory-gb overrides."""
+    """The device the plan is for: a named GPU, this machine's GPU, or this CPU; --memory-gb overrides.
+    --memory-gb without --gpu on a machine without one means GPUs of that memory (an H100's speed): whoever
+    gives GPU memory plans for GPUs, not for this CPU's processes."""
     if req.gpu is not None:
         hw = hwlib.gpu(req.gpu)
     elif torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         match = max((k for k in hwlib.GPUS if k.split("-")[0] in name), key=len, default="H100")
         hw = dataclasses.replace(hwlib.GPUS[match], memory=torch.cuda.get_device_properties(0).total_memory)
+    elif req.memory_gb:
+        hw = dataclasses.replace(hwlib.GPUS["H100"], name=f"GPU of {req.memory_gb:g} GiB (H100 speed)")
     else:
         hw = hwlib.cpu(req.gpus_per_node)
     return hwlib.with_memory(hw, req.memory_gb) if req.memory_gb else hw
 
 
+def config_source(req: PlanRequest) -> str | None:
+    """The base config: the one given, else for `--model NAME` the whole configs/NAME.yaml (its sequence
+    length, dtype and batch too), so that `tetron plan --model X` plans the run `tetron plan configs/X.yaml`
+    plans; else none (defaults)."""
+    if req.config is not None:
+        return req.config
+    model = apply_overrides({}, list(req.overrides)).get("model")
+    return model if isinstance(model, str) and (CONFIGS_DIR / f"{model}.yaml").is_file() else None
+
+
 def base_config(req: PlanRequest) -> tuple[Config, int]:
     """The config every layout starts from, and the global batch in sequences."""
-    cfg = load_config(req.config, req.overrides)
+    cfg = load_config(config_source(req), req.overrides)
     check(cfg.model is not None, "tetron plan needs a model: --model NAME (configs/ or a Hugging Face config)")
     seq = cfg.data.seq_len
     tokens = req.batch_tokens or cfg.global_batch * seq

@@ -151,12 +151,14 @@ def _gib(n: float) -> str:
 
 def table(plans: list[Plan], *, top: int) -> str:
     """The ranked plans as a text table: layout, peak memory per rank and its largest parts, step time."""
-    head = (f"{'#':>3}  {'layout':<40} {'mem/rank GiB':>12}  {'largest terms (GiB)':<40} {'step s':>8} "
+    shown = plans[:top]
+    terms = [", ".join(f"{k} {_gib(v)}" for k, v in p.memory.largest(3)) for p in shown]
+    width = max([40, *map(len, terms)])  # the longest row's terms: the columns after it stay aligned
+    head = (f"{'#':>3}  {'layout':<40} {'mem/rank GiB':>12}  {'largest terms (GiB)':<{width}} {'step s':>8} "
             f"{'tokens/s':>10} {'MFU':>5} {'bubble':>6}")
     lines = [head]
-    for i, p in enumerate(plans[:top], 1):
-        terms = ", ".join(f"{k} {_gib(v)}" for k, v in p.memory.largest(3))
-        lines.append(f"{i:>3}  {p.layout.label():<40} {_gib(p.memory.total):>12}  {terms:<40} "
+    for i, (p, largest) in enumerate(zip(shown, terms), 1):
+        lines.append(f"{i:>3}  {p.layout.label():<40} {_gib(p.memory.total):>12}  {largest:<{width}} "
                      f"{p.time.step_s:>8.3g} {p.time.tokens_per_s:>10,.0f} {p.time.mfu:>5.0%} {p.time.bubble:>6.0%}")
     return "\n".join(lines)
 
