@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -43,8 +44,6 @@ from tetron.observe.rank_logs import RankLog
 from tetron.observe.watch import RankReport, RankWatch, resume_point
 from tetron.stop import SAME_REQUEST_S, StopRequest, stop_signals, stopped_line, watch_signals
 from tetron.train import train
-
-STOPPED_FILE_ENV = "TETRON_STOPPED_FILE"  # set by torchrun_main for its ranks; the first rank of a node writes it
 
 # How long torch's launcher waits for ranks it stops before it kills them: tetron's watch kills a rank that
 # does not end by itself well before (GRACE_S); this only bounds what the watch cannot see.
@@ -205,9 +204,9 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
         elif mesh.rank == 0:
             print(stopped_line(stop.signal or "a signal", result.stopped_at, steps=cfg.train.steps, folder=folder),
                   flush=True)
-        note = os.environ.get(STOPPED_FILE_ENV)  # under torchrun_main: its exit status is 0 after this save
-        if report is None and note and os.environ.get("LOCAL_RANK", "0") == "0":
-            write_text(Path(note), folder + "\n")
+        note = _stopped_note(os.getppid())  # under torchrun_main (our parent): its exit status is 0 after this save
+        if report is None and note.parent.is_dir() and os.environ.get("LOCAL_RANK", "0") == "0":
+            write_text(note, folder + "\n")
         return
     if mesh.rank == 0 and cfg.logging.sample_tokens > 0:
         from tetron.observe.generate import sample_from_run
@@ -278,20 +277,28 @@ def _abort(sig: signal.Signals, out: str, *, announce: bool) -> None:
     os._exit(128 + sig)
 
 
+def _stopped_note(agent: int) -> Path:
+    """Where the first rank of a node notes that it saved after a stop signal, for torchrun_main in the
+    process `agent` (torchrun's agent starts the ranks as its own children): a folder only it creates."""
+    return Path(tempfile.gettempdir()) / f"tetron-torchrun-{agent}" / "stopped"
+
+
 def torchrun_main(argv: list[str] | None = None) -> int:
     """torchrun with `argv`; 0 when it ends by a signal the ranks saved on (the first rank of this node notes
-    the save in the file STOPPED_FILE_ENV names), else as torchrun ends."""
+    the save in _stopped_note), else as torchrun ends."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
-    with tempfile.TemporaryDirectory(prefix="tetron-torchrun-") as folder:
-        note = Path(folder) / "stopped"
-        os.environ[STOPPED_FILE_ENV] = str(note)  # this process is the node's launcher: its ranks inherit it
-        try:
-            torchrun(sys.argv[1:] if argv is None else argv)
-        except SignalException:
-            if not note.is_file():  # the ranks did not save: a failure, as torchrun says
-                raise
+    note = _stopped_note(os.getpid())
+    shutil.rmtree(note.parent, ignore_errors=True)  # left by a killed process that had this pid
+    note.parent.mkdir(mode=0o700)
+    try:
+        torchrun(sys.argv[1:] if argv is None else argv)
+    except SignalException:
+        if not note.is_file():  # the ranks did not save: a failure, as torchrun says
+            raise
+    finally:
+        shutil.rmtree(note.parent, ignore_errors=True)
     return 0  # the ranks' own last line (stop.stopped_line) said where they saved
 
 
