@@ -77,7 +77,8 @@ def test_predicted_peak_memory_matches_every_rank(corpus, cache_dir, tmp_path):
         cfg = from_dict(raw)
         validate(cfg)
         prepare_data(cfg)
-        for r in run_ranks(cfg.world_size, measure_rank, raw, steps=3, timed_steps=1, timeout=300):
+        # step 0 has no optimizer state yet; step 1 holds everything a steady-state step does
+        for r in run_ranks(cfg.world_size, measure_rank, raw, steps=2, timed_steps=1, timeout=300):
             predicted = predict_rank(cfg, r["pp"], dp_rank=r["dp"] * cfg.parallel.cp + r["cp"]).total
             error = (predicted - r["peak_bytes"]) / r["peak_bytes"]
             rows.append(f"{name:<24} rank {r['rank']}  predicted {predicted / 2**20:7.3f} MiB  measured "
