@@ -47,13 +47,12 @@ def bpe(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def mixed_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """~200 KB (at shard_mb=0.03 some 8 units, 5 of them the .jsonl's): a .jsonl of stdlib modules, text files, a
-    parquet file of two row groups."""
+    """~400 KB: a .jsonl of stdlib modules, text files, a parquet file of two row groups."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     root = tmp_path_factory.mktemp("src")
-    docs = list(iter_texts("stdlib", max_bytes=200_000))
+    docs = list(iter_texts("stdlib", max_bytes=400_000))
     _jsonl(root / "a.jsonl", docs[: len(docs) // 2])
     for i, d in enumerate(docs[len(docs) // 2: len(docs) // 2 + 5]):
         (root / f"b{i}.py").write_text(d)
@@ -157,8 +156,9 @@ def test_killed_run_resumes(tmp_path, bpe, capsys):
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("u*.done.json")}
     assert kept
     capsys.readouterr()
-    assert cli_main(["tokenize", *args]) == 0  # the same command again, in this process: nothing here is killed
+    code = cli_main(["tokenize", *args])  # the same command again, in this process: nothing here is killed
     err = capsys.readouterr().err
+    assert code == 0, err
     assert "resuming" in err and "ETA" in err
     assert all((out / name).stat().st_mtime_ns == t for name, t in kept.items())
     assert TokenStore(out).tolist() == [i for d in docs for i in (*bpe.encode(d), bpe.eos_id)]
