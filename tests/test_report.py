@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_cli import cli_in_process
 
 from tetron.errors import ConfigError
 from tetron.observe.metrics import ProgressBar, say
@@ -217,13 +218,12 @@ def test_a_real_run_with_every_observer(corpus, cache_dir, tmp_path):
     assert [p.name for p in (out / "profile").iterdir()] == ["step_2"]
     assert sorted(p.name for p in (out / "profile" / "step_2").iterdir()) == ["rank_0.json", "rank_1.json"]
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
-    rep = subprocess.run([sys.executable, "-m", "tetron.cli", "report", str(out)], cwd=tmp_path, env=user_env(),
-                         capture_output=True, text=True, timeout=120)
+    # `tetron report` in this process: it starts nothing, so a child would only import torch again
+    rep = cli_in_process(["report", str(out)], tmp_path)
     assert rep.returncode == 0, rep.stderr
     assert rep.stdout.splitlines()[1].startswith("out (dp2)")
     assert f"{records[-1]['val_loss']:.4f}" in rep.stdout and "median seconds per step" in rep.stdout
     assert (out / "report.png").is_file()
-    bad = subprocess.run([sys.executable, "-m", "tetron.cli", "report", str(tmp_path / "nothing")], cwd=tmp_path,
-                         env=user_env(), capture_output=True, text=True, timeout=120)
+    bad = cli_in_process(["report", str(tmp_path / "nothing")], tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("tetron: error: ") and len(bad.stderr.splitlines()) == 1
 

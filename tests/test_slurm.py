@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_cli import cli_in_process
 
 from conftest import LOSS_RTOL, run_parallel, tiny_config
 
@@ -156,21 +157,19 @@ def job_state(job: str, env: dict) -> tuple[str, int]:
     return (state.group(1) if state else "UNKNOWN"), int(restarts.group(1)) if restarts else 0
 
 
-def tetron(*args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**(env or os.environ), "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "tetron.cli", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
-def test_a_two_node_job_runs_and_a_requeued_job_resumes(slurm, corpus, cache_dir, tmp_path):
+def test_a_two_node_job_runs_and_a_requeued_job_resumes(slurm, corpus, cache_dir, tmp_path, monkeypatch):
     train = {"steps": 30, "lr": 1e-3}
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", parallel={"dp": 2, "device": "cpu"}, train=train,
                       checkpoint={"save_every": 5})
     ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", parallel={"dp": 2}, train=train)
     (reference, _), _ = run_parallel(ref_raw)  # tokenizes into the cache the job reads too
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-    submitted = tetron("slurm", "run.yaml", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:10:00", "--submit",
-                       cwd=tmp_path, env=slurm)
+    # `tetron slurm --submit` in this process (sbatch is the real process here), in the environment sbatch
+    # hands the job: Slurm's, and this checkout importable by the job's ranks
+    for name, value in {**slurm, "PYTHONPATH": str(REPO)}.items():
+        monkeypatch.setenv(name, value)
+    submitted = cli_in_process(["slurm", "run.yaml", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:10:00",
+                                "--submit"], tmp_path)
     assert submitted.returncode == 0, submitted.stderr
     job = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
     out = tmp_path / "run"
@@ -202,11 +201,13 @@ def test_a_two_node_job_runs_and_a_requeued_job_resumes(slurm, corpus, cache_dir
 # ------------------------------------------------------------------------------------ the script itself
 
 
-def test_the_job_script(tmp_path):
+def test_the_job_script(tmp_path, monkeypatch):
+    """What `tetron slurm` writes, and its refusals; through tetron.cli.main in this process (the same code a
+    user's command runs, without a torch import each: nothing here needs a process of its own)."""
     (tmp_path / "data.txt").write_text("x = 1\n" * 100)
     run = ["slurm", "demo", "--data", "data.txt", "--tokenizer", "bytes", "--out", "runs/a"]
     job_args = ["--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu", "--time", "02:00:00", "--account", "proj"]
-    written = tetron(*run, "--dp", "8", "--tp", "2", *job_args, cwd=tmp_path)
+    written = cli_in_process([*run, "--dp", "8", "--tp", "2", *job_args], tmp_path)
     assert written.returncode == 0, written.stderr
     slurm_dir = tmp_path / "runs" / "a" / "slurm"
     job, node = (slurm_dir / "job.sh").read_text(), (slurm_dir / "node.sh").read_text()
@@ -223,16 +224,17 @@ def test_the_job_script(tmp_path):
     assert (cfg["parallel"]["dp"], cfg["parallel"]["tp"]) == (8, 2)
 
     # CPU ranks: no GPUs asked for
-    cpu = tetron(*run, "--parallel.device=cpu", "--dp", "2", "--nodes", "2", "--gpus-per-node", "1", cwd=tmp_path)
+    cpu = cli_in_process([*run, "--parallel.device=cpu", "--dp", "2", "--nodes", "2", "--gpus-per-node", "1"],
+                         tmp_path)
     assert cpu.returncode == 0, cpu.stderr
     assert "--gpus-per-node" not in (slurm_dir / "job.sh").read_text()
 
-    wrong = tetron(*run, "--dp", "8", "--tp", "2", "--nodes", "3", "--gpus-per-node", "8", cwd=tmp_path)
+    wrong = cli_in_process([*run, "--dp", "8", "--tp", "2", "--nodes", "3", "--gpus-per-node", "8"], tmp_path)
     assert wrong.returncode == 2
     assert wrong.stderr.strip() == ("tetron: error: dp*tp*pp*cp = 16 but the job has 3 node(s) x 8 = 24 ranks; set "
                                     "the parallel sizes so their product is 24")
-    no_sbatch = tetron(*run, "--dp", "8", "--tp", "2", *job_args, "--submit", cwd=tmp_path,
-                       env={**os.environ, "PATH": str(tmp_path)})
+    monkeypatch.setenv("PATH", str(tmp_path))  # shutil.which looks sbatch up on PATH as the command would
+    no_sbatch = cli_in_process([*run, "--dp", "8", "--tp", "2", *job_args, "--submit"], tmp_path)
     assert no_sbatch.returncode == 2 and "sbatch is not on PATH" in no_sbatch.stderr
 
 

@@ -126,31 +126,39 @@ def test_resume_keeps_finished_units(tmp_path, mixed_source, bpe, monkeypatch):
         build_store(str(mixed_source), Tokenizer(None, None), out, workers=1, shard_mb=0.03)
 
 
-def _tokenize_cli(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tetron.cli", "tokenize", *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, **kw)
+# The process that is killed: `tetron tokenize` as the command runs it (tetron.cli.main), after it has shown, in
+# the same fresh interpreter, that a tokenize of local files never imports datasets (only hf: sources need it).
+KILLED_TOKENIZE = ("import sys; from tetron.cli import main; "
+                   "assert main(['tokenize', sys.argv[1], '--tokenizer', 'bytes', '--out', sys.argv[2], '--workers', "
+                   "'1']) == 0; assert 'datasets' not in sys.modules, 'datasets imported'; "
+                   "print('datasets not imported', flush=True); sys.exit(main(['tokenize', *sys.argv[3:]]))")
 
 
-def test_killed_run_resumes(tmp_path, bpe):
-    """`tetron tokenize` with 2 workers, killed (all its processes) once a unit is done, then run again:
-    the finished units' shards are kept and the store equals the documents encoded one by one."""
-    docs = list(iter_texts("stdlib", max_bytes=1_500_000))
+def test_killed_run_resumes(tmp_path, bpe, capsys):
+    """`tetron tokenize` with 2 workers, killed (all its processes) once a unit is done, then run again: the
+    finished units' shards are kept and the store equals the documents encoded one by one. The killed process
+    first tokenizes a local file without importing datasets."""
+    docs = list(iter_texts("stdlib", max_bytes=600_000))  # some 30 units of 0.02 MB: a kill lands after the first
     src = _jsonl(tmp_path / "d.jsonl", docs)
     bpe.save(tmp_path / "tok")
     out = tmp_path / "store"
-    args = (str(src), "--tokenizer", str(tmp_path / "tok"), "--out", str(out), "--workers", "2", "--shard-mb", "0.05")
-    proc = _tokenize_cli(*args)
+    args = [str(src), "--tokenizer", str(tmp_path / "tok"), "--out", str(out), "--workers", "2", "--shard-mb", "0.02"]
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_TOKENIZE, str(REPO / "README.md"), str(tmp_path / "readme"),
+                             *args], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
     deadline = time.monotonic() + 120
     while not list(out.glob("u*.done.json")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    printed, err = proc.communicate()
+    assert "datasets not imported" in printed.splitlines(), printed + err
     assert not (out / "index.json").exists(), "finished before it could be killed: use more data"
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("u*.done.json")}
     assert kept
-    proc = _tokenize_cli(*args)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    capsys.readouterr()
+    code = cli_main(["tokenize", *args])  # the same command again, in this process: nothing here is killed
+    err = capsys.readouterr().err
+    assert code == 0, err
     assert "resuming" in err and "ETA" in err
     assert all((out / name).stat().st_mtime_ns == t for name, t in kept.items())
     assert TokenStore(out).tolist() == [i for d in docs for i in (*bpe.encode(d), bpe.eos_id)]
@@ -366,13 +374,6 @@ def test_hf_streaming(tmp_path, bpe, monkeypatch):
         build_store(f"hf:{folder}", bpe, tmp_path / "s2", workers=1, shard_mb=1, text_field="n")
     with pytest.raises(DataError, match=r"has no column 'body'"):
         build_store(f"hf:{folder}", bpe, tmp_path / "s3", workers=1, shard_mb=1, text_field="body")
-
-
-def test_datasets_only_imported_for_hf(tmp_path):
-    code = ("import sys; from pathlib import Path; from tetron.cli import main; "
-            f"assert main(['tokenize', {str(REPO / 'README.md')!r}, '--tokenizer', 'bytes', '--out', "
-            f"{str(tmp_path / 's')!r}, '--workers', '1']) == 0; assert 'datasets' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True, timeout=120)
 
 
 # ----------------------------------------------------------------------------- a store as data.path
