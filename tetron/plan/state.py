@@ -125,12 +125,13 @@ def _buckets(units: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: 
     embed = root[:1] if first else ()
     numels = [*embed, *(n for layer in layers for n in layer), *root[len(embed):]]  # parameters() order
     limit = max(1, int(bucket_mb * 2**20 / 4))
-    buckets, group = [], []
+    buckets, group, filled = [], [], 0  # (a running total: summing the group anew is quadratic in its length)
     for numel in reversed(numels):
         group.append(numel)
-        if sum(group) >= limit:
+        filled += numel
+        if filled >= limit:
             buckets.append(Bucket(tuple(group), shards))
-            group = []
+            group, filled = [], 0
     if group:
         buckets.append(Bucket(tuple(group), shards))
     return tuple(buckets)
