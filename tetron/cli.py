@@ -11,17 +11,19 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
+import typing
 from importlib.metadata import version
 from pathlib import Path
 from typing import NoReturn
 
 import yaml
 
-from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
+from tetron.config import SECTIONS, Config, PpSchedule, Recompute, field_docs, from_dict, load_config
 from tetron.data.loader import check_tokenizer_pairing, load_tokens, prepare_data, start_folder, tokenizer_spec
 from tetron.device import cuda_count
-from tetron.errors import ConfigError, DataError, UserError, check
+from tetron.errors import ConfigError, DataError, UserError, check, quoted
 from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, find_latest, read_json
 from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
@@ -42,6 +44,9 @@ USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] 
        tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]
        tetron report RUN [RUN ...] [--out FILE.png] [--x step|tokens]   (curves and a summary of runs)
        tetron --version"""
+
+
+MAX_RANKS = 2**17  # what `tetron plan` searches over at most: beyond any cluster, and a search of seconds
 
 
 def _fail(message: str) -> int:
@@ -243,8 +248,10 @@ def _plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--memory-gb", type=float, help="memory per device in GiB (overrides the GPU's)")
     parser.add_argument("--batch-tokens", type=int, help="global batch in tokens (default: the config's)")
     for axis, kind in (("dp", int), ("tp", int), ("pp", int), ("cp", int), ("zero", int), ("micro-batch", int),
-                       ("pp-virtual", int), ("recompute", str), ("pp-schedule", str)):
+                       ("pp-virtual", int)):
         parser.add_argument(f"--{axis}", type=kind, help="keep this axis as given")
+    parser.add_argument("--recompute", choices=typing.get_args(Recompute), help="keep this axis as given")
+    parser.add_argument("--pp-schedule", choices=typing.get_args(PpSchedule), help="keep this axis as given")
     parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
     parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
@@ -254,7 +261,28 @@ def _plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="run the best K layouts here for a few steps: predicted beside measured (default 3)")
     parser.add_argument("--steps", type=int, default=3, help="steps --measure runs before timing (default 3)")
     mine, rest = _split_known(parser, args)
-    return parser.parse_args(mine), rest
+    ns = parser.parse_args(mine)
+    _check_plan_numbers(ns)
+    return ns, rest
+
+
+def _check_plan_numbers(ns: argparse.Namespace) -> None:
+    """`tetron plan`'s numbers, each in the range that means something (a negative --top would print all but
+    one row; a NaN --memory-gb would reach int()); the axes are checked by fixed_axes."""
+    check(1 <= ns.nodes <= MAX_RANKS and 1 <= ns.gpus_per_node <= MAX_RANKS
+          and ns.nodes * ns.gpus_per_node <= MAX_RANKS,
+          f"--nodes={quoted(ns.nodes)} x --gpus-per-node={quoted(ns.gpus_per_node)}: each at least 1, together at "
+          f"most {MAX_RANKS:,} ranks")
+    check(ns.memory_gb is None or (math.isfinite(ns.memory_gb) and 0 < ns.memory_gb <= 2**20),
+          f"--memory-gb={ns.memory_gb}: give the memory per device in GiB, a number above 0 (e.g. 80)")
+    check(ns.batch_tokens is None or 1 <= ns.batch_tokens < 2**63,
+          f"--batch-tokens={quoted(ns.batch_tokens)} must be at least 1 (a multiple of data.seq_len)")
+    for flag, value, least in (("--top", ns.top, 1), ("--pick", ns.pick, 1), ("--measure", ns.measure, 0),
+                               ("--steps", ns.steps, 1)):
+        check(least <= value < 2**63, f"{flag}={quoted(value)} must be at least {least}")
+    check(ns.pp_virtual in (None, 1) or ns.pp_schedule in (None, "interleaved", "zbv"),
+          f"--pp-virtual={quoted(ns.pp_virtual)} needs --pp-schedule interleaved (or zbv, with 2): "
+          f"{ns.pp_schedule} runs one layer chunk per pipeline rank; leave out --pp-virtual with it")
 
 
 def plan_command(args: list[str]) -> int:
@@ -265,7 +293,6 @@ def plan_command(args: list[str]) -> int:
         fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "zero": ns.zero,
                             "recompute": ns.recompute, "micro_batch": ns.micro_batch, "pp_schedule": ns.pp_schedule,
                             "pp_virtual": ns.pp_virtual, "sp": ns.sp})
-        check(ns.nodes >= 1 and ns.gpus_per_node >= 1, "--nodes and --gpus-per-node must be at least 1")
         request = PlanRequest(config=ns.config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
                               gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
                               top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
@@ -346,6 +373,16 @@ COMMANDS = {"plan": plan_command, "slurm": slurm_command, "convert": convert_com
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader that went away shows here, inside the try, not at the interpreter's exit
+        return code
+    except BrokenPipeError:  # `tetron train --help | head -1`: stop quietly, as a command killed by SIGPIPE does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exit's own flush fails no more
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
