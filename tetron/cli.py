@@ -104,13 +104,13 @@ def train_command(args: list[str]) -> int:
     try:
         cfg = load_config(config_path, args)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
+        note = _schedule_note(cfg)  # reads the checkpoint's saved config: refused before anything is written
         # the memory model's peak per rank against this node's memory, before any rank allocates
         check_fits(cfg, ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if inside_launch else cfg.world_size,
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         if not inside_launch or os.environ.get("RANK") == "0":
             lock = _lock_run_folder(cfg)
             _check_data(cfg)
-        note = _schedule_note(cfg)
     except UserError as err:
         if lock is not None:
             lock.release()
@@ -138,7 +138,12 @@ def _schedule_note(cfg: Config) -> str | None:
     state = read_json(folder / STATE_FILE) if folder is not None else None
     if not state or not state.get("config"):
         return None  # nothing saved yet, or a converted model folder: no schedule to continue
-    return schedule_change(from_dict(state["config"]).train, cfg.train, state["step"])
+    try:
+        saved = from_dict(state["config"]).train
+    except ConfigError as err:  # a checksum proves the file whole, not its config valid (it may be resealed)
+        raise ConfigError(f"{folder / STATE_FILE}: the config saved there is not valid ({err}); resume from "
+                          f"another checkpoint, or restore this one's file") from None
+    return schedule_change(saved, cfg.train, state["step"])
 
 
 def convert_command(args: list[str]) -> int:

@@ -78,8 +78,9 @@ class DataConfig:
     sources: list[dict[str, Any]] | None = None  # a mixture instead of path: [{path: STORE_OR_SPEC, weight: W,
     # epochs: E}], rows drawn by weight; a source leaves after `epochs` passes (optional; none: no limit)
     hash_contents: bool = False  # key the token cache of local files by their bytes, not their sizes and mtimes
-    tokenizer: str | None = None  # "bytes", "bpe:N", a HF tokenizer folder or hub name; None: the tokenizer of
-    # the checkpoint or model folder the run starts from, else "bytes"
+    tokenizer: str | None = None  # "bytes", "bpe:N", a HF tokenizer folder or hub name; None (null, e.g.
+    # --data.tokenizer=null): the tokenizer of the checkpoint or model folder the run starts from, of the token
+    # store data.path names, else "bytes"
     text_field: str = "text"  # the text column of .jsonl/.parquet/hf datasets
     max_bytes: int | None = None  # use only about this many bytes of text (a fixed prefix)
     seq_len: int = 256  # training sequence length in tokens
@@ -315,15 +316,21 @@ def check_expansion(raw: Any, where: str) -> None:
     size(raw)
 
 
+def _key(key: Any) -> str:
+    """An unknown key as an error line names it: as written, cut to a short prefix."""
+    text = str(key) if not isinstance(key, int) or key.bit_length() < 10_000 else quoted(key)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
 def _build(cls: type, raw: Any, where: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a section of key: value pairs, got {quoted(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(set(raw) - set(fields), key=str)  # (YAML keys may be numbers too)
     if unknown:
-        raise ConfigError(f"{where}.{quoted(unknown[0])}: unknown key; known keys are {', '.join(fields)}")
+        raise ConfigError(f"{where}.{_key(unknown[0])}: unknown key; known keys are {', '.join(fields)}")
     types_ = typing.get_type_hints(cls)  # the annotations are strings (future import): resolve them
     kwargs = {name: _coerce(value, types_[name], f"{where}.{name}") for name, value in raw.items()}
     try:
@@ -336,9 +343,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     """Dataclasses from a raw dict; unknown keys and wrongly typed values raise ConfigError."""
     raw = dict(raw or {})
     known = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - known, key=str)
     if unknown:
-        raise ConfigError(f"{quoted(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
+        raise ConfigError(f"{_key(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
     sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig,
                 "checkpoint": CheckpointConfig}
     kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name) for name, cls in sections.items()}

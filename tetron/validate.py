@@ -196,8 +196,9 @@ def _validate_data(cfg: Config) -> None:
         specs = data_specs(cfg)
         _check(not d.sources and not is_store(d.path),
                f"data.tokenizer={tok} is trained on text, and {'data.sources is' if d.sources else 'data.path is a'} "
-               f"{'set' if d.sources else 'token store'}: leave data.tokenizer unset to use the store's, or give a "
-               f"tokenizer folder (tetron tokenize {specs[0]} --tokenizer {tok} makes a store with one)")
+               f"{'set' if d.sources else 'token store'}: leave data.tokenizer unset (--data.tokenizer=null) to use "
+               f"the store's, or give a tokenizer folder (tetron tokenize {specs[0]} --tokenizer {tok} makes a "
+               f"store with one)")
         n = tok[4:]
         _check(n.isdigit() and int(n) >= 257,
                f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
