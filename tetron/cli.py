@@ -176,11 +176,11 @@ def _generate_args(args: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ns = parser.parse_args(args)
-    check(ns.max_new_tokens >= 0, f"--max-new-tokens={ns.max_new_tokens} must be >= 0")
+    check(ns.max_new_tokens >= 0, f"--max-new-tokens={quoted(ns.max_new_tokens)} must be >= 0")
     check(math.isfinite(ns.temperature) and ns.temperature >= 0,
           f"--temperature={ns.temperature} must be a finite number >= 0 (0: greedy)")
-    check(ns.top_k >= 0, f"--top-k={ns.top_k} must be >= 0 (0: no limit)")
-    check(0 <= ns.seed < 2**63, f"--seed={ns.seed} must be in [0, 2**63)")
+    check(ns.top_k >= 0, f"--top-k={quoted(ns.top_k)} must be >= 0 (0: no limit)")
+    check(0 <= ns.seed < 2**63, f"--seed={quoted(ns.seed)} must be in [0, 2**63)")
     device = re.fullmatch(r"cpu|cuda(?::(\d+))?", ns.device)
     check(device is not None, f"--device={ns.device}: use cpu, cuda or cuda:N")
     if ns.device.startswith("cuda"):

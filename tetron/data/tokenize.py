@@ -29,10 +29,11 @@ MAX_SHARDS = 100_000  # shard files one store may have: more is a folder no file
 
 
 def _check_shard_count(source: str, shard_mb: float) -> None:
-    """--shard-mb finite, and large enough that the source's bytes (of local files: a hub dataset's are not
-    known before it streams) make at most MAX_SHARDS work units, each of which writes a shard."""
-    if not math.isfinite(shard_mb) or shard_mb > 2**20:
-        raise DataError(f"--shard-mb={shard_mb}: give MB of input per shard, a number up to {2**20} (e.g. 256)")
+    """--shard-mb finite, at least 1 KiB, and large enough that the source's bytes (of local files: a hub
+    dataset's are not known before it streams) make at most MAX_SHARDS work units, each writing a shard."""
+    if not math.isfinite(shard_mb) or not 2**-10 <= shard_mb <= 2**20:
+        raise DataError(f"--shard-mb={shard_mb}: give MB of input per shard, from {2**-10:.4g} (1 KiB) to {2**20} "
+                        f"(e.g. 256)")
     if source.startswith("hf:"):
         return
     size = sum(f.stat().st_size for f in resolve_files(source))
