@@ -30,6 +30,7 @@ from tetron.observe.evaluate import check_held_out, training_tokens
 from tetron.observe.metrics import say
 from tetron.overrides import SHORT_FLAGS
 from tetron.plan.fit import check_fits
+from tetron.plan.report import check_plan_numbers
 from tetron.schedule import schedule_change
 from tetron.validate import validate
 
@@ -44,9 +45,6 @@ USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] 
        tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]
        tetron report RUN [RUN ...] [--out FILE.png] [--x step|tokens]   (curves and a summary of runs)
        tetron --version"""
-
-
-MAX_RANKS = 2**17  # what `tetron plan` searches over at most: beyond any cluster, and a search of seconds
 
 
 def _fail(message: str) -> int:
@@ -267,27 +265,8 @@ def _plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--steps", type=int, default=3, help="steps --measure runs before timing (default 3)")
     mine, rest = _split_known(parser, args)
     ns = parser.parse_args(mine)
-    _check_plan_numbers(ns)
+    check_plan_numbers(ns)
     return ns, rest
-
-
-def _check_plan_numbers(ns: argparse.Namespace) -> None:
-    """`tetron plan`'s numbers, each in the range that means something (a negative --top would print all but
-    one row; a NaN --memory-gb would reach int()); the axes are checked by fixed_axes."""
-    check(1 <= ns.nodes <= MAX_RANKS and 1 <= ns.gpus_per_node <= MAX_RANKS
-          and ns.nodes * ns.gpus_per_node <= MAX_RANKS,
-          f"--nodes={quoted(ns.nodes)} x --gpus-per-node={quoted(ns.gpus_per_node)}: each at least 1, together at "
-          f"most {MAX_RANKS:,} ranks")
-    check(ns.memory_gb is None or (math.isfinite(ns.memory_gb) and 0 < ns.memory_gb <= 2**20),
-          f"--memory-gb={ns.memory_gb}: give the memory per device in GiB, a number above 0 (e.g. 80)")
-    check(ns.batch_tokens is None or 1 <= ns.batch_tokens < 2**63,
-          f"--batch-tokens={quoted(ns.batch_tokens)} must be at least 1 (a multiple of data.seq_len)")
-    for flag, value, least in (("--top", ns.top, 1), ("--pick", ns.pick, 1), ("--measure", ns.measure, 0),
-                               ("--steps", ns.steps, 1)):
-        check(least <= value < 2**63, f"{flag}={quoted(value)} must be at least {least}")
-    check(ns.pp_virtual in (None, 1) or ns.pp_schedule in (None, "interleaved", "zbv"),
-          f"--pp-virtual={quoted(ns.pp_virtual)} needs --pp-schedule interleaved (or zbv, with 2): "
-          f"{ns.pp_schedule} runs one layer chunk per pipeline rank; leave out --pp-virtual with it")
 
 
 def plan_command(args: list[str]) -> int:
