@@ -337,3 +337,12 @@ def test_numbers_in_range_pass(folder):
     raw = base_raw(folder)
     cfg = from_dict({**raw, "train": {**raw["train"], "seed": 2**63 - 1, "steps": 4.0}})
     assert cfg.train.seed == 2**63 - 1 and cfg.train.steps == 4 and isinstance(cfg.train.steps, int)
+
+
+def test_plan_weighs_an_absurd_model_by_arithmetic(folder, capsys, monkeypatch):
+    """tetron plan on a vocabulary of 10**18: every layout is over the limit by the lower bound alone (the layer
+    read off the meta device for the step time no longer builds that embedding, which overflowed)."""
+    monkeypatch.setattr("tetron.plan.search.predict", lambda *a, **k: pytest.fail("the memory model ran"))
+    code, out, err = run_cli(["plan", str(folder / "good.yaml"), "--nodes", "1", "--gpus-per-node", "2", "--gpu",
+                              "H100", "--model.vocab_size=1000000000000000000"], capsys)
+    assert code == 1 and err == "" and "nothing fits" in out, (code, err)

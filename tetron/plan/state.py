@@ -59,7 +59,9 @@ def _layer_params(cfg: Config) -> tuple[tuple[int, bool], ...]:
     if key not in _LAYER_PARAMS:
         spec, tp = family(cfg.model.model_type), cfg.parallel.tp
         with torch.device("meta"):
-            layer = spec.plan.layers_of(spec.model_class(dataclasses.replace(cfg.model, num_hidden_layers=1)))["0"]
+            # one layer and a one-token vocabulary: a layer's shapes do not depend on the vocabulary's size
+            one = dataclasses.replace(cfg.model, num_hidden_layers=1, vocab_size=1)
+            layer = spec.plan.layers_of(spec.model_class(one))["0"]
         dims = [(param.numel(), spec.plan.tp_dim(name), name.endswith(".weight"))
                 for name, param in layer.named_parameters()]
         _LAYER_PARAMS[key] = tuple((n if dim is None else n // tp, dim is not None and weight)
