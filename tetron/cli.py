@@ -11,14 +11,16 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
+import typing
 from importlib.metadata import version
 from pathlib import Path
 from typing import NoReturn
 
 import yaml
 
-from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
+from tetron.config import SECTIONS, Config, PpSchedule, Recompute, field_docs, from_dict, load_config
 from tetron.data.loader import (
     check_tokenizer_pairing,
     data_specs,
@@ -31,7 +33,7 @@ from tetron.data.loader import (
 )
 from tetron.data.mixture import check_mixture
 from tetron.device import cuda_count
-from tetron.errors import ConfigError, DataError, UserError, check
+from tetron.errors import ConfigError, DataError, UserError, check, quoted
 from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, aside_name, earlier_run, find_latest, read_json, set_aside
 from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
@@ -39,6 +41,7 @@ from tetron.observe.metrics import say
 from tetron.observe.step_report import check_outputs
 from tetron.overrides import SHORT_FLAGS, apply_overrides
 from tetron.plan.fit import check_fits
+from tetron.plan.report import check_plan_numbers
 from tetron.schedule import schedule_change
 from tetron.validate import validate
 
@@ -158,6 +161,7 @@ def train_command(args: list[str]) -> int:
     try:
         cfg, notes = _fit_tokenizer(load_config(config_path, args), args)
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
+        note = _schedule_note(cfg)  # reads the checkpoint's saved config: refused before anything is written
         # the memory model's peak per rank against this node's memory, before any rank allocates
         check_fits(cfg, ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if inside_launch else cfg.world_size,
                    local_rank=int(os.environ.get("LOCAL_RANK", 0)))
@@ -194,7 +198,12 @@ def _schedule_note(cfg: Config) -> str | None:
     state = read_json(folder / STATE_FILE) if folder is not None else None
     if not state or not state.get("config"):
         return None  # nothing saved yet, or a converted model folder: no schedule to continue
-    return schedule_change(from_dict(state["config"]).train, cfg.train, state["step"])
+    try:
+        saved = from_dict(state["config"]).train
+    except ConfigError as err:  # a checksum proves the file whole, not its config valid (it may be resealed)
+        raise ConfigError(f"{folder / STATE_FILE}: the config saved there is not valid ({err}); resume from "
+                          f"another checkpoint, or restore this one's file") from None
+    return schedule_change(saved, cfg.train, state["step"])
 
 
 def convert_command(args: list[str]) -> int:
@@ -227,11 +236,11 @@ def _generate_args(args: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ns = parser.parse_args(args)
-    check(ns.max_new_tokens >= 0, f"--max-new-tokens={ns.max_new_tokens} must be >= 0")
+    check(ns.max_new_tokens >= 0, f"--max-new-tokens={quoted(ns.max_new_tokens)} must be >= 0")
     check(math.isfinite(ns.temperature) and ns.temperature >= 0,
           f"--temperature={ns.temperature} must be a finite number >= 0 (0: greedy)")
-    check(ns.top_k >= 0, f"--top-k={ns.top_k} must be >= 0 (0: no limit)")
-    check(0 <= ns.seed < 2**63, f"--seed={ns.seed} must be in [0, 2**63)")
+    check(ns.top_k >= 0, f"--top-k={quoted(ns.top_k)} must be >= 0 (0: no limit)")
+    check(0 <= ns.seed < 2**63, f"--seed={quoted(ns.seed)} must be in [0, 2**63)")
     device = re.fullmatch(r"cpu|cuda(?::(\d+))?", ns.device)
     check(device is not None, f"--device={ns.device}: use cpu, cuda or cuda:N")
     if ns.device.startswith("cuda"):
@@ -304,8 +313,10 @@ def _plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--memory-gb", type=float, help="memory per device in GiB (overrides the GPU's)")
     parser.add_argument("--batch-tokens", type=int, help="global batch in tokens (default: the config's)")
     for axis, kind in (("dp", int), ("tp", int), ("pp", int), ("cp", int), ("zero", int), ("micro-batch", int),
-                       ("pp-virtual", int), ("recompute", str), ("pp-schedule", str)):
+                       ("pp-virtual", int)):
         parser.add_argument(f"--{axis}", type=kind, help="keep this axis as given")
+    parser.add_argument("--recompute", choices=typing.get_args(Recompute), help="keep this axis as given")
+    parser.add_argument("--pp-schedule", choices=typing.get_args(PpSchedule), help="keep this axis as given")
     parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
     parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
@@ -315,7 +326,9 @@ def _plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="run the best K layouts here for a few steps: predicted beside measured (default 3)")
     parser.add_argument("--steps", type=int, default=3, help="steps --measure runs before timing (default 3)")
     mine, rest = _split_known(parser, args)
-    return parser.parse_args(mine), rest
+    ns = parser.parse_args(mine)
+    check_plan_numbers(ns)
+    return ns, rest
 
 
 def plan_command(args: list[str]) -> int:
@@ -326,7 +339,6 @@ def plan_command(args: list[str]) -> int:
         fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "zero": ns.zero,
                             "recompute": ns.recompute, "micro_batch": ns.micro_batch, "pp_schedule": ns.pp_schedule,
                             "pp_virtual": ns.pp_virtual, "sp": ns.sp})
-        check(ns.nodes >= 1 and ns.gpus_per_node >= 1, "--nodes and --gpus-per-node must be at least 1")
         request = PlanRequest(config=ns.config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
                               gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
                               top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
@@ -412,6 +424,16 @@ COMMANDS = {"plan": plan_command, "slurm": slurm_command, "convert": convert_com
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # a reader that went away shows here, inside the try, not at the interpreter's exit
+        return code
+    except BrokenPipeError:  # `tetron train --help | head -1`: stop quietly, as a command killed by SIGPIPE does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exit's own flush fails no more
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from tetron.errors import ConfigError
+from tetron.errors import ConfigError, quoted
 from tetron.fs import read_bounded
 from tetron.models import config_from_hf, family
 from tetron.models.llama import LlamaConfig
@@ -39,6 +39,10 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["cosine", "wsd", "constant"]
 OnNonfinite = Literal["stop", "skip"]
 OnBadRecord = Literal["stop", "skip"]
+
+INT_LIMIT = 2**63  # every integer field fits int64, as the tensors and files that hold them do
+MAX_TEXT = 4096  # characters of a text field (PATH_MAX): a longer one is refused before any message quotes it
+MAX_VALUES = 100_000  # values a config may hold once YAML aliases are expanded (each alias counts each time)
 
 
 @dataclass
@@ -74,9 +78,10 @@ class DataConfig:
     sources: list[dict[str, Any]] | None = None  # a mixture instead of path: [{path: STORE_OR_SPEC, weight: W,
     # epochs: E}], rows drawn by weight; a source leaves after `epochs` passes (optional; none: no limit)
     hash_contents: bool = False  # key the token cache of local files by their bytes, not their sizes and mtimes
-    tokenizer: str | None = None  # "bytes", "bpe:N", a HF tokenizer folder or hub name; None: the tokenizer of
-    # the checkpoint or model folder the run starts from, else a token store's, else "bytes" (a store's or
-    # init_from's also wins over a config file's, with a note; not over --tokenizer)
+    tokenizer: str | None = None  # "bytes", "bpe:N", a HF tokenizer folder or hub name; None (null, e.g.
+    # --data.tokenizer=null): the tokenizer of the checkpoint or model folder the run starts from, else a token
+    # store's, else "bytes" (a store's or init_from's also wins over a config file's, with a note; not over
+    # --tokenizer)
     text_field: str = "text"  # the text column of .jsonl/.parquet/hf datasets
     max_bytes: int | None = None  # use only about this many bytes of text (a fixed prefix)
     seq_len: int = 256  # training sequence length in tokens
@@ -223,7 +228,7 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
-            raise ConfigError(f"{where}={value!r}: use {one_of(choices)}")
+            raise ConfigError(f"{where}={quoted(value)}: use {one_of(choices)}")
         return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -237,17 +242,18 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 return _coerce(value, option, where)
             except ConfigError as err:
                 last = err
-        raise last or ConfigError(f"{where}={value!r} is not valid")
+        raise last or ConfigError(f"{where}={quoted(value)} is not valid")
     text = isinstance(value, str)
     if origin in (dict, list) or annotation in (dict, list):
         kind = dict if dict in (origin, annotation) else list
         if text:
             try:
                 value = yaml.safe_load(value)
-            except yaml.YAMLError:
+            except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an int of over 4,300 digits
                 pass
+            check_expansion(value, where)
         if not isinstance(value, kind):
-            raise ConfigError(f"{where}={value!r}: expected a {'mapping' if kind is dict else 'list'}")
+            raise ConfigError(f"{where}={quoted(value)}: expected a {'mapping' if kind is dict else 'list'}")
         item = typing.get_args(annotation)
         if kind is list and item:  # list[int]: each element checked and converted like a field
             return [_coerce(v, item[0], f"{where}[{i}]") for i, v in enumerate(value)]
@@ -256,34 +262,80 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         if text and value.lower() in ("true", "false"):
             value = value.lower() == "true"
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}={value!r}: expected true or false")
+            raise ConfigError(f"{where}={quoted(value)}: expected true or false")
         return value
     if annotation in (int, float):
-        if text:
-            try:
-                value = float(value) if annotation is float else int(value)
-            except ValueError:
-                pass
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or (annotation is int and int(value) != value):
-            raise ConfigError(f"{where}={value!r}: expected {'an integer' if annotation is int else 'a number'}")
-        return annotation(value)
+        return _number(value, annotation, where)
     if annotation is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{where}={value!r}: expected a string")
+            raise ConfigError(f"{where}={quoted(value)}: expected a string")
+        if len(str(value)) > MAX_TEXT:
+            raise ConfigError(f"{where}={quoted(value)}: {len(str(value)):,} characters; at most {MAX_TEXT:,}")
         return str(value)
     return value
+
+
+def _number(value: Any, kind: type, where: str) -> int | float:
+    """An int or float field's value: text converted, integers in int64's range (a 400-digit step count
+    would overflow every tensor and float it meets), whole floats accepted as integers. Non-finite floats
+    pass here and are refused by validate, which names them as such."""
+    if isinstance(value, str):
+        try:
+            value = float(value) if kind is float else int(value)
+        except ValueError:  # not a number, or an integer of more than 4,300 digits
+            pass
+    if isinstance(value, float) and kind is int and value.is_integer():
+        value = int(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or (kind is int and isinstance(value, float)):
+        raise ConfigError(f"{where}={quoted(value)}: expected {'an integer' if kind is int else 'a number'}")
+    if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:
+        raise ConfigError(f"{where}={quoted(value)}: out of range; use a number between -2**63 and 2**63")
+    return kind(value)
+
+
+def check_expansion(raw: Any, where: str) -> None:
+    """Refuse a value that expands to more than MAX_VALUES values, or contains itself: YAML aliases let a
+    few lines stand for a billion items (each alias shares its anchor's object), which anything that walks
+    or copies the config would expand. Counted per distinct object, so the count costs the lines it reads."""
+    sizes: dict[int, int] = {}  # id -> expanded size, of the containers counted so far
+    open_: set[int] = set()  # the containers being counted (one met again inside itself is a cycle)
+
+    def size(node: Any) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        if id(node) in open_:
+            raise ConfigError(f"{where}: a YAML alias that contains itself; write the value out")
+        if id(node) not in sizes:
+            open_.add(id(node))
+            children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
+            total = 1
+            for child in children:
+                total += size(child)
+                if total > MAX_VALUES:
+                    raise ConfigError(f"{where}: expands to more than {MAX_VALUES:,} values (YAML aliases "
+                                      f"repeat what they name); write a smaller config")
+            open_.discard(id(node))
+            sizes[id(node)] = total
+        return sizes[id(node)]
+
+    size(raw)
+
+
+def _key(key: Any) -> str:
+    """An unknown key as an error line names it: as written, cut to a short prefix."""
+    text = str(key) if not isinstance(key, int) or key.bit_length() < 10_000 else quoted(key)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a section of key: value pairs, got {raw!r}")
+        raise ConfigError(f"{where}: expected a section of key: value pairs, got {quoted(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted(set(raw) - set(fields), key=str)  # (YAML keys may be numbers too)
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown key; known keys are {', '.join(fields)}")
+        raise ConfigError(f"{where}.{_key(unknown[0])}: unknown key; known keys are {', '.join(fields)}")
     types_ = typing.get_type_hints(cls)  # the annotations are strings (future import): resolve them
     kwargs = {name: _coerce(value, types_[name], f"{where}.{name}") for name, value in raw.items()}
     try:
@@ -306,9 +358,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     """Dataclasses from a raw dict; unknown keys and wrongly typed values raise ConfigError."""
     raw = dict(raw or {})
     known = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(set(raw) - known, key=str)
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown section; known sections are {', '.join(sorted(known))}")
+        raise ConfigError(f"{_key(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
     sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig,
                 "checkpoint": CheckpointConfig}
     kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name) for name, cls in sections.items()}
@@ -372,7 +424,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         except RecursionError:
             raise ConfigError(f"config {p}: not valid YAML (nested too deeply)") from None
         except (yaml.YAMLError, UnicodeDecodeError) as err:
-            raise ConfigError(f"config {p}: not valid YAML ({str(err).splitlines()[0]})") from None
+            raise ConfigError(f"config {p}: not valid YAML ({quoted(str(err).splitlines()[0])})") from None
+        except ValueError:  # the YAML is valid, a value is not: an integer of over 4,300 digits
+            raise ConfigError(f"config {p}: an integer of more than 4,300 digits; integer fields take at most "
+                              f"19 (int64)") from None
+        check_expansion(raw, f"config {p}")
         if not isinstance(raw, dict):
             raise ConfigError(f"config {p}: expected a mapping of sections at the top level")
     return from_dict(apply_overrides(raw, list(overrides)))

@@ -5,6 +5,14 @@ a running rank can meet, such as a full disk, as the one line that ends the run)
 
 from __future__ import annotations
 
+import reprlib
+
+# How an error line quotes a value: a short prefix, however large the value (a 400-digit number, a YAML
+# alias that expands to a billion items): reprlib stops at these depths and lengths instead of walking it all.
+_QUOTE = reprlib.Repr()  # (set attribute by attribute: Python 3.10 and 3.11 take no keywords)
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxlong, _QUOTE.maxother = 2, 40, 24, 40
+_QUOTE.maxtuple = _QUOTE.maxlist = _QUOTE.maxdict = _QUOTE.maxset = _QUOTE.maxfrozenset = _QUOTE.maxdeque = 3
+
 
 class UserError(ValueError):
     """A problem with the user's input; the message is one line for the user."""
@@ -24,6 +32,13 @@ class CheckpointError(UserError):
 
 class StorageError(UserError):
     """A file that could not be written (a full disk, a read-only folder), naming it and what would help."""
+
+
+def quoted(value: object) -> str:
+    """`repr(value)`, cut to a short prefix (at most about 60 characters) for an error line."""
+    if isinstance(value, int) and value.bit_length() > 10_000:  # repr() refuses ints of over 4,300 digits
+        return f"<an integer of {value.bit_length():,} bits>"
+    return _QUOTE.repr(value)
 
 
 def check(ok: bool, message: str, error: type[UserError] = ConfigError) -> None:

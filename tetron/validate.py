@@ -32,10 +32,12 @@ def _validate_zero_bubble(cfg: Config) -> None:
     if p.pp_schedule == "zbv":
         _check(p.pp_virtual == 2, f"{name} runs exactly two chunks per pipeline rank (a V): set "
                f"parallel.pp_virtual=2, not {p.pp_virtual}")
-        _check(p.pp >= 2, f"{name} needs pp >= 2, not pp={p.pp}; use pp >= 2")
-        _check(2 * p.pp <= cfg.model.num_hidden_layers, f"{name} cuts the model into 2*pp={2 * p.pp} stages, "
-               f"more than model.num_hidden_layers={cfg.model.num_hidden_layers}; use pp <= "
-               f"{cfg.model.num_hidden_layers // 2} or zbh1")
+        layers = cfg.model.num_hidden_layers
+        works = ("use pp=2" if layers // 2 == 2 else f"use pp from 2 to {layers // 2}") + ", or pp_schedule=zbh1"
+        if layers < 4:
+            works = "use pp_schedule=zbh1 or 1f1b (zbv needs at least 4 layers)"
+        _check(2 <= p.pp <= layers // 2, f"{name} cuts the model into 2*pp={2 * p.pp} stages, two on each of pp >= 2 "
+               f"ranks, and model.num_hidden_layers={layers} must fill them; {works}")
     _check(p.zero < 3, f"{name} with parallel.zero=3: ZeRO-3 frees a layer's gathered weights once its "
            f"gradients are in, which W (after later forwards) defeats; use zero <= 2 or pp_schedule=1f1b")
     _check(t.recompute == "none", f"{name} with train.recompute={t.recompute}: B and W would each redo the "
@@ -49,8 +51,8 @@ def _validate_pipeline(cfg: Config) -> None:
     p, layers, m = cfg.parallel, cfg.model.num_hidden_layers, cfg.train.grad_acc
     _check(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be at least 1")
     _check(p.pp_virtual == 1 or p.pp_schedule in ("interleaved", "zbv"),
-           f"parallel.pp_virtual={p.pp_virtual} needs pp_schedule=interleaved; use pp_virtual=1 with "
-           f"pp_schedule={p.pp_schedule}")
+           f"parallel.pp_virtual={p.pp_virtual} (layer chunks per pipeline rank) needs pp_schedule=interleaved "
+           f"(or zbv, with 2); pp_schedule={p.pp_schedule} runs one chunk per rank: use pp_virtual=1 with it")
     if p.pp_schedule in ("zbh1", "zbv"):
         _validate_zero_bubble(cfg)
     _check(p.pp <= layers, f"parallel.pp={p.pp} is more than model.num_hidden_layers={layers}; use pp <= {layers}")
@@ -194,8 +196,9 @@ def _validate_data(cfg: Config) -> None:
         specs = data_specs(cfg)
         _check(not d.sources and not is_store(d.path),
                f"data.tokenizer={tok} is trained on text, and {'data.sources is' if d.sources else 'data.path is a'} "
-               f"{'set' if d.sources else 'token store'}: leave data.tokenizer unset to use the store's, or give a "
-               f"tokenizer folder (tetron tokenize {specs[0]} --tokenizer {tok} makes a store with one)")
+               f"{'set' if d.sources else 'token store'}: leave data.tokenizer unset (--data.tokenizer=null) to use "
+               f"the store's, or give a tokenizer folder (tetron tokenize {specs[0]} --tokenizer {tok} makes a "
+               f"store with one)")
         n = tok[4:]
         _check(n.isdigit() and int(n) >= 257,
                f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")

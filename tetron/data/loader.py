@@ -129,8 +129,8 @@ def check_tokenizer_pairing(cfg: Config, tokenizer: Tokenizer) -> None:
     theirs = load_tokenizer(str(folder), data_spec=None, cache_dir=folder)
     if theirs.fingerprint() != tokenizer.fingerprint():
         raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} is not the tokenizer of {folder}, whose weights "
-                          f"learned that one's token ids: leave data.tokenizer unset to use it, or set "
-                          f"checkpoint.new_tokenizer=true to train with another")
+                          f"learned that one's token ids: leave data.tokenizer unset (--data.tokenizer=null) to use "
+                          f"it, or set checkpoint.new_tokenizer=true to train with another")
 
 
 def prepare_data(cfg: Config, *, say: Callable[[str], None] | None = None) -> tuple[Tokenizer, Path | list[Path]]:
@@ -144,7 +144,8 @@ def prepare_data(cfg: Config, *, say: Callable[[str], None] | None = None) -> tu
     paths = []
     for spec in data_specs(cfg):
         if is_store(spec):
-            paths.append(open_store(Path(spec).expanduser(), tokenizer))
+            paths.append(open_store(Path(spec).expanduser(), tokenizer,
+                                    unset_means=None if d.tokenizer is not None else tokenizer_spec(cfg)))
         else:
             paths.append(prepare_tokens(spec, tokenizer, cache_dir=cache, text_field=d.text_field, say=say,
                                         max_bytes=None if d.sources else d.max_bytes, skip_bad=skip_bad,
@@ -152,12 +153,19 @@ def prepare_data(cfg: Config, *, say: Callable[[str], None] | None = None) -> tu
     return tokenizer, paths if d.sources else paths[0]
 
 
-def open_store(folder: Path, tokenizer: Tokenizer) -> Path:
-    """A store named in the config, checked (its index, its shards' sizes) against the run's tokenizer."""
+def open_store(folder: Path, tokenizer: Tokenizer, *, unset_means: str | None = None) -> Path:
+    """A store named in the config, checked (its index, its shards' sizes) against the run's tokenizer.
+    `unset_means`: the tokenizer the run took because data.tokenizer is unset (None: it is set)."""
     store = TokenStore(folder)
     if store.index.get("tokenizer") != tokenizer.fingerprint():
-        raise DataError(f"data: {folder} was tokenized with another tokenizer than this run's ({tokenizer!r}); "
-                        f"leave data.tokenizer unset to train with the store's own ({folder / 'tokenizer'})")
+        if unset_means is None:
+            raise DataError(f"data: {folder} was tokenized with another tokenizer than this run's ({tokenizer!r}); "
+                            f"leave data.tokenizer unset (--data.tokenizer=null) to train with the store's own "
+                            f"({folder / 'tokenizer'})")
+        raise DataError(f"data: {folder} was tokenized with another tokenizer than this run's ({tokenizer!r}, "
+                        f"which data.tokenizer unset takes from {unset_means}); tokenize the data with that one "
+                        f"(tetron tokenize SOURCE --tokenizer {unset_means}), or set data.tokenizer="
+                        f"{folder / 'tokenizer'}")
     return folder
 
 

@@ -4,6 +4,7 @@ token store that data.path or data.sources can name (the work: store_build.py)."
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from tetron.data.loader import default_cache_dir
+from tetron.data.sources import resolve_files
 from tetron.data.store_build import build_store, check_store_folder
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import DataError, UserError
@@ -58,6 +60,25 @@ def _stopped_line(err: Stopped, out: Path) -> str:
             f"to resume")
 
 
+MAX_SHARDS = 100_000  # shard files one store may have: more is a folder no file system lists quickly
+
+
+def _check_shard_count(source: str, shard_mb: float) -> None:
+    """--shard-mb finite, at least 1 KiB, and large enough that the source's bytes (of local files: a hub
+    dataset's are not known before it streams) make at most MAX_SHARDS work units, each writing a shard."""
+    if not math.isfinite(shard_mb) or not 2**-10 <= shard_mb <= 2**20:
+        raise DataError(f"--shard-mb={shard_mb}: give MB of input per shard, from {2**-10:.4g} (1 KiB) to {2**20} "
+                        f"(e.g. 256)")
+    if source.startswith("hf:"):
+        return
+    size = sum(f.stat().st_size for f in resolve_files(source))
+    units = size / max(1, int(shard_mb * 2**20))
+    if units > MAX_SHARDS:
+        least = size / MAX_SHARDS / 2**20
+        raise DataError(f"--shard-mb={shard_mb} cuts {source}'s {size:,} bytes into about {units:,.0f} shards, more "
+                        f"than {MAX_SHARDS:,} files; use --shard-mb {least:.3g} or more")
+
+
 def tokenize_command(args: list[str]) -> int:
     """`tetron tokenize`: returns the exit status; a bad source or argument is one line on stderr."""
     parser = _Parser(prog="tetron tokenize", description="Tokenize a data source into a token store that "
@@ -86,6 +107,7 @@ def tokenize_command(args: list[str]) -> int:
     try:
         if ns.workers < 1 or not ns.shard_mb > 0:
             raise DataError(f"--workers={ns.workers} must be >= 1 and --shard-mb={ns.shard_mb} positive")
+        _check_shard_count(ns.source, ns.shard_mb)
         if ns.tokenizer.startswith("bpe:") and ns.source.startswith("hf:"):
             raise DataError(f"--tokenizer={ns.tokenizer} would read all of {ns.source} to train before tokenizing "
                             f"it; train it on a sample (tetron tokenize SAMPLE --tokenizer {ns.tokenizer} saves it in "

@@ -13,7 +13,7 @@ import torch
 from tetron.config import Config
 from tetron.errors import ConfigError
 from tetron.plan.hardware import GiB, available_memory
-from tetron.plan.memory import MemoryEstimate, predict
+from tetron.plan.memory import MemoryEstimate, floor, predict
 from tetron.plan.search import CPU_PROCESS_BYTES, GPU_RESERVE
 
 
@@ -37,26 +37,44 @@ def breakdown(estimate: MemoryEstimate) -> str:
     return ", ".join(f"{name} {_gib(n)}" for name, n in estimate.largest(3))
 
 
-def check_fits(cfg: Config, *, ranks_on_node: int, local_rank: int = 0) -> MemoryEstimate:
+def check_fits(cfg: Config, *, ranks_on_node: int, local_rank: int = 0) -> MemoryEstimate | None:
     """Raise ConfigError (one line) when `cfg`'s predicted per-rank peak exceeds what this node gives a rank;
-    else return the prediction. `ranks_on_node`: how many of the run's ranks share this machine."""
-    estimate = predict(cfg)
+    else return the prediction (None under --force: nothing is predicted). `ranks_on_node`: how many of the
+    run's ranks share this machine. The arithmetic lower bound (memory.floor) is weighed first, so a model
+    far too large is refused before the memory model builds a layer or walks the schedule for it."""
     if cfg.parallel.ignore_memory_limit:
-        return estimate
-    where = f"at the {estimate.moment}" + (f" of pipeline rank {estimate.pp_rank}" if cfg.parallel.pp > 1 else "")
+        return None
+    limit = _limit(cfg, ranks_on_node=ranks_on_node, local_rank=local_rank)
+    _refuse_over(cfg, floor(cfg), limit, ranks_on_node=ranks_on_node)
+    estimate = predict(cfg)
+    _refuse_over(cfg, estimate, limit, ranks_on_node=ranks_on_node)
+    return estimate
+
+
+def _limit(cfg: Config, *, ranks_on_node: int, local_rank: int) -> tuple[int, str]:
+    """(bytes one rank may hold, what they are): the GPU's memory less the reserve, or the machine's
+    available memory shared by the node's ranks, less each one's interpreter and torch."""
+    if _uses_cuda(cfg):
+        total, name = gpu_memory(local_rank)
+        return total - GPU_RESERVE, (f"the {_gib(total)} of the {name} less {_gib(GPU_RESERVE)} for the CUDA "
+                                     f"context and NCCL")
+    available = available_memory()
+    return available // ranks_on_node - CPU_PROCESS_BYTES, f"the {_gib(available)} this machine has available"
+
+
+def _refuse_over(cfg: Config, estimate: MemoryEstimate, limit: tuple[int, str], *, ranks_on_node: int) -> None:
+    """Raise the one-line ConfigError when `estimate` is over `limit` (from _limit)."""
+    per_rank, what = limit
+    if estimate.total <= per_rank:
+        return
+    where = (f"at the {estimate.moment}" + (f" of pipeline rank {estimate.pp_rank}" if cfg.parallel.pp > 1 else "")
+             if estimate.moment else "at least, from the sizes alone")
     advice = ("use `tetron plan` to find a layout that fits (more --zero, --recompute selective or full, a smaller "
               "--micro-batch, more ranks), or --force to start anyway")
     if _uses_cuda(cfg):
-        total, name = gpu_memory(local_rank)
-        if estimate.total > total - GPU_RESERVE:
-            raise ConfigError(f"predicted peak memory per rank {_gib(estimate.total)} ({breakdown(estimate)}; {where}) "
-                              f"exceeds the {_gib(total)} of the {name} less {_gib(GPU_RESERVE)} for the CUDA context "
-                              f"and NCCL; {advice}")
-        return estimate
-    available = available_memory()
+        raise ConfigError(f"predicted peak memory per rank {_gib(estimate.total)} ({breakdown(estimate)}; {where}) "
+                          f"exceeds {what}; {advice}")
     need = ranks_on_node * (estimate.total + CPU_PROCESS_BYTES)
-    if need > available:
-        raise ConfigError(f"predicted memory {ranks_on_node} ranks x ({_gib(estimate.total)} of tensors "
-                          f"[{breakdown(estimate)}; {where}] + {_gib(CPU_PROCESS_BYTES)} of interpreter and torch) "
-                          f"= {_gib(need)} exceeds the {_gib(available)} this machine has available; {advice}")
-    return estimate
+    raise ConfigError(f"predicted memory {ranks_on_node} ranks x ({_gib(estimate.total)} of tensors "
+                      f"[{breakdown(estimate)}; {where}] + {_gib(CPU_PROCESS_BYTES)} of interpreter and torch) "
+                      f"= {_gib(need)} exceeds {what}; {advice}")

@@ -62,7 +62,7 @@ class MemoryEstimate:
     logits: int = 0  # the logits and the loss's fp32 copies of them (softmax, its gradient)
     comm: int = 0  # P2P buffers of what crosses a stage boundary: in use, posted ahead, or not yet sent
     temporaries: int = 0  # short-lived tensors at the peak: a layer's recomputed forward, activation gradients
-    moment: str = ""  # where in the step the peak falls
+    moment: str = ""  # where in the step the peak falls ("": a lower bound, not a moment: floor())
     pp_rank: int = 0
 
     @property
@@ -302,3 +302,25 @@ def predict(cfg: Config, *, ranks: list[int] | None = None) -> MemoryEstimate:
     the most micro-batches in flight and the embedding, the last the logits)."""
     ranks = list(range(cfg.parallel.pp)) if ranks is None else ranks
     return max((predict_rank(cfg, r) for r in ranks), key=lambda e: e.total)
+
+
+def floor(cfg: Config) -> MemoryEstimate:
+    """A lower bound of `predict(cfg)` from arithmetic on the config alone: nothing built (not even on the meta
+    device), no schedule walked, no loop over layers, so an absurd model (10**4 layers, a vocabulary of 10**9)
+    is weighed at once. The busiest pipeline rank holds at least 1/(tp*pp) of the parameters (tp splits the
+    matrices, pp the layers), each with its fp32 gradient and AdamW's two moments (plus an fp32 master under
+    bf16), divided by dp*cp where ZeRO shards them; the step's token ids; and under all-forward-all-backward
+    the first stage keeps at least every micro-batch's input to one layer."""
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    elements = m.num_params() // (p.tp * p.pp)
+    shards = p.dp * p.cp if p.zero >= 1 else 1
+    bf16 = t.dtype == "bfloat16"
+    d = 2 if bf16 else F32
+    tokens = t.micro_batch * (cfg.data.seq_len // p.cp)
+    in_flight = t.grad_acc if p.pp > 1 and p.pp_schedule == "afab" else 1
+    residual = tokens // p.tp if p.sp else tokens
+    return MemoryEstimate(params=(F32 if p.dp_impl == "naive" else d) * elements // (shards if p.zero == 3 else 1),
+                          grads=F32 * elements // (shards if p.zero >= 2 else 1),
+                          optimizer=(8 + 4 * bf16) * elements // shards,
+                          activations=2 * I64 * t.grad_acc * tokens + in_flight * residual * d * m.hidden_size)
+

@@ -3,8 +3,10 @@ prints, writes (--json, --write) and measures (--measure: predicted beside measu
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import yaml
 
 from tetron.config import CONFIGS_DIR, Config, load_config
 from tetron.data.loader import prepare_data
-from tetron.errors import ConfigError, check
+from tetron.errors import ConfigError, check, quoted
 from tetron.fs import write_text
 from tetron.overrides import apply_overrides
 from tetron.plan import hardware as hwlib
@@ -170,3 +172,25 @@ def fixed_axes(values: dict[str, Any]) -> dict[str, Any]:
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         raise ConfigError(f"--zero={fixed['zero']}: use 0, 1, 2 or 3")
     return fixed
+
+
+MAX_RANKS = 2**17  # what `tetron plan` searches over at most: beyond any cluster, and a search of seconds
+
+
+def check_plan_numbers(ns: argparse.Namespace) -> None:
+    """`tetron plan`'s numbers, each in the range that means something (a negative --top would print all but
+    one row; a NaN --memory-gb would reach int()); the axes are checked by fixed_axes."""
+    check(1 <= ns.nodes <= MAX_RANKS and 1 <= ns.gpus_per_node <= MAX_RANKS
+          and ns.nodes * ns.gpus_per_node <= MAX_RANKS,
+          f"--nodes={quoted(ns.nodes)} x --gpus-per-node={quoted(ns.gpus_per_node)}: each at least 1, together at "
+          f"most {MAX_RANKS:,} ranks")
+    check(ns.memory_gb is None or (math.isfinite(ns.memory_gb) and 0 < ns.memory_gb <= 2**20),
+          f"--memory-gb={ns.memory_gb}: give the memory per device in GiB, a number above 0 (e.g. 80)")
+    check(ns.batch_tokens is None or 1 <= ns.batch_tokens < 2**63,
+          f"--batch-tokens={quoted(ns.batch_tokens)} must be at least 1 (a multiple of data.seq_len)")
+    for flag, value, least in (("--top", ns.top, 1), ("--pick", ns.pick, 1), ("--measure", ns.measure, 0),
+                               ("--steps", ns.steps, 1)):
+        check(least <= value < 2**63, f"{flag}={quoted(value)} must be at least {least}")
+    check(ns.pp_virtual in (None, 1) or ns.pp_schedule in (None, "interleaved", "zbv"),
+          f"--pp-virtual={quoted(ns.pp_virtual)} needs --pp-schedule interleaved (or zbv, with 2): "
+          f"{ns.pp_schedule} runs one layer chunk per pipeline rank; leave out --pp-virtual with it")

@@ -18,7 +18,7 @@ from typing import Any
 from tetron.config import Config
 from tetron.errors import ConfigError
 from tetron.plan.hardware import GiB, Hardware
-from tetron.plan.memory import MemoryEstimate, predict
+from tetron.plan.memory import MemoryEstimate, floor, predict
 from tetron.plan.steptime import TimeEstimate, estimate
 from tetron.validate import validate
 
@@ -131,7 +131,8 @@ def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch:
         except ConfigError as err:
             refused.append(str(err))
             continue
-        memory = predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
+        memory = floor(cfg)  # arithmetic: a layout far over the limit is not walked layer by layer
+        memory = memory if memory.total > limit else predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
         plans.append(Plan(layout, cfg, memory, estimate(cfg, hw, gpus_per_node=gpus_per_node), limit))
     if not plans:  # say why: the first refusal, or that the sizes leave nothing to try
         raise ConfigError(f"no layout of {world} ranks is valid: {refused[0]}" if refused else

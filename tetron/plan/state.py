@@ -59,7 +59,9 @@ def _layer_params(cfg: Config) -> tuple[tuple[int, bool], ...]:
     if key not in _LAYER_PARAMS:
         spec, tp = family(cfg.model.model_type), cfg.parallel.tp
         with torch.device("meta"):
-            layer = spec.plan.layers_of(spec.model_class(dataclasses.replace(cfg.model, num_hidden_layers=1)))["0"]
+            # one layer and a one-token vocabulary: a layer's shapes do not depend on the vocabulary's size
+            one = dataclasses.replace(cfg.model, num_hidden_layers=1, vocab_size=1)
+            layer = spec.plan.layers_of(spec.model_class(one))["0"]
         dims = [(param.numel(), spec.plan.tp_dim(name), name.endswith(".weight"))
                 for name, param in layer.named_parameters()]
         _LAYER_PARAMS[key] = tuple((n if dim is None else n // tp, dim is not None and weight)
@@ -125,12 +127,13 @@ def _buckets(units: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: 
     embed = root[:1] if first else ()
     numels = [*embed, *(n for layer in layers for n in layer), *root[len(embed):]]  # parameters() order
     limit = max(1, int(bucket_mb * 2**20 / 4))
-    buckets, group = [], []
+    buckets, group, filled = [], [], 0  # (a running total: summing the group anew is quadratic in its length)
     for numel in reversed(numels):
         group.append(numel)
-        if sum(group) >= limit:
+        filled += numel
+        if filled >= limit:
             buckets.append(Bucket(tuple(group), shards))
-            group = []
+            group, filled = [], 0
     if group:
         buckets.append(Bucket(tuple(group), shards))
     return tuple(buckets)
