@@ -13,14 +13,12 @@ import os
 import re
 import signal
 import sys
-import typing
 from importlib.metadata import version
 from pathlib import Path
-from typing import NoReturn
 
 import yaml
 
-from tetron.config import SECTIONS, Config, PpSchedule, Recompute, field_docs, from_dict, load_config
+from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
 from tetron.data.loader import (
     check_tokenizer_pairing,
     data_specs,
@@ -33,15 +31,14 @@ from tetron.data.loader import (
 )
 from tetron.data.mixture import check_mixture
 from tetron.device import cuda_count
-from tetron.errors import ConfigError, DataError, UserError, check, quoted
+from tetron.errors import ConfigError, DataError, UserError, check, failed, quoted
 from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, aside_name, earlier_run, find_latest, read_json, set_aside
 from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
 from tetron.observe.metrics import say
 from tetron.observe.step_report import check_outputs
-from tetron.overrides import SHORT_FLAGS, apply_overrides
+from tetron.overrides import SHORT_FLAGS, OneLineParser, apply_overrides
 from tetron.plan.fit import check_fits
-from tetron.plan.report import check_plan_numbers
 from tetron.schedule import schedule_change
 from tetron.validate import validate
 
@@ -56,11 +53,6 @@ USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] 
        tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]
        tetron report RUN [RUN ...] [--out FILE.png] [--x step|tokens]   (curves and a summary of runs)
        tetron --version"""
-
-
-def _fail(message: str) -> int:
-    print(f"tetron: error: {message}", file=sys.stderr)
-    return 2
 
 
 def _check_data(cfg: Config) -> list[str]:
@@ -100,10 +92,12 @@ def _check_data(cfg: Config) -> list[str]:
 
 def _fit_tokenizer(cfg: Config, args: list[str]) -> tuple[Config, list[str]]:
     """The tokenizer a store or the starting weights bring wins over the config file's (not over the command
-    line's), and a bytes or bpe:N tokenizer sizes the model's vocabulary; a note for each change."""
-    explicit = "tokenizer" in (apply_overrides({}, list(args)).get("data") or {})
-    cfg, yielded = yield_tokenizer(cfg, explicit=explicit)
-    cfg, fitted = fit_vocab(cfg)
+    line's), and a bytes or bpe:N tokenizer sizes the model's vocabulary (not one the command line gives); a
+    note for each change."""
+    given = apply_overrides({}, list(args))
+    model = given.get("model")
+    cfg, yielded = yield_tokenizer(cfg, explicit="tokenizer" in (given.get("data") or {}))
+    cfg, fitted = (cfg, None) if isinstance(model, dict) and "vocab_size" in model else fit_vocab(cfg)
     return cfg, [note for note in (yielded, fitted) if note]
 
 
@@ -173,7 +167,7 @@ def train_command(args: list[str]) -> int:
     except UserError as err:
         if lock is not None:
             lock.release()
-        return _fail(str(err))
+        return failed(str(err))
     except KeyboardInterrupt:  # Ctrl-C while checking or tokenizing: nothing started, nothing to save
         if lock is not None:
             lock.release()
@@ -208,26 +202,19 @@ def _schedule_note(cfg: Config) -> str | None:
 
 def convert_command(args: list[str]) -> int:
     if len(args) != 2 or any(a.startswith("-") for a in args):
-        return _fail("usage: tetron convert SRC DST (a checkpoint folder to a HF folder, or back)")
+        return failed("usage: tetron convert SRC DST (a checkpoint folder to a HF folder, or back)")
     from tetron.checkpoint.convert import convert
 
     try:
         print(f"tetron: {convert(args[0], args[1])}")
     except UserError as err:
-        return _fail(str(err))
+        return failed(str(err))
     return 0
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad argument is one ConfigError line, as everywhere in tetron (not usage + error)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def _generate_args(args: list[str]) -> argparse.Namespace:
     """`tetron generate`'s arguments, each checked: one line naming the flag for a bad value."""
-    parser = _OneLineParser(prog="tetron generate", description="Sample text from a trained run.")
+    parser = OneLineParser(prog="tetron generate", description="Sample text from a trained run.")
     parser.add_argument("run", help="a run folder (OUT) or a model folder")
     parser.add_argument("--prompt", default="def ")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample (>= 0)")
@@ -258,7 +245,7 @@ def generate_command(args: list[str]) -> int:
         text = sample_from_run(ns.run, prompt=ns.prompt, max_new_tokens=ns.max_new_tokens,
                                temperature=ns.temperature, top_k=ns.top_k, device=ns.device, seed=ns.seed)
     except (UserError, ValueError) as err:  # checked before loading: a damaged or mismatched model folder
-        return _fail(str(err))
+        return failed(str(err))
     print(text)
     return 0
 
@@ -269,116 +256,25 @@ def tokenize_command(args: list[str]) -> int:
     return run(args)
 
 
+def plan_command(args: list[str]) -> int:
+    from tetron.plan.commands import plan_command as run  # the planner only when asked for
+
+    return run(args)
+
+
+def slurm_command(args: list[str]) -> int:
+    from tetron.plan.commands import slurm_command as run
+
+    return run(args)
+
+
 def report_command(args: list[str]) -> int:
     from tetron.observe.report import report
 
     try:
         print(report(args))
     except UserError as err:
-        return _fail(str(err))
-    return 0
-
-
-def _split_known(parser: argparse.ArgumentParser, args: list[str]) -> tuple[list[str], list[str]]:
-    """(the parser's own options with their values, the rest): argparse's parse_known_args would take the
-    value of an unknown --flag VALUE for a positional argument; the rest are config overrides."""
-    takes = {o: a.nargs != 0 for a in parser._actions for o in a.option_strings}
-    mine, rest, i = [], [], 0
-    while i < len(args):
-        arg, name = args[i], args[i].split("=", 1)[0]
-        if name in takes:
-            mine.append(arg)
-            if takes[name] and "=" not in arg and i + 1 < len(args) and not args[i + 1].startswith("--"):
-                mine.append(args[i + 1])
-                i += 1
-        elif i == 0 and not arg.startswith("-"):
-            mine.append(arg)  # the config
-        else:
-            rest.append(arg)
-        i += 1
-    return mine, rest
-
-
-def _plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = _OneLineParser(prog="tetron plan", description=(
-        "Rank the layouts that fit: every dp/tp/pp/cp, ZeRO stage, recomputation, micro-batch, pipeline "
-        "schedule and sequence parallelism validate() accepts, with each rank's predicted peak memory and the "
-        "predicted step time (tetron/plan/). Other --section.key=value and short flags (--model, --seq-len, "
-        "--data, --train.dtype=bfloat16, ...) set the base config."))
-    parser.add_argument("config", nargs="?", help="a base config (YAML file or configs/ name)")
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (CPU: processes)")
-    parser.add_argument("--gpu", help="a known GPU: H200, H100, A100-80GB, A100-40GB, L40S, B200 (default: this "
-                                      "machine's GPU, else its CPU)")
-    parser.add_argument("--memory-gb", type=float, help="memory per device in GiB (overrides the GPU's)")
-    parser.add_argument("--batch-tokens", type=int, help="global batch in tokens (default: the config's)")
-    for axis, kind in (("dp", int), ("tp", int), ("pp", int), ("cp", int), ("zero", int), ("micro-batch", int),
-                       ("pp-virtual", int)):
-        parser.add_argument(f"--{axis}", type=kind, help="keep this axis as given")
-    parser.add_argument("--recompute", choices=typing.get_args(Recompute), help="keep this axis as given")
-    parser.add_argument("--pp-schedule", choices=typing.get_args(PpSchedule), help="keep this axis as given")
-    parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
-    parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
-    parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
-    parser.add_argument("--write", metavar="CONFIG.yaml", help="write the chosen layout as a config for tetron train")
-    parser.add_argument("--pick", type=int, default=1, help="which ranked layout --write writes (default 1)")
-    parser.add_argument("--measure", type=int, nargs="?", const=3, default=0, metavar="K",
-                        help="run the best K layouts here for a few steps: predicted beside measured (default 3)")
-    parser.add_argument("--steps", type=int, default=3, help="steps --measure runs before timing (default 3)")
-    mine, rest = _split_known(parser, args)
-    ns = parser.parse_args(mine)
-    check_plan_numbers(ns)
-    return ns, rest
-
-
-def plan_command(args: list[str]) -> int:
-    from tetron.plan.report import PlanRequest, fixed_axes, run
-
-    try:
-        ns, overrides = _plan_args(args)
-        fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "zero": ns.zero,
-                            "recompute": ns.recompute, "micro_batch": ns.micro_batch, "pp_schedule": ns.pp_schedule,
-                            "pp_virtual": ns.pp_virtual, "sp": ns.sp})
-        request = PlanRequest(config=ns.config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
-                              gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
-                              top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
-                              steps=ns.steps)
-        text, code = run(request)
-    except (UserError, ValueError) as err:
-        return _fail(str(err))
-    print(text)
-    return code
-
-
-def slurm_command(args: list[str]) -> int:
-    from tetron.plan.slurm import SlurmJob, submit, write_job
-
-    parser = _OneLineParser(prog="tetron slurm", description=(
-        "Write OUT/slurm/job.sh (and node.sh, config.yaml): one srun task per node starting torchrun with a "
-        "c10d rendezvous on the first node, per-rank logs under OUT/logs, --resume auto; --submit runs sbatch. "
-        "Other --section.key=value and short flags override the config."))
-    parser.add_argument("config", help="the run's config (YAML file or configs/ name)")
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")
-    parser.add_argument("--partition")
-    parser.add_argument("--time", help="wall-clock limit (HH:MM:SS or D-HH:MM)")
-    parser.add_argument("--account")
-    parser.add_argument("--cpus-per-task", type=int, help="CPU cores for each node's ranks")
-    parser.add_argument("--job-name")
-    parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
-    try:
-        mine, overrides = _split_known(parser, args)
-        ns = parser.parse_args(mine)
-        cfg = load_config(ns.config, overrides)
-        job = SlurmJob(nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition, time=ns.time,
-                       account=ns.account, cpus_per_task=ns.cpus_per_task, job_name=ns.job_name)
-        script = write_job(cfg, job)
-        print(f"tetron: wrote {script} (and node.sh, config.yaml beside it)")
-        if ns.submit:
-            job_id = submit(script)
-            print(f"tetron: submitted job {job_id}; logs in {script.parent} and {script.parent.parent / 'logs'}")
-    except UserError as err:
-        return _fail(str(err))
+        return failed(str(err))
     return 0
 
 
@@ -414,7 +310,7 @@ def print_config(config_path: str | None, args: list[str]) -> int:
     try:
         cfg, _ = _fit_tokenizer(load_config(config_path, args), args)
     except UserError as err:
-        return _fail(str(err))
+        return failed(str(err))
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0
 
@@ -453,7 +349,7 @@ def _main(argv: list[str] | None) -> int:
         return train_command(rest)
     handler = COMMANDS.get(command)
     if handler is None:
-        return _fail(f"unknown command {command!r}; use train, {', '.join(COMMANDS)}")
+        return failed(f"unknown command {command!r}; use train, {', '.join(COMMANDS)}")
     return handler(rest)
 
 if __name__ == "__main__":

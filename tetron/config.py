@@ -20,11 +20,11 @@ from typing import Any, Literal
 
 import yaml
 
-from tetron.errors import ConfigError, quoted
+from tetron.errors import ConfigError, quoted, quoted_key
 from tetron.fs import read_bounded
 from tetron.models import config_from_hf, family
 from tetron.models.llama import LlamaConfig
-from tetron.overrides import apply_overrides
+from tetron.overrides import apply_overrides, check_expansion
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -42,7 +42,6 @@ OnBadRecord = Literal["stop", "skip"]
 
 INT_LIMIT = 2**63  # every integer field fits int64, as the tensors and files that hold them do
 MAX_TEXT = 4096  # characters of a text field (PATH_MAX): a longer one is refused before any message quotes it
-MAX_VALUES = 100_000  # values a config may hold once YAML aliases are expanded (each alias counts each time)
 
 
 @dataclass
@@ -293,40 +292,6 @@ def _number(value: Any, kind: type, where: str) -> int | float:
     return kind(value)
 
 
-def check_expansion(raw: Any, where: str) -> None:
-    """Refuse a value that expands to more than MAX_VALUES values, or contains itself: YAML aliases let a
-    few lines stand for a billion items (each alias shares its anchor's object), which anything that walks
-    or copies the config would expand. Counted per distinct object, so the count costs the lines it reads."""
-    sizes: dict[int, int] = {}  # id -> expanded size, of the containers counted so far
-    open_: set[int] = set()  # the containers being counted (one met again inside itself is a cycle)
-
-    def size(node: Any) -> int:
-        if not isinstance(node, (dict, list)):
-            return 1
-        if id(node) in open_:
-            raise ConfigError(f"{where}: a YAML alias that contains itself; write the value out")
-        if id(node) not in sizes:
-            open_.add(id(node))
-            children = [*node.keys(), *node.values()] if isinstance(node, dict) else node
-            total = 1
-            for child in children:
-                total += size(child)
-                if total > MAX_VALUES:
-                    raise ConfigError(f"{where}: expands to more than {MAX_VALUES:,} values (YAML aliases "
-                                      f"repeat what they name); write a smaller config")
-            open_.discard(id(node))
-            sizes[id(node)] = total
-        return sizes[id(node)]
-
-    size(raw)
-
-
-def _key(key: Any) -> str:
-    """An unknown key as an error line names it: as written, cut to a short prefix."""
-    text = str(key) if not isinstance(key, int) or key.bit_length() < 10_000 else quoted(key)
-    return text if len(text) <= 40 else text[:40] + "..."
-
-
 def _build(cls: type, raw: Any, where: str) -> Any:
     if raw is None:
         raw = {}
@@ -335,7 +300,7 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields), key=str)  # (YAML keys may be numbers too)
     if unknown:
-        raise ConfigError(f"{where}.{_key(unknown[0])}: unknown key; known keys are {', '.join(fields)}")
+        raise ConfigError(f"{where}.{quoted_key(unknown[0])}: unknown key; known keys are {', '.join(fields)}")
     types_ = typing.get_type_hints(cls)  # the annotations are strings (future import): resolve them
     kwargs = {name: _coerce(value, types_[name], f"{where}.{name}") for name, value in raw.items()}
     try:
@@ -360,7 +325,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(raw) - known, key=str)
     if unknown:
-        raise ConfigError(f"{_key(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
+        raise ConfigError(f"{quoted_key(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
     sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig,
                 "checkpoint": CheckpointConfig}
     kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name) for name, cls in sections.items()}

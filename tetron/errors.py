@@ -6,6 +6,7 @@ a running rank can meet, such as a full disk, as the one line that ends the run)
 from __future__ import annotations
 
 import reprlib
+import sys
 
 # How an error line quotes a value: a short prefix, however large the value (a 400-digit number, a YAML
 # alias that expands to a billion items): reprlib stops at these depths and lengths instead of walking it all.
@@ -45,3 +46,15 @@ def check(ok: bool, message: str, error: type[UserError] = ConfigError) -> None:
     """Raise `error(message)` unless `ok`."""
     if not ok:
         raise error(message)
+
+
+def quoted_key(key: object) -> str:
+    """An unknown key as an error line names it: as written, cut to a short prefix."""
+    text = str(key) if not isinstance(key, int) or key.bit_length() < 10_000 else quoted(key)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def failed(message: str) -> int:
+    """Print a user error as tetron's one line on stderr; returns the exit status for it, 2."""
+    print(f"tetron: error: {message}", file=sys.stderr)
+    return 2

@@ -1,0 +1,91 @@
+"""`tetron plan` and `tetron slurm`: their arguments, each checked into one line, and what they run."""
+
+from __future__ import annotations
+
+import argparse
+import typing
+
+from tetron.config import PpSchedule, Recompute, load_config
+from tetron.errors import UserError, failed
+from tetron.overrides import OneLineParser, split_known
+from tetron.plan.report import PlanRequest, check_plan_numbers, fixed_axes, run
+from tetron.plan.slurm import SlurmJob, submit, write_job
+
+
+def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = OneLineParser(prog="tetron plan", description=(
+        "Rank the layouts that fit: every dp/tp/pp/cp, ZeRO stage, recomputation, micro-batch, pipeline "
+        "schedule and sequence parallelism validate() accepts, with each rank's predicted peak memory and the "
+        "predicted step time (tetron/plan/). Other --section.key=value and short flags (--model, --seq-len, "
+        "--data, --train.dtype=bfloat16, ...) set the base config."))
+    parser.add_argument("config", nargs="?", help="a base config (YAML file or configs/ name)")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (CPU: processes)")
+    parser.add_argument("--gpu", help="a known GPU: H200, H100, A100-80GB, A100-40GB, L40S, B200 (default: this "
+                                      "machine's GPU, else its CPU)")
+    parser.add_argument("--memory-gb", type=float, help="memory per device in GiB (overrides the GPU's)")
+    parser.add_argument("--batch-tokens", type=int, help="global batch in tokens (default: the config's)")
+    for axis, kind in (("dp", int), ("tp", int), ("pp", int), ("cp", int), ("zero", int), ("micro-batch", int),
+                       ("pp-virtual", int)):
+        parser.add_argument(f"--{axis}", type=kind, help="keep this axis as given")
+    parser.add_argument("--recompute", choices=typing.get_args(Recompute), help="keep this axis as given")
+    parser.add_argument("--pp-schedule", choices=typing.get_args(PpSchedule), help="keep this axis as given")
+    parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
+    parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
+    parser.add_argument("--write", metavar="CONFIG.yaml", help="write the chosen layout as a config for tetron train")
+    parser.add_argument("--pick", type=int, default=1, help="which ranked layout --write writes (default 1)")
+    parser.add_argument("--measure", type=int, nargs="?", const=3, default=0, metavar="K",
+                        help="run the best K layouts here for a few steps: predicted beside measured (default 3)")
+    parser.add_argument("--steps", type=int, default=3, help="steps --measure runs before timing (default 3)")
+    mine, rest = split_known(parser, args)
+    ns = parser.parse_args(mine)
+    check_plan_numbers(ns)
+    return ns, rest
+
+
+def plan_command(args: list[str]) -> int:
+    try:
+        ns, overrides = plan_args(args)
+        fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "zero": ns.zero,
+                            "recompute": ns.recompute, "micro_batch": ns.micro_batch, "pp_schedule": ns.pp_schedule,
+                            "pp_virtual": ns.pp_virtual, "sp": ns.sp})
+        request = PlanRequest(config=ns.config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
+                              gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
+                              top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
+                              steps=ns.steps)
+        text, code = run(request)
+    except (UserError, ValueError) as err:
+        return failed(str(err))
+    print(text)
+    return code
+
+
+def slurm_command(args: list[str]) -> int:
+    parser = OneLineParser(prog="tetron slurm", description=(
+        "Write OUT/slurm/job.sh (and node.sh, config.yaml): one srun task per node starting torchrun with a "
+        "c10d rendezvous on the first node, per-rank logs under OUT/logs, --resume auto; --submit runs sbatch. "
+        "Other --section.key=value and short flags override the config."))
+    parser.add_argument("config", help="the run's config (YAML file or configs/ name)")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node")
+    parser.add_argument("--partition")
+    parser.add_argument("--time", help="wall-clock limit (HH:MM:SS or D-HH:MM)")
+    parser.add_argument("--account")
+    parser.add_argument("--cpus-per-task", type=int, help="CPU cores for each node's ranks")
+    parser.add_argument("--job-name")
+    parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
+    try:
+        mine, overrides = split_known(parser, args)
+        ns = parser.parse_args(mine)
+        cfg = load_config(ns.config, overrides)
+        job = SlurmJob(nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition, time=ns.time,
+                       account=ns.account, cpus_per_task=ns.cpus_per_task, job_name=ns.job_name)
+        script = write_job(cfg, job)
+        print(f"tetron: wrote {script} (and node.sh, config.yaml beside it)")
+        if ns.submit:
+            job_id = submit(script)
+            print(f"tetron: submitted job {job_id}; logs in {script.parent} and {script.parent.parent / 'logs'}")
+    except UserError as err:
+        return failed(str(err))
+    return 0
