@@ -91,6 +91,19 @@ def test_token_ids_beyond_the_vocabulary(corpus, tmp_path):
         check_token_ids([ok, bad], cfg, step=3)
 
 
+def test_a_store_of_a_larger_vocabulary_is_refused_before_start(store, corpus, tmp_path):
+    """What a store's index says of its ids is checked before start (its shards are not read then): a store
+    written with a larger vocabulary than the model's is one line, before any rank meets its ids."""
+    from tetron.cli import _check_data
+
+    index = json.loads((store / "index.json").read_text())
+    (store / "index.json").write_text(json.dumps({**index, "vocab_size": 300}))
+    raw = tiny_config(corpus, tmp_path / "cache", tmp_path / "out", data={"path": str(store), "tokenizer": None})
+    with pytest.raises(ConfigError, match=r"^data.path=.*store: its ids come from a vocabulary of 300 .*more than "
+                                          r"model.vocab_size=256"):
+        _check_data(from_dict(raw))
+
+
 # ----------------------------------------------------------------------------- mixtures
 
 

@@ -71,7 +71,12 @@ def _check_data(cfg: Config) -> list[str]:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer={tokenizer_spec(cfg)} has {tokenizer.vocab_size} tokens, more than "
                           f"model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or use a smaller tokenizer")
-    num_tokens, d = len(training_tokens(load_tokens(token_path), cfg)), cfg.data  # without a held-out tail
+    tokens, d = load_tokens(token_path), cfg.data
+    if tokens.vocab_size > cfg.model.vocab_size:  # its index records the vocabulary its ids were written with
+        raise ConfigError(f"{what}: its ids come from a vocabulary of {tokens.vocab_size:,} ({token_path}), more "
+                          f"than model.vocab_size={cfg.model.vocab_size}; raise model.vocab_size or make the store "
+                          f"again with the model's tokenizer")
+    num_tokens = len(training_tokens(tokens, cfg))  # without a held-out tail
     notes = [note for note in [check_held_out(cfg, tokenizer, token_path)] if note]
     windows = max(num_tokens - 1, 0) // d.seq_len
     if windows < cfg.global_batch:
