@@ -24,7 +24,7 @@ from tetron.models.llama import LlamaConfig
 from tetron.overrides import SHORT_FLAGS
 from tetron.validate import validate
 
-from conftest import tiny_config
+from conftest import STEPS, tiny_config
 
 SHIPPED = sorted(CONFIGS_DIR.glob("*.yaml"))
 
@@ -186,7 +186,7 @@ def test_short_flag_lands_in_its_field(flag):
 
 
 def test_overrides_apply_in_order_later_wins(tiny_yaml):
-    assert load_config(tiny_yaml).train.steps == 10  # from the file
+    assert load_config(tiny_yaml).train.steps == STEPS  # from the file
     assert load_config(tiny_yaml, ["--steps", "3"]).train.steps == 3
     assert load_config(tiny_yaml, ["--steps", "3", "--train.steps=7"]).train.steps == 7
     assert load_config(tiny_yaml, ["--train.steps=7", "--steps", "3"]).train.steps == 3

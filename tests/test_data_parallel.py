@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_parallel, tiny_config
+from conftest import STEPS, run_parallel, tiny_config
 
 LOSS_RTOL = 1e-5  # per-step loss, relative (issue 2)
 WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
@@ -25,7 +25,7 @@ def reference(corpus, cache_dir, tmp_path, global_batch: int) -> dict:
 
 def assert_matches(result: dict, ref: dict) -> None:
     losses, ref_losses = torch.tensor(result["losses"]), torch.tensor(ref["losses"])
-    assert len(losses) == len(ref_losses) == 10
+    assert len(losses) == len(ref_losses) == STEPS
     torch.testing.assert_close(losses, ref_losses, rtol=LOSS_RTOL, atol=0)
     assert result["state"].keys() == ref["state"].keys()
     for name, value in result["state"].items():

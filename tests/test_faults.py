@@ -247,7 +247,7 @@ def test_nan_loss_stops_naming_the_step(corpus, cache_dir, tmp_path):
 
 
 def test_nan_loss_skips_the_step_when_configured(corpus, cache_dir, tmp_path):
-    raw = tiny_config(corpus, cache_dir, tmp_path / "run", train={"on_nonfinite": "skip"})
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", train={"on_nonfinite": "skip", "steps": 10})
     prepare_data(from_dict(raw))
     losses = run_ranks(1, _nan_rank, raw)[0]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,7 @@ from tetron.parallel.pipeline_schedules import (
     theoretical_bubble,
 )
 
-from conftest import run_parallel, tiny_config
+from conftest import STEPS, run_parallel, tiny_config
 
 LOSS_RTOL = 1e-5  # per-step loss (every rank's, and metrics.jsonl's), relative
 # Gradient norm in metrics.jsonl, relative. Step 1 starts from identical weights: only summation order
@@ -104,7 +104,7 @@ def reference(corpus, cache_dir, tmp_path, *, global_batch: int, model: dict) ->
 def assert_matches(results: list[dict], written: dict, ref: tuple[list[dict], dict]) -> None:
     ref_results, ref_written = ref
     ref_losses = torch.tensor(ref_results[0]["losses"])
-    assert len(ref_losses) == 10
+    assert len(ref_losses) == STEPS
     for result in results:  # every rank knows the true loss
         torch.testing.assert_close(torch.tensor(result["losses"]), ref_losses, rtol=LOSS_RTOL, atol=0)
     metrics, ref_metrics = written["metrics"], ref_written["metrics"]
@@ -200,7 +200,7 @@ def test_dp_and_pp(corpus, cache_dir, tmp_path, impl, name, tied):
     assert_schedule_ran(results, name, pp=2, virtual=virtual, micro_batches=2)
     if impl == "naive":  # one all-reduce per parameter per step (each chunk's last backward), not per micro-batch
         for result in results:
-            assert result["collectives"] == 10 * result["num_params"]
+            assert result["collectives"] == STEPS * result["num_params"]
 
 
 @pytest.mark.parametrize("sp, name", [(False, "1f1b"), (True, "interleaved")], ids=["tp", "tp+sp"])

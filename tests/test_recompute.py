@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from tetron.models.llama import Llama, LlamaConfig
 from tetron.parallel.recompute import apply_recompute
 
-from conftest import run_parallel, tiny_config
+from conftest import STEPS, run_parallel, tiny_config
 from harness import run_ranks, saved_bytes
 
 # Recomputation repeats the forward's kernels on the same inputs, so on CPU losses and weights come out
@@ -34,7 +34,7 @@ MODES = ("selective", "full")
 
 def _train(corpus, cache_dir, out, *, mode: str, model: dict | None = None, parallel: dict | None = None,
            grad_acc: int = 1) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    """Every rank's per-step losses, then metrics.jsonl's, and the saved model's weights after 10 steps."""
+    """Every rank's per-step losses, then metrics.jsonl's, and the saved model's weights after STEPS steps."""
     raw = tiny_config(corpus, cache_dir, out, model=model or {}, parallel=parallel or {"dp": 1},
                       train={"recompute": mode, "grad_acc": grad_acc})
     results, written = run_parallel(raw)
@@ -43,7 +43,7 @@ def _train(corpus, cache_dir, out, *, mode: str, model: dict | None = None, para
 
 def _check_modes_match_none(corpus, cache_dir, tmp_path, **kwargs) -> None:
     ref_losses, ref_state = _train(corpus, cache_dir, tmp_path / "none", mode="none", **kwargs)
-    assert all(len(losses) == 10 for losses in ref_losses)
+    assert all(len(losses) == STEPS for losses in ref_losses)
     for mode in MODES:
         losses, state = _train(corpus, cache_dir, tmp_path / mode, mode=mode, **kwargs)
         for rank, (got, want) in enumerate(zip(losses, ref_losses)):

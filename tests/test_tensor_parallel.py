@@ -17,7 +17,7 @@ from tetron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from conftest import run_parallel, tiny_config
+from conftest import STEPS, run_parallel, tiny_config
 from harness import run_ranks, saved_bytes
 
 LOSS_RTOL = 1e-5  # per-step loss, relative (issue 3)
@@ -33,7 +33,7 @@ def check_parity(corpus, cache_dir, tmp_path, *, model: dict, parallel: dict, tr
     results, _ = run_parallel(raw)
     for result in results:
         losses = torch.tensor(result["losses"])
-        assert len(losses) == 10
+        assert len(losses) == STEPS
         torch.testing.assert_close(losses, torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0)
         assert result["state"].keys() == ref["state"].keys()
         for name, value in result["state"].items():

@@ -223,10 +223,15 @@ def run_train(raw: dict) -> dict:
     return result
 
 
+def _untied_config(corpus, cache_dir, out) -> dict:
+    return tiny_config(corpus, cache_dir, out, logging={"peak_tflops": PEAK_TFLOPS},
+                       train={"steps": 10})  # enough steps for the loss to fall
+
+
 @pytest.fixture(scope="module")
 def untied_run(corpus, cache_dir, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("untied")
-    return run_train(tiny_config(corpus, cache_dir, out, logging={"peak_tflops": PEAK_TFLOPS}))
+    return run_train(_untied_config(corpus, cache_dir, out))
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +248,7 @@ def test_training_loss_falls_and_metrics(untied_run, corpus, cache_dir):
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < (1 - LOSS_DROP) * first, losses
 
-    cfg = from_dict(tiny_config(corpus, cache_dir, untied_run["out"]))
+    cfg = from_dict(_untied_config(corpus, cache_dir, untied_run["out"]))
     records = untied_run["metrics"]
     assert [r["step"] for r in records] == list(range(1, 11))
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
@@ -268,7 +273,7 @@ def test_training_loss_falls_and_metrics(untied_run, corpus, cache_dir):
 
 
 def test_training_is_deterministic(untied_run, corpus, cache_dir, tmp_path):
-    again = run_train(tiny_config(corpus, cache_dir, tmp_path / "again", logging={"peak_tflops": PEAK_TFLOPS}))
+    again = run_train(_untied_config(corpus, cache_dir, tmp_path / "again"))
     assert again["losses"] == untied_run["losses"]  # bit for bit
     for name, value in again["state"].items():
         assert torch.equal(value, untied_run["state"][name]), name

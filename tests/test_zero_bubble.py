@@ -35,7 +35,7 @@ from tetron.plan.memory import predict_rank
 from tetron.plan.steptime import estimate
 from tetron.validate import validate
 
-from conftest import LAYOUT_LR, LOSS_RTOL, WEIGHT_ATOL, tiny_config, train_rank
+from conftest import LAYOUT_LR, LOSS_RTOL, STEPS, WEIGHT_ATOL, tiny_config, train_rank
 from harness import run_ranks
 
 # ----------------------------------------------------------------------------- schedules, no processes
@@ -263,7 +263,7 @@ def _run_many(raws: list[dict], *, trace: bool) -> list[tuple[list[dict], dict]]
 def _assert_same(run: tuple[list[dict], dict], ref: tuple[list[dict], dict], what: str) -> None:
     (results, written), (ref_results, ref_written) = run, ref
     expected = torch.tensor(ref_results[0]["losses"])
-    assert len(expected) == 10
+    assert len(expected) == STEPS
     for losses in [*(r["losses"] for r in results), [m["loss"] for m in written["metrics"]]]:
         torch.testing.assert_close(torch.tensor(losses), expected, rtol=LOSS_RTOL, atol=0, msg=what)
     assert written["model"].keys() == ref_written["model"].keys()
