@@ -346,3 +346,19 @@ def test_plan_weighs_an_absurd_model_by_arithmetic(folder, capsys, monkeypatch):
     code, out, err = run_cli(["plan", str(folder / "good.yaml"), "--nodes", "1", "--gpus-per-node", "2", "--gpu",
                               "H100", "--model.vocab_size=1000000000000000000"], capsys)
     assert code == 1 and err == "" and "nothing fits" in out, (code, err)
+
+
+def test_a_fifo_or_a_link_loop_is_named_not_missing(folder, capsys):
+    """A config or data path where a FIFO or a loop of symbolic links stands says so: "no such file" or "does
+    not exist" would send the user looking for a file that is there."""
+    os.mkfifo(folder / "fifo.yaml")
+    os.mkfifo(folder / "fifo.txt")
+    (folder / "loop").symlink_to(folder / "loop")
+    (folder / "dangling").symlink_to(folder / "nowhere.txt")
+    good = str(folder / "good.yaml")
+    expect_one_line(["train", str(folder / "fifo.yaml")], capsys, "fifo.yaml: a FIFO (a named pipe), not a file")
+    expect_one_line(["train", str(folder / "loop")], capsys, "loop: a loop of symbolic links")
+    expect_one_line(["train", good, "--data", str(folder / "fifo.txt")], capsys, "fifo.txt is a FIFO")
+    expect_one_line(["train", good, "--data", str(folder / "loop")], capsys, "loop is a loop of symbolic links")
+    expect_one_line(["train", good, "--data", str(folder / "dangling")], capsys,
+                    "dangling is a symbolic link to ")

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from tetron.errors import ConfigError, quoted, quoted_key
-from tetron.fs import read_bounded
+from tetron.fs import missing_reason, read_bounded
 from tetron.models import config_from_hf, family
 from tetron.models.llama import LlamaConfig
 from tetron.overrides import apply_overrides, check_expansion
@@ -381,7 +381,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not p.is_file() and (CONFIGS_DIR / f"{path}.yaml").is_file():
             p = CONFIGS_DIR / f"{path}.yaml"
         if not p.is_file():
-            raise ConfigError(f"config {path}: no such file (give a YAML file or a name from configs/)")
+            raise ConfigError(f"config {path}: {missing_reason(p)} (give a YAML file or a name from configs/)")
         try:
             raw = yaml.safe_load(read_bounded(p, 16 << 20).decode("utf-8")) or {}
         except OSError as err:

@@ -129,6 +129,22 @@ def read_bounded(path: Path, limit: int) -> bytes:
     return data
 
 
+def missing_reason(path: Path) -> str:
+    """Why nothing can be read at `path`, for an error line: "no such file", or the link loop, the link to
+    nothing, or the FIFO, socket or device that stands there (none of which is "not there")."""
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+        if os.path.islink(path):
+            return f"a symbolic link to {os.readlink(path)}, which does not exist"
+        return "no such file" if err.errno == errno.ENOENT else err.strerror or str(err)
+    kinds = {stat.S_ISFIFO: "a FIFO (a named pipe)", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device",
+             stat.S_ISBLK: "a device", stat.S_ISDIR: "a folder"}
+    return next((f"{what}, not a file" for test, what in kinds.items() if test(info.st_mode)), "not a regular file")
+
+
 def describe_size(n: float) -> str:
     """Bytes in words: 512 B, 3.1 MiB, 2.0 GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 from tetron.data.hf_source import folder_files, hf_folder, hf_streams, hub_sha, load_hf, open_hf_stream, parse_hf
 from tetron.errors import DataError
+from tetron.fs import missing_reason
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".py", ".md")
 MAX_RECORD_BYTES = 256 << 20  # the longest .jsonl line read
@@ -71,8 +72,8 @@ def resolve_files(spec: str) -> list[Path]:
         return files
     if path.is_file():
         return [path]
-    if path.exists() and not path.is_dir():
-        raise DataError(f"data: {spec} is not a regular file or folder (a FIFO or a device cannot be data)")
+    if not path.is_dir() and (path.exists() or path.is_symlink()):  # a FIFO, a device, a link loop or to nothing
+        raise DataError(f"data: {spec} is {missing_reason(path)} (give a file, a folder, a glob, 'stdlib' or hf:NAME)")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
         if not files:
