@@ -674,7 +674,7 @@ def test_bad_data_files_are_one_line_or_skipped_and_counted(ck, tmp_path, tetron
     os.mkfifo(tmp_path / "fifo.txt")
     for name, pattern in [("broken.parquet", r"broken\.parquet is not a readable parquet file"),
                           ("ints.parquet", r"ints\.parquet row 0 has a int in 'text', not text"),
-                          ("fifo.txt", r"fifo\.txt is not a regular file or folder")]:
+                          ("fifo.txt", r"fifo\.txt is a FIFO \(a named pipe\), not a file")]:
         code, _, err, launched = tetron_cli("train", config, "--data", tmp_path / name)
         one_line(code, err, pattern, launched)
     code, out, err, launched = tetron_cli("train", config, "--data", tmp_path / "utf8.jsonl",
