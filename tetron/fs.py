@@ -130,19 +130,17 @@ def read_bounded(path: Path, limit: int) -> bytes:
 
 
 def missing_reason(path: Path) -> str:
-    """Why nothing can be read at `path`, for an error line: "no such file", or the link loop, the link to
-    nothing, or the FIFO, socket or device that stands there (none of which is "not there")."""
+    """Why nothing can be read at `path`, for an error line: "no such file", or what stands there instead (a
+    loop of symbolic links, a link to nothing, a FIFO, socket, device or folder: none of which is "not there")."""
     try:
-        info = os.stat(path)
+        mode = os.stat(path).st_mode
     except OSError as err:
-        if err.errno == errno.ELOOP:
-            return "a loop of symbolic links"
-        if os.path.islink(path):
+        if os.path.islink(path) and err.errno == errno.ENOENT:
             return f"a symbolic link to {os.readlink(path)}, which does not exist"
-        return "no such file" if err.errno == errno.ENOENT else err.strerror or str(err)
+        return {errno.ELOOP: "a loop of symbolic links", errno.ENOENT: "no such file"}.get(err.errno, str(err))
     kinds = {stat.S_ISFIFO: "a FIFO (a named pipe)", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device",
              stat.S_ISBLK: "a device", stat.S_ISDIR: "a folder"}
-    return next((f"{what}, not a file" for test, what in kinds.items() if test(info.st_mode)), "not a regular file")
+    return next((f"{what}, not a file" for test, what in kinds.items() if test(mode)), "not a regular file")
 
 
 def describe_size(n: float) -> str:
@@ -329,7 +327,6 @@ def read_json(path: Path, limit: int = MAX_JSON_BYTES) -> Any:
         raise CheckpointError(f"{path}: not valid JSON ({str(err).splitlines()[0]})") from None
 
 
-
 def checkpoints_dir(out: Path) -> Path:
     return Path(out) / "checkpoints"
 
@@ -377,17 +374,10 @@ def is_run_folder(out: Path) -> bool:
 def earlier_run(out: Path) -> list[str]:
     """What of an earlier run the folder `out` holds that a new run would mix with or replace: its metrics
     (a new run appends to them), its last complete checkpoint, its model/ (an empty list: none of these)."""
-    found = []
-    metrics = out / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        found.append("metrics.jsonl")
-    done = complete_checkpoints(out)
-    if done:
-        found.append(f"checkpoints/{done[-1].name}")
-    model = out / "model"
-    if model.is_dir() and any(model.iterdir()):
-        found.append("model/")
-    return found
+    metrics, model, done = out / "metrics.jsonl", out / "model", complete_checkpoints(out)
+    found = ["metrics.jsonl"] if metrics.is_file() and metrics.stat().st_size > 0 else []
+    found += [f"checkpoints/{done[-1].name}"] if done else []
+    return found + (["model/"] if model.is_dir() and any(model.iterdir()) else [])
 
 
 def aside_name(folder: Path) -> Path:
