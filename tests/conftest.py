@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +15,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/harness.py
 
+from tetron import cli  # noqa: E402
 from tetron.checkpoint.save import gather_full_state  # noqa: E402
 from tetron.config import from_dict  # noqa: E402
 from tetron.data.loader import prepare_data  # noqa: E402
@@ -134,3 +138,17 @@ def run_training(raw: dict) -> list[float]:
     validate(cfg)
     prepare_data(cfg)
     return run_ranks(cfg.world_size, train_rank_losses, raw, timeout=300)[0]
+
+
+def cli_in_process(args: list[str], workdir: Path) -> subprocess.CompletedProcess:
+    """`tetron ARGS` through tetron.cli.main in this process, in `workdir`, launching nothing: (exit code,
+    stdout, stderr) as a CompletedProcess, like a real run of the command."""
+    def launch(cfg):
+        raise AssertionError(f"launched {cfg.out}")
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.chdir(workdir)
+        patch.setattr(cli, "launch", launch)
+        code = cli.main(args)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())

@@ -18,14 +18,14 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from test_cli import cli_in_process, user_env
+from test_cli import user_env
 
 from tetron.checkpoint.save import seal
 from tetron.config import ConfigError, from_dict
 from tetron.fs import STATE_FILE, sha256, write_json
 from tetron.validate import validate
 
-from conftest import run_training, tiny_config
+from conftest import cli_in_process, run_training, tiny_config
 
 SHARD = "model-00001-of-00001.safetensors"
 

@@ -6,8 +6,6 @@ real launches (elastic launcher, torchrun, torchrun with the wrong world size) a
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import os
@@ -20,7 +18,6 @@ import pytest
 import torch
 import yaml
 
-from tetron import cli as tetron_cli
 from tetron.checkpoint.load import load_model
 from tetron.config import TrainConfig, from_dict
 from tetron.data.sources import iter_texts
@@ -29,6 +26,7 @@ from tetron.observe.generate import sample_from_run
 from tetron.schedule import lr_at
 from tetron.train import train
 
+from conftest import cli_in_process
 from harness import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -107,18 +105,6 @@ BAD_INPUT = {
 # Started as real processes (exit code, stderr and stdout of an interpreter); the rest run tetron.cli.main in
 # this process, which is the same code after the first import, without a torch import each.
 REAL_PROCESS = ("unknown flag", "missing config")
-
-
-def cli_in_process(args: list[str], workdir: Path) -> subprocess.CompletedProcess:
-    def launch(cfg):
-        raise AssertionError(f"launched {cfg.out}")
-
-    out, err = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        patch.chdir(workdir)
-        patch.setattr(tetron_cli, "launch", launch)
-        code = tetron_cli.main(args)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")

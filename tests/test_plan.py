@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_cli import cli_in_process
 
 from tetron.config import from_dict, load_config
 from tetron.data.loader import prepare_data
@@ -34,7 +33,7 @@ from tetron.plan.state import state
 from tetron.plan.steptime import estimate
 from tetron.validate import validate
 
-from conftest import tiny_config
+from conftest import cli_in_process, tiny_config
 from harness import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_cli import cli_in_process
 
 from tetron.errors import ConfigError
 from tetron.observe.metrics import ProgressBar, say
 from tetron.observe.report import PANELS, TIME_PANEL, figure, read_run, report, table
+
+from conftest import cli_in_process
 
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH_TIMEOUT = 300  # s: one real launch of 2 ranks, tokenizing included

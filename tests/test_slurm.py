@@ -26,9 +26,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_cli import cli_in_process
 
-from conftest import LOSS_RTOL, run_parallel, tiny_config
+from conftest import LOSS_RTOL, cli_in_process, run_parallel, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")

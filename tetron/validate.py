@@ -33,9 +33,8 @@ def _validate_zero_bubble(cfg: Config) -> None:
         _check(p.pp_virtual == 2, f"{name} runs exactly two chunks per pipeline rank (a V): set "
                f"parallel.pp_virtual=2, not {p.pp_virtual}")
         layers = cfg.model.num_hidden_layers
-        works = ("use pp=2" if layers // 2 == 2 else f"use pp from 2 to {layers // 2}") + ", or pp_schedule=zbh1"
-        if layers < 4:
-            works = "use pp_schedule=zbh1 or 1f1b (zbv needs at least 4 layers)"
+        works = ("use pp_schedule=zbh1 or 1f1b (zbv needs at least 4 layers)" if layers < 4 else
+                 ("use pp=2" if layers // 2 == 2 else f"use pp from 2 to {layers // 2}") + ", or pp_schedule=zbh1")
         _check(2 <= p.pp <= layers // 2, f"{name} cuts the model into 2*pp={2 * p.pp} stages, two on each of pp >= 2 "
                f"ranks, and model.num_hidden_layers={layers} must fill them; {works}")
     _check(p.zero < 3, f"{name} with parallel.zero=3: ZeRO-3 frees a layer's gathered weights once its "
