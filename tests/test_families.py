@@ -149,3 +149,20 @@ def test_planner_counts_biases_and_head_norms(corpus, cache_dir, tmp_path):
         cfg = from_dict(tiny_config(corpus, cache_dir, tmp_path, model={"model_type": model_type},
                                     parallel={"tp": 2}))
         assert sum(layer_numels(cfg)) == matmuls + 2 * h + extra
+
+
+def test_kv_cache_keeps_the_window():
+    """Generation's KV cache (observe/generate.py) attends, token by token, to what the window leaves: each
+    new token's logits equal the whole sequence's forward pass."""
+    from tetron.observe.generate import kv_cache
+
+    cfg = config("mistral_window")
+    torch.manual_seed(0)
+    model = Llama(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(ids)[0]  # [12, vocab]
+        with kv_cache(model):
+            steps = [model(ids[:, :3])[0, -1]]  # the prompt, then one token at a time
+            steps += [model(ids[:, t:t + 1], torch.tensor([t]))[0, -1] for t in range(3, 12)]
+    torch.testing.assert_close(torch.stack(steps), full[2:], atol=ATOL, rtol=RTOL)
