@@ -17,6 +17,7 @@ from tetron.config import from_dict
 from tetron.models import config_from_hf, family
 from tetron.models.attention import Documents, document_mask, sdpa_attention
 from tetron.models.llama import Llama
+from tetron.observe.generate import kv_cache
 from tetron.plan.state import layer_numels
 
 from conftest import check_layout, tiny_config
@@ -154,8 +155,6 @@ def test_planner_counts_biases_and_head_norms(corpus, cache_dir, tmp_path):
 def test_kv_cache_keeps_the_window():
     """Generation's KV cache (observe/generate.py) attends, token by token, to what the window leaves: each
     new token's logits equal the whole sequence's forward pass."""
-    from tetron.observe.generate import kv_cache
-
     cfg = config("mistral_window")
     torch.manual_seed(0)
     model = Llama(cfg).eval()
