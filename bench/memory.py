@@ -136,9 +136,10 @@ def per_step_rank(rank: int, args: argparse.Namespace) -> None:
     for step in range(args.per_step):
         train_step(run, step)  # resets the peak at its start
         peaks.append(dev.peak_memory_mb(CPU))
+    state = train_step(run, args.per_step, measure_memory=True).memory  # one more step, on every rank
     if rank == 0:
         with open(args.result, "w") as f:
-            json.dump({"peaks": peaks, "state": train_step(run, args.per_step, measure_memory=True).memory}, f)
+            json.dump({"peaks": peaks, "state": state}, f)
 
 
 def per_step(args: argparse.Namespace) -> None:
