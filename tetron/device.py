@@ -162,7 +162,7 @@ def map_large_allocations(threshold: int = CPU_MMAP_THRESHOLD) -> bool:
     32 MB), and from then on blocks of a training step's sizes (gradient buffers, ZeRO-3's gathered
     layers, gloo's copies, weight gradients: a few to tens of MB, allocated and freed in every step)
     come from the heap, which keeps the free space between them resident. Measured on SmolLM-135M at
-    dp2 (docs/memory.md): ZeRO-3's peak resident set climbed 16% over 20 steps, to 0.97-1.08x ZeRO-0's;
+    dp2 (docs/memory.md): ZeRO-3's peak resident set wandered up to 10% above step 2's, to ZeRO-0's;
     with this threshold it is flat from step 2, at 0.72x. Smaller blocks (activations of short
     sequences, Python's objects) keep the heap's speed. Returns False where there is no glibc (macOS,
     musl): nothing changes there."""

@@ -54,7 +54,7 @@ def reduce_scatter_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     out = torch.empty((front.shape[0] // world, *front.shape[1:]), dtype=x.dtype, device=x.device)
     with timer(group):
         dist.reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim).contiguous()
+    return out.movedim(0, dim)
 
 
 class _CopyToGroup(torch.autograd.Function):

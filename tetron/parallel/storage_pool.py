@@ -3,15 +3,15 @@
 A unit's parameters view one flat buffer whose storage is emptied between uses. Freed and allocated
 again at every gather (twice a step per unit, forward and backward), that memory costs the CPU ranks
 either way glibc serves it: from the heap, once freeing a large block has raised glibc's dynamic mmap
-threshold, where the free space between blocks stays resident (the resident set of a 20-step SmolLM-135M
-run climbed 16%: docs/memory.md); or, under the fixed threshold tetron's CPU ranks set
-(`tetron.device.map_large_allocations`), as fresh mappings whose pages the kernel faults in and zeroes
-at every gather (22 ms for a 14 MB layer on the loaded 2-core test machine, 0.7 ms reused). So a pool
-keeps the memory of emptied buffers, by size, and hands it to the next unit of that size: as many
-buffers of a size as units of that size are ever gathered at once (the unit that runs and the one
-prefetched; the rest of the chunk, embedding and head, is its own size), allocated in the first step,
-never again. They stay allocated between steps (about 135 MB for SmolLM-135M in fp32), which adds
-little to the peak (1.4% on that run), when they are all in use anyway.
+threshold, where the free space between blocks stays resident (the peak resident set of a 20-step
+SmolLM-135M run wandered up to 10% above its second step's: docs/memory.md); or, under the fixed
+threshold tetron's CPU ranks set (`tetron.device.map_large_allocations`), as fresh mappings whose pages
+the kernel faults in and zeroes at every gather (22 ms for a 14 MB layer on the loaded 2-core test
+machine, 0.7 ms reused). So a pool keeps the memory of emptied buffers, by size, and hands it to the
+next unit of that size: as many buffers of a size as units of that size are ever gathered at once (the
+unit that runs and the one prefetched; the rest of the chunk, embedding and head, is its own size),
+allocated in the first step, never again. They stay allocated between steps (about 135 MB for
+SmolLM-135M in fp32), which adds little to the peak (1.4% on that run), when they are all in use anyway.
 
 The memory moves by swapping the data pointers of two storages (`UntypedStorage._swap_data_ptr_`,
 the call FSDP2 and CUDA graph trees use): the unit's storage object stays the one its parameters,
