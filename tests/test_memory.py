@@ -6,6 +6,8 @@ said, and which tensors autograd saves is fixed by each op's backward formula.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 import sys
@@ -19,6 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from tetron import device as dev
 from tetron.models.llama import Llama, LlamaConfig
 from tetron.observe.memory import ActivationMeter, StateBytes, optimizer_tensors, state_bytes, tensor_bytes
+
+from harness import run_ranks
 
 B, D_IN, H, D_OUT = 3, 5, 7, 2  # batch and widths of the two-Linear block: distinct, so a wrong sum shows
 
@@ -286,6 +290,37 @@ def test_cpu_peak_resets_per_step():
     rss = next(int(line.split()[1]) for line in open(dev._PROC_STATUS) if line.startswith("VmRSS:")) / 1024
     assert low <= high - (ALLOC_MIB - 50)
     assert abs(low - rss) < 50
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (malloc.h): hblkhd is the bytes of blocks mapped on their own."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mapped_bytes_after_a_reuse() -> int:
+    """glibc's mapped bytes (mallinfo2's hblkhd) while a 2 MiB tensor lives that follows a freed 8 MiB one."""
+    assert dev.map_large_allocations()
+    mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
+    mallinfo2.restype = MallInfo2
+    big = torch.empty(2 * 2**20)  # 8 MiB: mapped
+    del big  # unmapped, and glibc's default raises its threshold to 8 MiB
+    before = mallinfo2().hblkhd
+    small = torch.empty(2**20 // 2)  # 2 MiB
+    mapped = mallinfo2().hblkhd - before
+    del small
+    return mapped
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallinfo2"), reason="needs glibc")
+def test_cpu_ranks_map_large_blocks():
+    """tetron's CPU ranks keep glibc's mmap threshold at 1 MiB: a 2 MiB tensor is its own mapping, given back
+    when freed, even after a larger block was freed (which by default raises the threshold, so that the
+    2 MiB come from the heap, where freed pages stay resident: not asserted, as this process may have
+    run a training in-process already, whose launcher fixed the threshold). In a forked process, not to
+    change this one's allocator."""
+    assert run_ranks(1, _mapped_bytes_after_a_reuse)[0] >= 2 * 2**20
 
 
 def test_cpu_peak_without_proc_is_the_peak_since_start(monkeypatch, tmp_path):

@@ -10,12 +10,15 @@ import torch.nn.functional as F
 from tetron.config import from_dict
 from tetron.mesh import Mesh
 from tetron.models.llama import Llama, LlamaConfig
+from tetron.observe.memory import ActivationMeter
 from tetron.parallel.parallelize import make_loss_fn, parallelize
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
     padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
+from tetron.plan.activations import layer_none
+from tetron.plan.sizes import Sizes
 
 from conftest import STEPS, reference_run, run_parallel, tiny_config
 from harness import run_ranks, saved_bytes
@@ -140,10 +143,13 @@ def test_logits_and_loss_memory_shrinks_with_tp(corpus, cache_dir, tmp_path):
 # ----------------------------------------------------------------------------- layers
 
 
+LAYERS_MODEL = {"vocab_size": 101, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+
+
 def _layers_match_rank(sp: bool) -> dict:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    config = LlamaConfig(**LAYERS_MODEL)
     plain = Llama(config)
     with torch.device("meta"):
         sharded = Llama(config)
@@ -159,14 +165,27 @@ def _layers_match_rank(sp: bool) -> dict:
             p.copy_(local_slice(p, full[name]))
     ids = torch.randint(0, 101, (2, 16))
     ref = plain(ids)  # [2, 16, 101]
-    local = sharded(ids)  # [2, 16, padded/tp]
+    # what autograd saves inside each decoder layer: the live bytes on leaving it minus on entering it
+    meter, marks = ActivationMeter(sharded.parameters()), []
+    for layer in sharded.model.layers.values():
+        layer.register_forward_pre_hook(lambda *_: marks.append(meter.live_bytes))
+        layer.register_forward_hook(lambda *_: marks.append(meter.live_bytes))
+    with meter:
+        local = sharded(ids)  # [2, 16, padded/tp]
     per = local.shape[-1]
     rank = dist.get_rank()
-    return {"local": local.detach(), "ref": ref.detach()[..., rank * per:min((rank + 1) * per, 101)]}
+    return {"local": local.detach(), "ref": ref.detach()[..., rank * per:min((rank + 1) * per, 101)],
+            "layer_saved": [after - before for before, after in zip(marks[::2], marks[1::2])]}
 
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_sharded_forward_equals_plain_model(sp):
+    cfg = from_dict({"model": LAYERS_MODEL, "parallel": {"tp": 2, "sp": sp}, "data": {"seq_len": 16},
+                     "train": {"micro_batch": 2}})
+    rope = 2 * 16 * cfg.model.head_dim * 4  # cos and sin, saved by the first layer that uses them (fp32)
     for r in run_ranks(2, _layers_match_rank, sp):
         width = r["ref"].shape[-1]
         torch.testing.assert_close(r["local"][..., :width], r["ref"], rtol=1e-5, atol=1e-5)
+        # The planner's figure, to the byte. Under sp it holds one all-gathered norm output per block, shared
+        # by q/k/v and by gate/up (micro-batch 2: a strided gather would be copied and saved by each of them).
+        assert r["layer_saved"] == [layer_none(Sizes.of(cfg)) + rope, layer_none(Sizes.of(cfg))]

@@ -8,8 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from tetron.config import from_dict
+from tetron.data.loader import prepare_data
 from tetron.mesh import Mesh
 from tetron.parallel.parallelize import build_optimizer, parallelize
+from tetron.train import build_run, train_step
 
 from conftest import LAYOUT_LR, LOSS_RTOL, WEIGHT_ATOL, check_layout, run_parallel, run_training, tiny_config
 from harness import run_ranks
@@ -92,6 +94,39 @@ def test_each_element_has_one_owner(corpus, cache_dir, tmp_path, dp, zero, dtype
     if zero:
         # 1/N of the optimizer state per rank, up to the padding of each bucket
         assert max(r["masters"] for r in results) - results[0]["params"] / dp <= len(results[0]["buckets"])
+
+
+def _gather_memory_rank(raw: dict) -> dict:
+    """ZeRO-3's gathers over 3 steps: the pool's allocations after each, and the addresses each step gathered into."""
+    cfg = from_dict(raw)
+    run = build_run(cfg, Mesh(dp=cfg.parallel.dp), torch.device("cpu"))
+    pool = run.optimizer.sharding.pool
+    fill, addresses = pool.fill, []
+
+    def recording_fill(storage, nbytes):
+        fill(storage, nbytes)
+        addresses[-1].add(storage.data_ptr())
+
+    pool.fill = recording_fill
+    allocations = []
+    for step in range(3):
+        addresses.append(set())
+        train_step(run, step)
+        allocations.append(pool.allocations)
+    return {"allocations": allocations, "addresses": addresses, "units": len(run.optimizer.sharding.order[0])}
+
+
+def test_zero3_gathers_reuse_their_memory(corpus, cache_dir, tmp_path):
+    """Each unit's gather takes the memory an earlier one gave back (storage_pool.py): what the pool
+    allocates in the first step (fewer buffers than units: the 4 layers share the running one and the
+    prefetched one) it never allocates again, and later steps gather into the same addresses."""
+    raw = tiny_config(corpus, cache_dir, tmp_path, model={"num_hidden_layers": 4}, parallel={"dp": 2, "zero": 3},
+                      train={"steps": 3})
+    prepare_data(from_dict(raw))
+    for r in run_ranks(2, _gather_memory_rank, raw):
+        first = r["allocations"][0]
+        assert r["allocations"] == [first] * 3 and 0 < first < r["units"], r
+        assert r["addresses"][1] == r["addresses"][2] and r["addresses"][1] <= r["addresses"][0], r
 
 
 @pytest.mark.parametrize("zero", [1, 2])

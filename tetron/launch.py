@@ -193,6 +193,7 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
         # Ranks share the cores: more threads than cores per rank only adds contention.
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        dev.map_large_allocations()  # a resident set that follows the live tensors, step after step
     init_process_group(device, timeout_s=cfg.parallel.timeout_s, restart=restart)
     p = cfg.parallel
     mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, device_type=device.type, timeout=timedelta(seconds=p.timeout_s))

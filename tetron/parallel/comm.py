@@ -32,7 +32,7 @@ def _size(group: dist.ProcessGroup | None) -> int:
 
 
 def all_gather_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
-    """Concatenate every rank's `x` along `dim` (no autograd)."""
+    """Concatenate every rank's `x` along `dim` (no autograd), into one contiguous tensor."""
     world = _size(group)
     if world == 1:
         return x
@@ -40,7 +40,9 @@ def all_gather_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
     out = torch.empty((world * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
     with timer(group):
         dist.all_gather_single(out, front, group=group)
-    return out.movedim(0, dim)
+    # Contiguous once here, not once per consumer: a strided view would be copied by each matmul that
+    # reads it (q, k and v; gate and up under sequence parallelism), and each copy saved for its backward.
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter_dim(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:

@@ -36,6 +36,7 @@ from tetron.config import TrainConfig
 from tetron.models.spec import spec_of
 from tetron.parallel.comm import all_gather_flat
 from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
+from tetron.parallel.storage_pool import StoragePool
 from tetron.parallel.timers import timer
 
 Kind = Literal["master", "exp_avg", "exp_avg_sq"]
@@ -292,13 +293,15 @@ class ParameterSharding:
     Forward: a unit's pre-hook gathers its parameters (all-gather of the slices into the flat buffer
     the parameters view) and starts gathering the next unit's, so that transfer overlaps this unit's
     compute; its post-hook frees them (the buffer's storage is resized to nothing: the parameters
-    keep their shapes, autograd keeps its references) and hooks the unit's output. Backward: that
+    keep their shapes, autograd keeps its references; its memory goes to a pool, storage_pool.py, for
+    the next gather of a unit that size) and hooks the unit's output. Backward: that
     hook gathers the unit again (and prefetches the unit before it) just before its backward begins,
     and gives it its gradient buffer; once every parameter of the unit has its gradient, the
     parameters are freed again, and data parallelism reduce-scatters the gradients."""
 
     def __init__(self, dp_chunks: list[DataParallelBucket], group: dist.ProcessGroup) -> None:
         self.group = group
+        self.pool = StoragePool(dp_chunks[0].buckets[0].device)
         self.order: list[list[_Unit]] = []  # per chunk, the units in forward order
         for dp in dp_chunks:
             units = [_Unit(bucket, dp) for bucket in reversed(dp.buckets)]  # buckets are in backward order
@@ -313,7 +316,7 @@ class ParameterSharding:
                 unit.bucket.module.register_forward_hook(self._post_forward(unit, before))
                 for p in unit.bucket.params:
                     p.register_post_accumulate_grad_hook(self._post_accumulate(unit))
-                self.free(unit)
+                unit.flat.untyped_storage().resize_(0)  # the whole model's memory: released, not pooled
 
     def gather(self, unit: _Unit, *, async_op: bool = False) -> None:
         if unit.gathered or unit.work is not None:
@@ -322,7 +325,7 @@ class ParameterSharding:
                     unit.work.wait()
                 unit.work, unit.gathered = None, True
             return
-        unit.flat.untyped_storage().resize_(unit.nbytes)
+        self.pool.fill(unit.flat.untyped_storage(), unit.nbytes)
         with timer("dp") if not async_op else contextlib.nullcontext():
             work = all_gather_flat(unit.flat, unit.bucket.params_slice, group=self.group, async_op=async_op)
         if async_op:
@@ -340,7 +343,7 @@ class ParameterSharding:
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
-        unit.flat.untyped_storage().resize_(0)
+        self.pool.empty(unit.flat.untyped_storage())
         unit.gathered = False
 
     def _pre_forward(self, unit: _Unit, after: _Unit | None):

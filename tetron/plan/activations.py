@@ -45,10 +45,9 @@ def layer_none(s: Sizes) -> int:
     see them (the whole sequence, all-gathered under sp), attention, and the MLP's gate, silu(gate),
     up and their product (4 x intermediate/tp). fp32, tp 1, no GQA: 24h + 16hq + 16i + 4 heads + 8
     bytes a token (tests/test_recompute.py measures 1,185,792 for its model: this formula exactly)."""
-    # Under sp the norm outputs are all-gathered into a strided view, which F.linear copies for each of
-    # q, k, v, gate and up: five copies of [n, h] where tp without sp saves the one norm output twice.
-    inputs = 5 if s.sp else 2
-    return 2 * norm_bytes(s, s.n_res) + inputs * s.n * s.d * s.h + _attention(s) + s.n * 4 * s.d * s.inter
+    # Under sp each block's norm output is all-gathered into one contiguous [n, h] buffer (comm.py) that
+    # q, k and v (gate and up) all read and save: one per block, as without sp.
+    return 2 * norm_bytes(s, s.n_res) + 2 * s.n * s.d * s.h + _attention(s) + s.n * 4 * s.d * s.inter
 
 
 def layer_kept(s: Sizes, mode: str) -> int:

@@ -117,6 +117,7 @@ def _launched(raw: dict[str, Any], steps: int, timed_steps: int) -> dict[str, An
     device = dev.pick_device(cfg.parallel.device, local_rank)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+        dev.map_large_allocations()  # glibc as under `tetron train`, so the step times are its
     init_process_group(device, timeout_s=cfg.parallel.timeout_s, restart=0)
     try:
         return measure_rank(raw, steps=steps, timed_steps=timed_steps, local_rank=local_rank)
