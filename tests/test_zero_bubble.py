@@ -3,6 +3,7 @@ against a plain backward, and training against the single process (several layou
 
 from __future__ import annotations
 
+import copy
 import json
 import weakref
 from collections import Counter
@@ -29,6 +30,7 @@ from tetron.parallel.pipeline_schedules import (
     theoretical_bubble,
     unit_duration,
 )
+from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.weight_grad import backward_input, backward_weight
 from tetron.plan.hardware import gpu
 from tetron.plan.memory import predict_rank
@@ -117,10 +119,10 @@ def test_plan_knows_the_zero_bubble_schedules():
 
 @pytest.mark.parametrize("parallel, model, train, needle", [
     ({"pp_schedule": "zbv", "pp_virtual": 1}, {}, {}, "pp_virtual=2"),
-    ({"pp_schedule": "zbh1", "dp": 2, "zero": 3}, {}, {}, "zero=3"),
-    ({"pp_schedule": "zbh1"}, {}, {"recompute": "full"}, "recompute=full"),
-    ({"pp_schedule": "zbv", "pp_virtual": 2}, {}, {}, ""),  # the control: valid
-], ids=["zbv-one-chunk", "zero3", "recompute", "valid"])
+    ({"pp_schedule": "zbh1"}, {}, {"compile": True}, "compile"),
+    ({"pp_schedule": "zbv", "pp_virtual": 2}, {}, {}, ""),  # the controls: valid
+    ({"pp_schedule": "zbh1", "dp": 2, "zero": 3}, {}, {"recompute": "selective"}, ""),
+], ids=["zbv-one-chunk", "compile", "valid", "valid-zero3-recompute"])
 def test_zero_bubble_refusals(tmp_path, parallel, model, train, needle):
     raw = {"model": {"num_hidden_layers": 4, **model}, "parallel": {"pp": 2, **parallel}, "train": train,
            "data": {"path": str(tmp_path / "x.txt"), "tokenizer": "bytes"}, "out": str(tmp_path / "out")}
@@ -147,11 +149,16 @@ def _chunk(first: bool) -> Llama:
     return model
 
 
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("first", [False, True], ids=["middle-stage", "first-stage"])
-def test_split_backward_equals_backward(first):
+def test_split_backward_equals_backward(first, recompute):
     """B then W give the input gradient and every weight gradient of a plain backward, bit for bit; B
-    accumulates nothing, W fires each weight's accumulation hook once (data parallelism's buckets)."""
+    accumulates nothing, W fires each weight's accumulation hook once (data parallelism's buckets).
+    With recompute, B recomputes each layer and W reuses what B built. W of a stage with a B reads no
+    parameter (ZeRO-3 frees them all after B): here their storage is empty while it runs."""
     model = _chunk(first)
+    plain = copy.deepcopy(model)
+    apply_recompute(model, recompute, split=True)
     params = list(model.parameters())
     fired = Counter()
     for p in params:
@@ -165,14 +172,20 @@ def test_split_backward_equals_backward(first):
         model.zero_grad(set_to_none=True)
         fired.clear()
         x = inputs if first else inputs.clone().requires_grad_()
-        out = model(x, positions)
         if not split:
-            out.backward(grad_out)
-            return None if first else x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+            plain(x, positions).backward(grad_out)
+            return None if first else x.grad, {n: p.grad.clone() for n, p in plain.named_parameters()}
+        out = model(x, positions)
         dx, pending = backward_input(out, grad_out, None if first else x, params)
         assert all(p.grad is None for p in params) and not fired
         assert (dx is None) == first
+        values = [p.detach().clone() for p in params]
+        for p in params if not first else []:  # the first stage's W is its whole backward: it reads them
+            p.untyped_storage().resize_(0)
         backward_weight(pending)
+        for p, value in zip(params, values):
+            p.untyped_storage().resize_(value.numel() * value.element_size())
+            p.data.copy_(value)
         return dx, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     dx, grads = run(False)
@@ -282,14 +295,14 @@ def _assert_ran(results: list[dict], name: str, *, pp: int, virtual: int, m: int
         assert trace.peak_output_elements == 0
 
 
-# (name, parallel, model, micro-batches): pp 2 and 4, m = pp and 2pp, with dp (naive; buckets under ZeRO 1 and
-# 2), tp (+sp), cp, tied embeddings
+# (name, parallel, model, micro-batches[, train]): pp 2 and 4, m = pp and 2pp, with dp (naive; buckets under ZeRO
+# 1, 2 and 3), tp (+sp), cp, tied embeddings, recompute (full, selective; B recomputes, W reuses what B built)
 LAYOUTS = {
     2: [
         ("zbh1", {"pp": 2}, {}, 2),
-        ("zbh1", {"pp": 2}, {"tie_word_embeddings": True}, 4),
+        ("zbh1", {"pp": 2}, {"tie_word_embeddings": True}, 4, {"recompute": "full"}),
         ("zbv", {"pp": 2}, {}, 2),
-        ("zbv", {"pp": 2}, {}, 4),
+        ("zbv", {"pp": 2}, {}, 4, {"recompute": "selective"}),
         ("zbv", {"pp": 2}, {"tie_word_embeddings": True}, 4),  # both copies on rank 0: summed there
     ],
     4: [
@@ -297,10 +310,11 @@ LAYOUTS = {
         ("zbh1", {"pp": 4}, {}, 8),
         ("zbv", {"pp": 4}, {"num_hidden_layers": 8}, 4),
         ("zbv", {"pp": 4}, {"num_hidden_layers": 8}, 8),
-        ("zbh1", {"pp": 2, "dp": 2, "zero": 1, "bucket_mb": 0.01}, {"tie_word_embeddings": True}, 2),
+        ("zbh1", {"pp": 2, "dp": 2, "zero": 3}, {"tie_word_embeddings": True}, 2),  # B frees, W reads no weight
         ("zbh1", {"pp": 2, "dp": 2, "dp_impl": "naive"}, {}, 4),
         ("zbv", {"pp": 2, "dp": 2, "zero": 2, "bucket_mb": 0.01}, {}, 4),
         ("zbv", {"pp": 2, "dp": 2, "zero": 1}, {"tie_word_embeddings": True}, 2),
+        ("zbv", {"pp": 2, "dp": 2, "zero": 3}, {}, 4, {"recompute": "full"}),
         ("zbv", {"pp": 2, "tp": 2, "sp": True}, {}, 2),
         ("zbh1", {"pp": 2, "cp": 2}, {}, 4),
     ],
@@ -310,18 +324,18 @@ LAYOUTS = {
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_zero_bubble_matches_single_process(corpus, cache_dir, tmp_path, world):
     cases, raws, refs = LAYOUTS[world], [], []
-    for k, (name, parallel, model, m) in enumerate(cases):
+    for k, (name, parallel, model, m, *train) in enumerate(cases):
         model = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, **model}
         virtual = 2 if name == "zbv" else 1
         dp = parallel.get("dp", 1)
         raws.append(tiny_config(corpus, cache_dir, tmp_path / f"run{k}", model=model,
                                 parallel={**parallel, "pp_schedule": name, "pp_virtual": virtual},
-                                train={"micro_batch": 1, "grad_acc": m, "lr": LAYOUT_LR}))
+                                train={"micro_batch": 1, "grad_acc": m, "lr": LAYOUT_LR, **(train or [{}])[0]}))
         refs.append(tiny_config(corpus, cache_dir, tmp_path / f"ref{k}", model=model,
                                 train={"micro_batch": m * dp, "grad_acc": 1, "lr": LAYOUT_LR}))
     runs = _run_many(raws, trace=True)
     expected = _run_many(refs, trace=False)
-    for (name, parallel, _, m), run, ref in zip(cases, runs, expected):
-        what = f"{name} {parallel} m={m}"
+    for (name, parallel, _, m, *train), run, ref in zip(cases, runs, expected):
+        what = f"{name} {parallel} m={m} {train}"
         _assert_same(run, ref, what)
         _assert_ran(run[0], name, pp=parallel["pp"], virtual=2 if name == "zbv" else 1, m=m)

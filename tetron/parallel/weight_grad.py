@@ -18,6 +18,11 @@ engine pass over the weights themselves, so that gradient hooks fire exactly as 
 data parallelism's buckets fill, and under sync the reductions start and are awaited at its end.
 A stage whose input needs no gradient (the first, which embeds tokens) has nothing to do in B: its
 whole backward runs as W. Everything B kept is released when W is done (the caller drops the record).
+
+A node of the graph may defer work of its own: a layer that recomputes its forward in the backward
+(recompute.py under these schedules) is one node whose backward rebuilds the layer's graph and runs B
+on it, leaving that graph's W in the list `deferred` on the node. B collects those lists; W computes
+their weight gradients with its own and accumulates them all in the same last pass.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class _Group:
 
     nodes: list[Node] = field(default_factory=list)
     weights: list[nn.Parameter] = field(default_factory=list)
+    below: list[Node] = field(default_factory=list)  # the intermediates' children on the weights' side
 
 
 @dataclass
@@ -47,7 +53,9 @@ class PendingWeightGrad:
 
     groups: list[_Group]
     captured: dict[Node, tuple[Tensor | None, ...]]
-    whole: tuple[GradientEdge, Tensor] | None = None
+    whole: tuple[GradientEdge, Tensor, list[nn.Parameter]] | None = None
+    # the `deferred` lists of the nodes below the output that defer a W of their own (filled by B)
+    nested: list[list[PendingWeightGrad]] = field(default_factory=list)
 
 
 def _children(node: Node) -> list[Node]:
@@ -87,10 +95,11 @@ def _groups(root: Node, input_node: Node, weights: dict[Node, nn.Parameter]) -> 
         if not below:
             continue
         reached = {weights[n] for n in _reach_all(below) if n in weights}
-        merged = _Group([node], [])
+        merged = _Group([node], [], below)
         for group in {id(owner[w]): owner[w] for w in reached if w in owner}.values():
             merged.nodes += group.nodes
             merged.weights += group.weights
+            merged.below += group.below
             groups.remove(group)
         merged.weights += [w for w in reached if w not in merged.weights]
         for w in merged.weights:
@@ -132,12 +141,14 @@ def backward_input(output: Tensor, grad: Tensor | None, stage_input: Tensor | No
     root = get_gradient_edge(output)
     grad = torch.ones_like(output) if grad is None else grad
     weights = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
+    nested = [node.deferred for node in _reach_all([root.node]) if isinstance(getattr(node, "deferred", None), list)]
+    whole = PendingWeightGrad([], {}, whole=(root, grad, list(weights.values())), nested=nested)
     if stage_input is None or not stage_input.requires_grad:
-        return None, PendingWeightGrad([], {}, whole=(root, grad))
+        return None, whole
     input_edge = get_gradient_edge(stage_input)
     groups = _groups(root.node, input_edge.node, weights)
     if groups is None:  # nothing to send back: the whole backward is W's
-        return torch.zeros_like(stage_input), PendingWeightGrad([], {}, whole=(root, grad))
+        return torch.zeros_like(stage_input), whole
     captured: dict[Node, tuple[Tensor | None, ...]] = {}
 
     def capture(node: Node):
@@ -152,17 +163,39 @@ def backward_input(output: Tensor, grad: Tensor | None, stage_input: Tensor | No
     finally:
         for handle in handles:  # a hook holds its node: left in place it would keep the graph alive
             handle.remove()
-    return dx, PendingWeightGrad(groups, captured)
+    return dx, PendingWeightGrad(groups, captured, nested=nested)
+
+
+def weight_nodes(pending: PendingWeightGrad) -> set[Node] | None:
+    """The nodes W will run from what B left (the intermediates and the weight-only nodes below them),
+    whose saved tensors W reads; None: all of them (a whole backward)."""
+    if pending.whole is not None:
+        return None
+    return {n for g in pending.groups for n in g.nodes} | _reach_all([c for g in pending.groups for c in g.below])
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
     """W: the weight gradients B left, accumulated into `.grad` in one engine pass (hooks fire there)."""
-    if pending.whole is not None:
-        edge, grad = pending.whole
-        _engine.run_backward((edge,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
-        return
     weights: list[nn.Parameter] = []
     grads: list[Tensor] = []
+    _weight_grads(pending, weights, grads)
+    if weights:
+        _engine.run_backward(tuple(weights), tuple(grads), False, False, (), allow_unreachable=True,
+                             accumulate_grad=True)
+
+
+def _weight_grads(pending: PendingWeightGrad, weights: list[nn.Parameter], grads: list[Tensor]) -> None:
+    """Append the weight gradients `pending` holds (and those its nodes deferred) to `weights`, `grads`;
+    release what it kept."""
+    if pending.whole is not None:
+        edge, grad, params = pending.whole
+        pending.whole = None
+        dws = _engine.run_backward((edge,), (grad,), False, False, tuple(get_gradient_edge(p) for p in params),
+                                   allow_unreachable=True, accumulate_grad=False)
+        for w, dw in zip(params, dws):
+            if dw is not None:
+                weights.append(w)
+                grads.append(dw)
     for group in pending.groups:
         roots, incoming = [], []
         for node in group.nodes:
@@ -180,6 +213,8 @@ def backward_weight(pending: PendingWeightGrad) -> None:
                 weights.append(w)
                 grads.append(dw)
     pending.groups, pending.captured = [], {}
-    if weights:
-        _engine.run_backward(tuple(weights), tuple(grads), False, False, (), allow_unreachable=True,
-                             accumulate_grad=True)
+    for deferred in pending.nested:  # filled by B (or, for a whole backward, by the run above)
+        for inner in deferred:
+            _weight_grads(inner, weights, grads)
+        deferred.clear()  # the node outlives W in the caller's graph: it must not keep the layer's
+    pending.nested = []
