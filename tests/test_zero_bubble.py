@@ -246,6 +246,38 @@ def test_weight_pass_releases_the_graph():
     assert [r() for r in saved if r() is not None] == []
 
 
+def test_recomputed_layer_keeps_only_what_w_reads(monkeypatch):
+    """With recompute under the split, B rebuilds each layer; from B to W the layer keeps of that graph only
+    what W reads (the norms' normalized inputs and the matmuls' inputs: 4h + hq + i values a token here,
+    against 6h + 4hq + 4i for all it saves), and W frees that too."""
+    from tetron.parallel import recompute
+
+    kept: list[tuple[int, int, list]] = []
+    keep_only = recompute._Boxes.keep_only
+
+    def activation_bytes(boxes: list) -> int:  # storages of saved activations, once each (not weights' views)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        sizes = {b[0].untyped_storage().data_ptr(): b[0].untyped_storage().nbytes() for b in boxes
+                 if isinstance(b[0], torch.Tensor)}
+        return sum(n for ptr, n in sizes.items() if ptr not in weights)
+
+    def spy(self, nodes):
+        boxes, before = list(self.boxes), activation_bytes(self.boxes)
+        keep_only(self, nodes)
+        kept.append((before, activation_bytes(boxes), [weakref.ref(b[0]) for b in boxes if b[0] is not None]))
+
+    monkeypatch.setattr(recompute._Boxes, "keep_only", spy)
+    model = apply_recompute(_chunk(False), "full", split=True)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    _, pending = backward_input(model(x, torch.arange(16)), torch.randn(2, 16, 64), x, list(model.parameters()))
+    h, hq, i, tokens = 32, 32, 64, 32
+    assert [(before > 0, after) for before, after, _ in kept] == [(True, 4 * tokens * (4 * h + hq + i))] * 2
+    assert all(after < 0.5 * before for before, after, _ in kept)
+    backward_weight(pending)
+    del pending
+    assert [r for _, _, refs in kept for r in refs if r() is not None and not isinstance(r(), torch.nn.Parameter)] == []
+
+
 # ----------------------------------------------------------------------------- training runs
 
 
