@@ -94,7 +94,9 @@ def _groups(root: Node, input_node: Node, weights: dict[Node, nn.Parameter]) -> 
         below = [c for c in _children(node) if not to_input[c] and to_weight[c]]
         if not below:
             continue
-        reached = {weights[n] for n in _reach_all(below) if n in weights}
+        # in graph order, never a set's: the order of W's accumulation is the order in which data
+        # parallelism's buckets fill and reduce, which must be the same on every rank
+        reached = list(dict.fromkeys(weights[n] for n in _reach_all(below) if n in weights))
         merged = _Group([node], [], below)
         for group in {id(owner[w]): owner[w] for w in reached if w in owner}.values():
             merged.nodes += group.nodes
@@ -110,13 +112,14 @@ def _groups(root: Node, input_node: Node, weights: dict[Node, nn.Parameter]) -> 
     return groups
 
 
-def _reach_all(starts: list[Node]) -> set[Node]:
-    seen: set[Node] = set()
+def _reach_all(starts: list[Node]) -> dict[Node, None]:
+    """Every node reachable from `starts`, in the order found (the same on every rank: the graphs are)."""
+    seen: dict[Node, None] = {}
     stack = list(starts)
     while stack:
         node = stack.pop()
         if node not in seen:
-            seen.add(node)
+            seen[node] = None
             stack.extend(_children(node))
     return seen
 
@@ -129,7 +132,7 @@ def _check_no_double_path(group: _Group, to_input: dict[Node, bool]) -> None:
     members = set(group.nodes)
     for node in group.nodes:
         below = _reach_all([c for c in _children(node) if to_input[c]])
-        if below & members:
+        if below.keys() & members:
             raise RuntimeError("a weight is used at two depths of one pipeline stage's input path: its "
                                "backward cannot be split into B and W; use pp_schedule=1f1b or interleaved")
 
@@ -171,7 +174,8 @@ def weight_nodes(pending: PendingWeightGrad) -> set[Node] | None:
     whose saved tensors W reads; None: all of them (a whole backward)."""
     if pending.whole is not None:
         return None
-    return {n for g in pending.groups for n in g.nodes} | _reach_all([c for g in pending.groups for c in g.below])
+    below = _reach_all([c for g in pending.groups for c in g.below])
+    return {n for g in pending.groups for n in g.nodes} | below.keys()
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
