@@ -19,8 +19,8 @@ Under the zero-bubble schedules (zbh1, zbv: `split`) a backward is B, then W lat
 torch's checkpoint would recompute the layer again for each of W's engine runs (selective cannot even
 run twice). There a layer is one autograd node instead: its forward keeps only its input (and, selective,
 the same matmul outputs), and its backward, which runs in B, recomputes the layer into a graph of its
-own, runs B on it and leaves that graph's W on the node. So W recomputes nothing: the recomputed layer
-is held from B until its W and freed then; recompute saves the memory from F to B.
+own, runs B on it and leaves that graph's W on the node. So W recomputes nothing; from B to W the layer
+keeps of its rebuilt graph only what W reads (`_Boxes`), and W frees that.
 """
 
 from __future__ import annotations

@@ -220,5 +220,5 @@ def _weight_grads(pending: PendingWeightGrad, weights: list[nn.Parameter], grads
     for deferred in pending.nested:  # filled by B (or, for a whole backward, by the run above)
         for inner in deferred:
             _weight_grads(inner, weights, grads)
-        deferred.clear()  # the node outlives W in the caller's graph: it must not keep the layer's
+        deferred.clear()  # the node may outlive W in the caller's graph: it must not keep the rebuilt one
     pending.nested = []
