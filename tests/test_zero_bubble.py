@@ -3,6 +3,7 @@ against a plain backward, and training against the single process (several layou
 
 from __future__ import annotations
 
+import copy
 import json
 import weakref
 from collections import Counter
@@ -29,6 +30,7 @@ from tetron.parallel.pipeline_schedules import (
     theoretical_bubble,
     unit_duration,
 )
+from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.weight_grad import backward_input, backward_weight
 from tetron.plan.hardware import gpu
 from tetron.plan.memory import predict_rank
@@ -117,10 +119,10 @@ def test_plan_knows_the_zero_bubble_schedules():
 
 @pytest.mark.parametrize("parallel, model, train, needle", [
     ({"pp_schedule": "zbv", "pp_virtual": 1}, {}, {}, "pp_virtual=2"),
-    ({"pp_schedule": "zbh1", "dp": 2, "zero": 3}, {}, {}, "zero=3"),
-    ({"pp_schedule": "zbh1"}, {}, {"recompute": "full"}, "recompute=full"),
-    ({"pp_schedule": "zbv", "pp_virtual": 2}, {}, {}, ""),  # the control: valid
-], ids=["zbv-one-chunk", "zero3", "recompute", "valid"])
+    ({"pp_schedule": "zbh1"}, {}, {"compile": True}, "compile"),
+    ({"pp_schedule": "zbv", "pp_virtual": 2}, {}, {}, ""),  # the controls: valid
+    ({"pp_schedule": "zbh1", "dp": 2, "zero": 3}, {}, {"recompute": "selective"}, ""),
+], ids=["zbv-one-chunk", "compile", "valid", "valid-zero3-recompute"])
 def test_zero_bubble_refusals(tmp_path, parallel, model, train, needle):
     raw = {"model": {"num_hidden_layers": 4, **model}, "parallel": {"pp": 2, **parallel}, "train": train,
            "data": {"path": str(tmp_path / "x.txt"), "tokenizer": "bytes"}, "out": str(tmp_path / "out")}
@@ -147,11 +149,16 @@ def _chunk(first: bool) -> Llama:
     return model
 
 
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("first", [False, True], ids=["middle-stage", "first-stage"])
-def test_split_backward_equals_backward(first):
+def test_split_backward_equals_backward(first, recompute):
     """B then W give the input gradient and every weight gradient of a plain backward, bit for bit; B
-    accumulates nothing, W fires each weight's accumulation hook once (data parallelism's buckets)."""
+    accumulates nothing, W fires each weight's accumulation hook once (data parallelism's buckets).
+    With recompute, B recomputes each layer and W reuses what B built. W of a stage with a B reads no
+    parameter (ZeRO-3 frees them all after B): here their storage is empty while it runs."""
     model = _chunk(first)
+    plain = copy.deepcopy(model)
+    apply_recompute(model, recompute, split=True)
     params = list(model.parameters())
     fired = Counter()
     for p in params:
@@ -165,14 +172,20 @@ def test_split_backward_equals_backward(first):
         model.zero_grad(set_to_none=True)
         fired.clear()
         x = inputs if first else inputs.clone().requires_grad_()
-        out = model(x, positions)
         if not split:
-            out.backward(grad_out)
-            return None if first else x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+            plain(x, positions).backward(grad_out)
+            return None if first else x.grad, {n: p.grad.clone() for n, p in plain.named_parameters()}
+        out = model(x, positions)
         dx, pending = backward_input(out, grad_out, None if first else x, params)
         assert all(p.grad is None for p in params) and not fired
         assert (dx is None) == first
+        values = [p.detach().clone() for p in params]
+        for p in params if not first else []:  # the first stage's W is its whole backward: it reads them
+            p.untyped_storage().resize_(0)
         backward_weight(pending)
+        for p, value in zip(params, values):
+            p.untyped_storage().resize_(value.numel() * value.element_size())
+            p.data.copy_(value)
         return dx, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     dx, grads = run(False)
@@ -233,6 +246,59 @@ def test_weight_pass_releases_the_graph():
     assert [r() for r in saved if r() is not None] == []
 
 
+def test_weight_pass_accumulates_in_one_order():
+    """W accumulates the weights in the graph's order, whatever the objects' addresses (sets of nodes or
+    parameters iterate by them): the order in which data parallelism's buckets fill and reduce, so it must
+    be the same on every rank. Copies of one chunk (other addresses) fire their hooks in one order."""
+    torch.manual_seed(0)
+    base = Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    base.model.embed_tokens = None
+    orders = []
+    for _ in range(3):
+        model = apply_recompute(copy.deepcopy(base), "full", split=True)  # each layer's W nested in the stage's
+        order: list[str] = []
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda q, name=name, order=order: order.append(name))
+        x = torch.randn(2, 16, 32, requires_grad=True)
+        _, pending = backward_input(model(x, torch.arange(16)), torch.randn(2, 16, 64), x, list(model.parameters()))
+        backward_weight(pending)
+        orders.append(order)
+    assert orders[0] == orders[1] == orders[2] and sorted(orders[0]) == sorted(n for n, _ in base.named_parameters())
+
+
+def test_recomputed_layer_keeps_only_what_w_reads(monkeypatch):
+    """With recompute under the split, B rebuilds each layer; from B to W the layer keeps of that graph only
+    what W reads (the norms' normalized inputs and the matmuls' inputs: 4h + hq + i values a token here,
+    against 6h + 4hq + 4i for all it saves), and W frees that too."""
+    from tetron.parallel import recompute
+
+    kept: list[tuple[int, int, list]] = []
+    keep_only = recompute._Boxes.keep_only
+
+    def activation_bytes(boxes: list) -> int:  # storages of saved activations, once each (not weights' views)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        sizes = {b[0].untyped_storage().data_ptr(): b[0].untyped_storage().nbytes() for b in boxes
+                 if isinstance(b[0], torch.Tensor)}
+        return sum(n for ptr, n in sizes.items() if ptr not in weights)
+
+    def spy(self, nodes):
+        boxes, before = list(self.boxes), activation_bytes(self.boxes)
+        keep_only(self, nodes)
+        kept.append((before, activation_bytes(boxes), [weakref.ref(b[0]) for b in boxes if b[0] is not None]))
+
+    monkeypatch.setattr(recompute._Boxes, "keep_only", spy)
+    model = apply_recompute(_chunk(False), "full", split=True)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    _, pending = backward_input(model(x, torch.arange(16)), torch.randn(2, 16, 64), x, list(model.parameters()))
+    h, hq, i, tokens = 32, 32, 64, 32
+    assert [(before > 0, after) for before, after, _ in kept] == [(True, 4 * tokens * (4 * h + hq + i))] * 2
+    assert all(after < 0.5 * before for before, after, _ in kept)
+    backward_weight(pending)
+    del pending
+    assert [r for _, _, refs in kept for r in refs if r() is not None and not isinstance(r(), torch.nn.Parameter)] == []
+
+
 # ----------------------------------------------------------------------------- training runs
 
 
@@ -282,14 +348,14 @@ def _assert_ran(results: list[dict], name: str, *, pp: int, virtual: int, m: int
         assert trace.peak_output_elements == 0
 
 
-# (name, parallel, model, micro-batches): pp 2 and 4, m = pp and 2pp, with dp (naive; buckets under ZeRO 1 and
-# 2), tp (+sp), cp, tied embeddings
+# (name, parallel, model, micro-batches[, train]): pp 2 and 4, m = pp and 2pp, with dp (naive; buckets under ZeRO
+# 1, 2 and 3), tp (+sp), cp, tied embeddings, recompute (full, selective; B recomputes, W reuses what B built)
 LAYOUTS = {
     2: [
         ("zbh1", {"pp": 2}, {}, 2),
-        ("zbh1", {"pp": 2}, {"tie_word_embeddings": True}, 4),
+        ("zbh1", {"pp": 2}, {"tie_word_embeddings": True}, 4, {"recompute": "full"}),
         ("zbv", {"pp": 2}, {}, 2),
-        ("zbv", {"pp": 2}, {}, 4),
+        ("zbv", {"pp": 2}, {}, 4, {"recompute": "selective"}),
         ("zbv", {"pp": 2}, {"tie_word_embeddings": True}, 4),  # both copies on rank 0: summed there
     ],
     4: [
@@ -297,10 +363,12 @@ LAYOUTS = {
         ("zbh1", {"pp": 4}, {}, 8),
         ("zbv", {"pp": 4}, {"num_hidden_layers": 8}, 4),
         ("zbv", {"pp": 4}, {"num_hidden_layers": 8}, 8),
-        ("zbh1", {"pp": 2, "dp": 2, "zero": 1, "bucket_mb": 0.01}, {"tie_word_embeddings": True}, 2),
+        ("zbv", {"pp": 2, "dp": 2, "zero": 3}, {"tie_word_embeddings": True}, 2),  # B frees, W reads no weight
         ("zbh1", {"pp": 2, "dp": 2, "dp_impl": "naive"}, {}, 4),
         ("zbv", {"pp": 2, "dp": 2, "zero": 2, "bucket_mb": 0.01}, {}, 4),
         ("zbv", {"pp": 2, "dp": 2, "zero": 1}, {"tie_word_embeddings": True}, 2),
+        # two layers a chunk: their W's accumulate (and ZeRO-3's buckets reduce) in one order on every rank
+        ("zbh1", {"pp": 2, "dp": 2, "zero": 3}, {}, 4, {"recompute": "selective"}),
         ("zbv", {"pp": 2, "tp": 2, "sp": True}, {}, 2),
         ("zbh1", {"pp": 2, "cp": 2}, {}, 4),
     ],
@@ -310,18 +378,18 @@ LAYOUTS = {
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_zero_bubble_matches_single_process(corpus, cache_dir, tmp_path, world):
     cases, raws, refs = LAYOUTS[world], [], []
-    for k, (name, parallel, model, m) in enumerate(cases):
+    for k, (name, parallel, model, m, *train) in enumerate(cases):
         model = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, **model}
         virtual = 2 if name == "zbv" else 1
         dp = parallel.get("dp", 1)
         raws.append(tiny_config(corpus, cache_dir, tmp_path / f"run{k}", model=model,
                                 parallel={**parallel, "pp_schedule": name, "pp_virtual": virtual},
-                                train={"micro_batch": 1, "grad_acc": m, "lr": LAYOUT_LR}))
+                                train={"micro_batch": 1, "grad_acc": m, "lr": LAYOUT_LR, **(train or [{}])[0]}))
         refs.append(tiny_config(corpus, cache_dir, tmp_path / f"ref{k}", model=model,
                                 train={"micro_batch": m * dp, "grad_acc": 1, "lr": LAYOUT_LR}))
     runs = _run_many(raws, trace=True)
     expected = _run_many(refs, trace=False)
-    for (name, parallel, _, m), run, ref in zip(cases, runs, expected):
-        what = f"{name} {parallel} m={m}"
+    for (name, parallel, _, m, *train), run, ref in zip(cases, runs, expected):
+        what = f"{name} {parallel} m={m} {train}"
         _assert_same(run, ref, what)
         _assert_ran(run[0], name, pp=parallel["pp"], virtual=2 if name == "zbv" else 1, m=m)

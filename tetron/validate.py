@@ -28,7 +28,7 @@ from tetron.stop import parse_signal
 
 def _validate_zero_bubble(cfg: Config) -> None:
     """zbh1 and zbv split each backward into B (input gradient) and W (weight gradients, later)."""
-    p, t, name = cfg.parallel, cfg.train, f"parallel.pp_schedule={cfg.parallel.pp_schedule}"
+    p, name = cfg.parallel, f"parallel.pp_schedule={cfg.parallel.pp_schedule}"
     if p.pp_schedule == "zbv":
         _check(p.pp_virtual == 2, f"{name} runs exactly two chunks per pipeline rank (a V): set "
                f"parallel.pp_virtual=2, not {p.pp_virtual}")
@@ -37,11 +37,7 @@ def _validate_zero_bubble(cfg: Config) -> None:
                  ("use pp=2" if layers // 2 == 2 else f"use pp from 2 to {layers // 2}") + ", or pp_schedule=zbh1")
         _check(2 <= p.pp <= layers // 2, f"{name} cuts the model into 2*pp={2 * p.pp} stages, two on each of pp >= 2 "
                f"ranks, and model.num_hidden_layers={layers} must fill them; {works}")
-    _check(p.zero < 3, f"{name} with parallel.zero=3: ZeRO-3 frees a layer's gathered weights once its "
-           f"gradients are in, which W (after later forwards) defeats; use zero <= 2 or pp_schedule=1f1b")
-    _check(t.recompute == "none", f"{name} with train.recompute={t.recompute}: B and W would each redo the "
-           f"layer's forward; use recompute=none or pp_schedule=1f1b")
-    _check(not t.compile, f"{name} with train.compile: a compiled layer's backward cannot be split into "
+    _check(not cfg.train.compile, f"{name} with train.compile: a compiled layer's backward cannot be split into "
            f"B and W; use compile=false or pp_schedule=1f1b")
 
 

@@ -32,6 +32,7 @@ from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
 from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.layout import layout_of
 from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embeddings
+from tetron.parallel.pipeline_schedules import splits_backward
 from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -76,7 +77,8 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
         apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
-        apply_recompute(chunk, cfg.train.recompute)
+        # zbh1/zbv split each backward into B and W: a recomputed layer must then split too
+        apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
         apply_compile(chunk, cfg.train.compile)
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32

@@ -22,7 +22,8 @@ Memory. Once a stage output is sent, its data is released and only its autograd 
 (Megatron's deallocate_output_tensor): the next stage holds the only copy of that tensor. The
 backward is then started through the autograd engine directly, which does not compare the gradient's
 shape with the (now empty) output's. Under the zero-bubble schedules (zbh1, zbv) a backward is B then
-W (weight_grad.py): B sends the input's gradient back at once, the graph is kept until W.
+W (weight_grad.py): B sends the input's gradient back at once, the graph is kept until W. Under ZeRO-3
+the chunk's parameters are gathered for B by its hooks and freed after it: W reads none of them.
 """
 
 from __future__ import annotations
@@ -285,15 +286,21 @@ class Pipeline:
         # Data parallelism reduces this chunk's gradients during its last accumulating action of the step.
         syncing = contextlib.nullcontext() if self.sync_at[action.chunk] == index else \
             getattr(chunk, "no_sync", contextlib.nullcontext)()
+        # ZeRO-3 (zero.py): B accumulates nothing, so no hook frees the units it gathered
+        sharding = getattr(chunk, "sharding", None)
         if action.weight:
             (_, _, pending) = self.stored.pop(key)
             with syncing:
                 backward_weight(pending)
+            if sharding:
+                sharding.release(chunk)  # a stage without B (the first) gathered them in its whole W
             return None
         x, out = self.stored.pop(key)
         if self.split:  # B: the input's gradient only, nothing accumulated; W runs later
             dx, pending = backward_input(out, received, x, self.params[action.chunk])
             self.stored[key] = (None, None, pending)
+            if sharding:
+                sharding.release(chunk)
         else:
             with syncing:
                 _run_backward(out, received)

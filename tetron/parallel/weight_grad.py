@@ -18,6 +18,11 @@ engine pass over the weights themselves, so that gradient hooks fire exactly as 
 data parallelism's buckets fill, and under sync the reductions start and are awaited at its end.
 A stage whose input needs no gradient (the first, which embeds tokens) has nothing to do in B: its
 whole backward runs as W. Everything B kept is released when W is done (the caller drops the record).
+
+A node of the graph may defer work of its own: a layer that recomputes its forward in the backward
+(recompute.py under these schedules) is one node whose backward rebuilds the layer's graph and runs B
+on it, leaving that graph's W in the list `deferred` on the node. B collects those lists; W computes
+their weight gradients with its own and accumulates them all in the same last pass.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class _Group:
 
     nodes: list[Node] = field(default_factory=list)
     weights: list[nn.Parameter] = field(default_factory=list)
+    below: list[Node] = field(default_factory=list)  # the intermediates' children on the weights' side
 
 
 @dataclass
@@ -47,7 +53,9 @@ class PendingWeightGrad:
 
     groups: list[_Group]
     captured: dict[Node, tuple[Tensor | None, ...]]
-    whole: tuple[GradientEdge, Tensor] | None = None
+    whole: tuple[GradientEdge, Tensor, list[nn.Parameter]] | None = None
+    # the `deferred` lists of the nodes below the output that defer a W of their own (filled by B)
+    nested: list[list[PendingWeightGrad]] = field(default_factory=list)
 
 
 def _children(node: Node) -> list[Node]:
@@ -86,11 +94,14 @@ def _groups(root: Node, input_node: Node, weights: dict[Node, nn.Parameter]) -> 
         below = [c for c in _children(node) if not to_input[c] and to_weight[c]]
         if not below:
             continue
-        reached = {weights[n] for n in _reach_all(below) if n in weights}
-        merged = _Group([node], [])
+        # in graph order, never a set's: the order of W's accumulation is the order in which data
+        # parallelism's buckets fill and reduce, which must be the same on every rank
+        reached = list(dict.fromkeys(weights[n] for n in _reach_all(below) if n in weights))
+        merged = _Group([node], [], below)
         for group in {id(owner[w]): owner[w] for w in reached if w in owner}.values():
             merged.nodes += group.nodes
             merged.weights += group.weights
+            merged.below += group.below
             groups.remove(group)
         merged.weights += [w for w in reached if w not in merged.weights]
         for w in merged.weights:
@@ -101,13 +112,14 @@ def _groups(root: Node, input_node: Node, weights: dict[Node, nn.Parameter]) -> 
     return groups
 
 
-def _reach_all(starts: list[Node]) -> set[Node]:
-    seen: set[Node] = set()
+def _reach_all(starts: list[Node]) -> dict[Node, None]:
+    """Every node reachable from `starts`, in the order found (the same on every rank: the graphs are)."""
+    seen: dict[Node, None] = {}
     stack = list(starts)
     while stack:
         node = stack.pop()
         if node not in seen:
-            seen.add(node)
+            seen[node] = None
             stack.extend(_children(node))
     return seen
 
@@ -120,7 +132,7 @@ def _check_no_double_path(group: _Group, to_input: dict[Node, bool]) -> None:
     members = set(group.nodes)
     for node in group.nodes:
         below = _reach_all([c for c in _children(node) if to_input[c]])
-        if below & members:
+        if below.keys() & members:
             raise RuntimeError("a weight is used at two depths of one pipeline stage's input path: its "
                                "backward cannot be split into B and W; use pp_schedule=1f1b or interleaved")
 
@@ -132,12 +144,14 @@ def backward_input(output: Tensor, grad: Tensor | None, stage_input: Tensor | No
     root = get_gradient_edge(output)
     grad = torch.ones_like(output) if grad is None else grad
     weights = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
+    nested = [node.deferred for node in _reach_all([root.node]) if isinstance(getattr(node, "deferred", None), list)]
+    whole = PendingWeightGrad([], {}, whole=(root, grad, list(weights.values())), nested=nested)
     if stage_input is None or not stage_input.requires_grad:
-        return None, PendingWeightGrad([], {}, whole=(root, grad))
+        return None, whole
     input_edge = get_gradient_edge(stage_input)
     groups = _groups(root.node, input_edge.node, weights)
     if groups is None:  # nothing to send back: the whole backward is W's
-        return torch.zeros_like(stage_input), PendingWeightGrad([], {}, whole=(root, grad))
+        return torch.zeros_like(stage_input), whole
     captured: dict[Node, tuple[Tensor | None, ...]] = {}
 
     def capture(node: Node):
@@ -152,17 +166,40 @@ def backward_input(output: Tensor, grad: Tensor | None, stage_input: Tensor | No
     finally:
         for handle in handles:  # a hook holds its node: left in place it would keep the graph alive
             handle.remove()
-    return dx, PendingWeightGrad(groups, captured)
+    return dx, PendingWeightGrad(groups, captured, nested=nested)
+
+
+def weight_nodes(pending: PendingWeightGrad) -> set[Node] | None:
+    """The nodes W will run from what B left (the intermediates and the weight-only nodes below them),
+    whose saved tensors W reads; None: all of them (a whole backward)."""
+    if pending.whole is not None:
+        return None
+    below = _reach_all([c for g in pending.groups for c in g.below])
+    return {n for g in pending.groups for n in g.nodes} | below.keys()
 
 
 def backward_weight(pending: PendingWeightGrad) -> None:
     """W: the weight gradients B left, accumulated into `.grad` in one engine pass (hooks fire there)."""
-    if pending.whole is not None:
-        edge, grad = pending.whole
-        _engine.run_backward((edge,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
-        return
     weights: list[nn.Parameter] = []
     grads: list[Tensor] = []
+    _weight_grads(pending, weights, grads)
+    if weights:
+        _engine.run_backward(tuple(weights), tuple(grads), False, False, (), allow_unreachable=True,
+                             accumulate_grad=True)
+
+
+def _weight_grads(pending: PendingWeightGrad, weights: list[nn.Parameter], grads: list[Tensor]) -> None:
+    """Append the weight gradients `pending` holds (and those its nodes deferred) to `weights`, `grads`;
+    release what it kept."""
+    if pending.whole is not None:
+        edge, grad, params = pending.whole
+        pending.whole = None
+        dws = _engine.run_backward((edge,), (grad,), False, False, tuple(get_gradient_edge(p) for p in params),
+                                   allow_unreachable=True, accumulate_grad=False)
+        for w, dw in zip(params, dws):
+            if dw is not None:
+                weights.append(w)
+                grads.append(dw)
     for group in pending.groups:
         roots, incoming = [], []
         for node in group.nodes:
@@ -180,6 +217,8 @@ def backward_weight(pending: PendingWeightGrad) -> None:
                 weights.append(w)
                 grads.append(dw)
     pending.groups, pending.captured = [], {}
-    if weights:
-        _engine.run_backward(tuple(weights), tuple(grads), False, False, (), allow_unreachable=True,
-                             accumulate_grad=True)
+    for deferred in pending.nested:  # filled by B (or, for a whole backward, by the run above)
+        for inner in deferred:
+            _weight_grads(inner, weights, grads)
+        deferred.clear()  # the node may outlive W in the caller's graph: it must not keep the rebuilt one
+    pending.nested = []

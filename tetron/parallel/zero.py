@@ -297,7 +297,9 @@ class ParameterSharding:
     the next gather of a unit that size) and hooks the unit's output. Backward: that
     hook gathers the unit again (and prefetches the unit before it) just before its backward begins,
     and gives it its gradient buffer; once every parameter of the unit has its gradient, the
-    parameters are freed again, and data parallelism reduce-scatters the gradients."""
+    parameters are freed again, and data parallelism reduce-scatters the gradients. A backward split
+    into B and W (zbh1, zbv) accumulates nothing in B: the pipeline, finding this as the chunk's
+    `sharding`, frees the chunk after B; W reads no parameter (dW = dY^T X), so runs on the slices."""
 
     def __init__(self, dp_chunks: list[DataParallelBucket], group: dist.ProcessGroup) -> None:
         self.group = group
@@ -306,6 +308,7 @@ class ParameterSharding:
         for dp in dp_chunks:
             units = [_Unit(bucket, dp) for bucket in reversed(dp.buckets)]  # buckets are in backward order
             self.order.append(units)
+            dp.sharding = self
             for i, unit in enumerate(units):
                 after = units[i + 1] if i + 1 < len(units) else None
                 # Backward prefetches the unit before, but never the chunk's own (units[0]): the hook
@@ -338,6 +341,11 @@ class ParameterSharding:
         for units in self.order:
             for unit in units:
                 self.free(unit)
+
+    def release(self, chunk: DataParallelBucket) -> None:
+        """Every unit of `chunk` back to its slice."""
+        for unit in next(units for units in self.order if units and units[0].dp is chunk):
+            self.free(unit)
 
     def free(self, unit: _Unit) -> None:
         if unit.work is not None:

@@ -61,6 +61,14 @@ def layer_kept(s: Sizes, mode: str) -> int:
     return kept
 
 
+def layer_weight_inputs(s: Sizes) -> int:
+    """What W reads of a layer that B rebuilt (zbh1, zbv with recomputation: recompute.py keeps only
+    this from B to W): each RMSNorm's normalized input, each matmul's input (the norm outputs as the
+    column-parallel matmuls see them, attention's output, the MLP's product)."""
+    inputs = 5 if s.sp else 2
+    return 2 * s.n_res * s.d * s.h + s.n * s.d * (inputs * s.h + s.hq + s.inter)
+
+
 def layer_activations(s: Sizes, mode: str) -> int:
     return layer_none(s) if mode == "none" else layer_kept(s, mode)
 

@@ -36,7 +36,15 @@ from tetron.parallel.pipeline_schedules import (
     splits_backward,
     style_of,
 )
-from tetron.plan.activations import Held, chunk_held, layer_activations, layer_kept, layer_none, norm_bytes
+from tetron.plan.activations import (
+    Held,
+    chunk_held,
+    layer_activations,
+    layer_kept,
+    layer_none,
+    layer_weight_inputs,
+    norm_bytes,
+)
 from tetron.plan.sizes import F32, I64, Sizes
 from tetron.plan.state import Chunk, State, rank_chunks, state
 
@@ -266,6 +274,11 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     acts = loss = 0
     buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
     split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule)
+    # zbh1, zbv with recompute: from B to W a layer holds its input and what W reads of the graph B rebuilt,
+    # in place of what recompute kept (recompute.py; the first stage, without a B, rebuilds it within W)
+    mode = cfg.train.recompute
+    rebuilt = [c.layers * (s.n_res * s.d * s.h + layer_weight_inputs(s) - layer_kept(s, mode))
+               if split and mode != "none" and not c.first else 0 for c in chunks]
     done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-3, grad_acc > 1)
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
     best_total = best.total
@@ -286,8 +299,10 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
                                logits=loss + extra.get("logits", 0), comm=comm,
                                temporaries=extra.get("temporaries", 0), moment=name)
                 best_total = best.total
+        if action.backward and split and not action.weight:
+            acts += rebuilt[action.chunk]
         if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
-            acts, loss = acts - h.activations, loss - h.loss
+            acts, loss = acts - h.activations - rebuilt[action.chunk], loss - h.loss
             if st.chunk_units and cfg.train.grad_acc > 1:
                 done.add(action.chunk)
     # The optimizer step: activations gone; AdamW's temporaries (sqrt of the second moment, the update
