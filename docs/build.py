@@ -46,6 +46,7 @@ def config_markdown() -> str:
     """The text of docs/config.md."""
     from tetron.cli import MODEL_DEFAULT
     from tetron.config import CONFIGS_DIR, SECTIONS, Config, field_docs
+    from tetron.models.moe_models import MoeConfig
     from tetron.overrides import BOOL_FLAGS, SHORT_FLAGS
 
     short = {key: flag for flag, key in SHORT_FLAGS.items()}
@@ -57,7 +58,7 @@ def config_markdown() -> str:
                              f"to start from (--init-from, --resume) gives one")
     docs["out"] = next((kind, default, doc) for name, kind, default, doc in field_docs(Config) if name == "out")
     sources = sorted({Path(inspect.getsourcefile(cls)).resolve().relative_to(ROOT).as_posix()
-                      for cls in [*SECTIONS.values(), Config]})
+                      for cls in [*SECTIONS.values(), Config, MoeConfig]})
     lines = [
         "# Configuration reference",
         "",
@@ -79,6 +80,8 @@ def config_markdown() -> str:
             shown = MODEL_DEFAULT if section == "model" else f"`{_cell(default)}`"  # no default model
             lines.append(f"| `{key}` | `{_cell(kind)}` | {shown} | {flag} | {_cell(doc)} |")
         lines.append("")
+        if section == "model":
+            lines += moe_fields_markdown()
     kind, default, doc = docs["out"]
     lines += ["## out", "", "| field | type | default | flag | meaning |", "|---|---|---|---|---|",
               f"| `out` | `{_cell(kind)}` | `{_cell(default)}` | `--out` | {_cell(doc)} |", ""]
@@ -90,6 +93,21 @@ def config_markdown() -> str:
         meaning = docs[key][2] if key == "model" else _cell(docs[key][2]) if key in docs else ""
         lines.append(f"| `--{flag}` | `{key}` | {meaning} |")
     return "\n".join(lines) + "\n"
+
+
+def moe_fields_markdown() -> list[str]:
+    """The fields the mixture-of-experts families (model_type qwen3_moe, mixtral) add to the model section."""
+    from tetron.config import field_docs
+    from tetron.models.moe_models import MoeConfig, moe_config_fields
+
+    lines = ["### model: mixture-of-experts families", "",
+             "With `model.model_type: qwen3_moe` or `mixtral` ([moe.md](moe.md)) the model section also takes:", "",
+             "| field | type | default | meaning |", "|---|---|---|---|"]
+    added = set(moe_config_fields())
+    for name, kind, default, doc in field_docs(MoeConfig):
+        if name in added:
+            lines.append(f"| `model.{name}` | `{_cell(kind)}` | `{_cell(default)}` | {_cell(doc)} |")
+    return [*lines, ""]
 
 
 def run_output(command: str) -> str:

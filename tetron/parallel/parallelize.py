@@ -25,12 +25,14 @@ from torch import Tensor, nn
 from tetron.config import Config
 from tetron.mesh import Mesh
 from tetron.models.loss import cross_entropy_sum
+from tetron.models.moe import moe_blocks
 from tetron.models.spec import spec_of
 from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
 from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.layout import layout_of
+from tetron.parallel.moe_balance import scale_moe_losses
 from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embeddings
 from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.tensor_parallel import (
@@ -69,12 +71,14 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
     for layers, first, last in rank_stages(cfg, mesh.local_rank("pp")):
         with torch.device("meta"):
             chunk = spec.model_class(cfg.model)
+        moe_layers = len(moe_blocks(chunk))  # of the whole model, before the pipeline keeps its stage's
         apply_pipeline_stage(chunk, layers, first=first, last=last, plan=spec.plan)
         apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
                               vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan)
         materialize_(chunk, device)
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
+        scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc)
         apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
         apply_recompute(chunk, cfg.train.recompute)
         apply_compile(chunk, cfg.train.compile)

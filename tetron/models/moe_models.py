@@ -1,0 +1,183 @@
+"""Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`), each a
+Llama whose feed-forwards are MoE blocks (moe.py), with transformers' names and numerics.
+
+Qwen3-MoE adds per-head RMSNorm on q and k before RoPE; Mixtral is Llama's attention (its sliding window,
+off in its released configs, is refused here). The config also offers DeepSeek-V3's routing (sigmoid
+scores, the load-driven routing bias, group-limited top-k, shared experts, a scaling factor) on either
+family; such a model trains in tetron but transformers' class of the family does not compute it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import Tensor
+
+from tetron.models.llama import LLAMA, Attention, Llama, LlamaConfig, RMSNorm, apply_rope
+from tetron.models.moe import MoEBlock, add_batch_balance_loss, moe_blocks
+from tetron.models.spec import ModelSpec, read_hf_config, register
+
+
+@dataclass
+class MoeConfig(LlamaConfig):
+    """A Llama-style decoder with MoE feed-forwards; field names follow transformers' Qwen3MoeConfig."""
+
+    model_type: str = "qwen3_moe"  # the model family (models/spec.py): "qwen3_moe" or "mixtral"
+    num_experts: int = 8  # routed experts per MoE layer (Mixtral's config.json calls it num_local_experts)
+    num_experts_per_tok: int = 2  # experts each token is routed to (top-k)
+    moe_intermediate_size: int | None = None  # width of one expert's hidden layer; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalize each token's top-k weights to sum to 1 (Mixtral always does)
+    decoder_sparse_step: int = 1  # every n-th layer is MoE (Qwen3-MoE); the others have a dense MLP
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers with a dense MLP of intermediate_size
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the objective; 0 disables it
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp of the logits)
+    moe_capacity_factor: float | None = None  # None or 0: dropless; else an expert takes at most
+    # factor * tokens * top_k / num_experts assignments per forward, the others are dropped (counted)
+    moe_aux_loss: Literal["sequence", "batch"] = "sequence"  # per sequence (the same in every layout), or
+    # transformers' formula over each forward's batch and all layers (to compare with transformers)
+    scoring_func: Literal["softmax", "sigmoid"] = "softmax"  # router scores; sigmoid is DeepSeek-V3's
+    n_group: int = 1  # expert groups; a token's experts come from its topk_group best groups (DeepSeek-V3)
+    topk_group: int = 1  # groups each token may use
+    n_shared_experts: int = 0  # experts every token goes through (one MLP of n * moe_intermediate_size)
+    routed_scaling_factor: float = 1.0  # factor on the routed experts' weights
+    moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: the routing bias moves by this per step
+    # toward balanced expert load (DeepSeek-V3 used 0.001); 0: no bias (a sigmoid router still has one)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                             f"num_experts={self.num_experts}")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                             f"topk_group={self.topk_group} be between 1 and n_group")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> MoeConfig:
+        hf = dict(read_hf_config(path_or_dict))
+        if hf.get("model_type") == "mixtral":
+            if hf.get("sliding_window") is not None:
+                raise ValueError(f"sliding_window={hf['sliding_window']} is not supported; use null")
+            if hf.get("router_jitter_noise"):
+                raise ValueError("router_jitter_noise is not supported; use 0")
+            hf.setdefault("num_experts", hf.get("num_local_experts", cls.num_experts))
+            hf["moe_intermediate_size"] = hf.get("intermediate_size")
+        elif hf.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported; use false")
+        return super().from_hf(hf)
+
+    def to_hf(self, dtype: str = "float32") -> dict:
+        """A config dict transformers loads as the family's class (Qwen3MoeForCausalLM or MixtralForCausalLM)."""
+        hf = {**super().to_hf(dtype), "output_router_logits": False, "use_sliding_window": False,
+              "sliding_window": None}
+        if self.model_type == "mixtral":
+            hf.update(architectures=["MixtralForCausalLM"], num_local_experts=self.num_experts,
+                      intermediate_size=self.moe_intermediate_size, router_jitter_noise=0.0)
+        else:
+            hf["architectures"] = ["Qwen3MoeForCausalLM"]
+        return hf
+
+    def _layer_params(self, experts: int) -> int:
+        """Parameters of the decoder layers with `experts` experts counted per MoE layer."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h + 2 * h + (2 * self.head_dim if self.model_type == "qwen3_moe" else 0)
+        moe = self.num_experts * h + (experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
+        return sum(attention + (moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size)
+                   for i in range(self.num_hidden_layers))
+
+    def num_params(self, *, include_embedding: bool = True, active: bool = False) -> int:
+        """Exact parameter count (`active`: with each MoE layer's experts counted top_k times, not num_experts:
+        the weights one token's forward multiplies by); without embedding it leaves out embed_tokens and lm_head."""
+        n = self._layer_params(self.num_experts_per_tok if active else self.num_experts) + self.hidden_size
+        if include_embedding:
+            n += self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token from the ACTIVE parameters: 6 * N_active + 12*L*H*s (see LlamaConfig's)."""
+        n = self.num_params(include_embedding=False, active=True) + self.vocab_size * self.hidden_size
+        return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+
+
+@dataclass
+class MixtralConfig(MoeConfig):
+    """Mixtral: every layer MoE, experts of intermediate_size, top-k weights always renormalized."""
+
+    model_type: str = "mixtral"  # the model family (models/spec.py)
+
+
+class QkNormAttention(Attention):
+    """Llama's attention with RMSNorm over each head's q and k before RoPE (Qwen3): `q_norm`, `k_norm`."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs=None) -> Tensor:
+        B, T = x.shape[:2]
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # [B, n_heads, T, hd]
+        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # [B, n_kv_heads, T, hd]
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attn_fn(q, k, v, docs).transpose(1, 2).reshape(B, T, -1)  # [B, T, n_heads*hd]
+        return self.o_proj(out)
+
+
+def moe_block(config: MoeConfig) -> MoEBlock:
+    """One MoE feed-forward of `config`'s shape and routing rules."""
+    return MoEBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                    config.num_experts_per_tok, capacity_factor=config.moe_capacity_factor,
+                    aux_loss_coef=config.router_aux_loss_coef, z_loss_coef=config.router_z_loss_coef,
+                    aux_loss=config.moe_aux_loss, n_shared_experts=config.n_shared_experts,
+                    scoring=config.scoring_func,
+                    norm_topk_prob=config.norm_topk_prob or config.model_type == "mixtral",
+                    n_group=config.n_group, topk_group=config.topk_group,
+                    routed_scaling_factor=config.routed_scaling_factor,
+                    bias_update_rate=config.moe_bias_update_rate)
+
+
+class MoeForCausalLM(Llama):
+    """Qwen3MoeForCausalLM / MixtralForCausalLM: Llama's body with MoE blocks as the feed-forwards (and, for
+    Qwen3-MoE, q/k norms); `state_dict()` has exactly transformers' keys."""
+
+    def __init__(self, config: MoeConfig) -> None:
+        super().__init__(config)
+        for i, layer in self.model.layers.items():
+            if config.model_type == "qwen3_moe":
+                layer.self_attn = QkNormAttention(config)
+            if config.is_moe_layer(int(i)):
+                layer.mlp = moe_block(config)
+        blocks = moe_blocks(self)
+        for block in blocks:  # one forward's objective: the per-sequence sums averaged over the MoE layers
+            block.loss_scale = 1.0 / len(blocks)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None) -> Tensor:
+        out = super().forward(input_ids, position_ids, docs)
+        if self.config.moe_aux_loss == "batch":
+            out = add_batch_balance_loss(out, moe_blocks(self))
+        return out
+
+
+def _register(name: str, config_class: type) -> ModelSpec:
+    return register(ModelSpec(name=name, model_types=(name,), config_class=config_class,
+                              model_class=MoeForCausalLM, plan=LLAMA.plan))
+
+
+QWEN3_MOE = _register("qwen3_moe", MoeConfig)
+MIXTRAL = _register("mixtral", MixtralConfig)
+
+
+def moe_config_fields() -> list[str]:
+    """The fields an MoE config adds to Llama's (docs, validation)."""
+    return [f.name for f in dataclasses.fields(MoeConfig) if f.name not in
+            {g.name for g in dataclasses.fields(LlamaConfig)}]
+
