@@ -287,13 +287,12 @@ def _validate_model(cfg: Config) -> None:
 
 
 def _validate_moe(cfg: Config) -> None:
-    """An MoE model trains in one process and under dp (ZeRO 0-3); the other axes wait for expert parallelism,
+    """An MoE model trains in one process, under dp (ZeRO 0-3) and pp; tp and cp wait for expert parallelism,
     which decides how experts split over ranks."""
     m, p = cfg.model, cfg.parallel
     if not isinstance(m, MoeConfig):
         return
     for axis, why in (("tp", "how experts split under tp is expert parallelism's to decide"),
-                      ("pp", "its balancing figures are not yet reduced over pipeline stages"),
                       ("cp", "its per-sequence auxiliary loss needs expert counts summed over cp ranks")):
         _check(getattr(p, axis) == 1, f"parallel.{axis}={getattr(p, axis)} is not supported for an MoE model "
                                       f"(model_type={m.model_type}) yet: {why}; use {axis}=1")

@@ -52,6 +52,7 @@ class ParallelModel:
 
     chunks: list[nn.Module]  # the bare chunks: parameters, state dicts, checkpoints
     dp_chunks: list[DataParallel]  # the same chunks wrapped for gradient averaging: run forward/backward here
+    moe_layers: int = 0  # MoE layers of the whole model (every stage's), 0 for a dense model
     params: list[nn.Parameter] = field(init=False)  # every trainable parameter, once each, chunk by chunk
 
     def __post_init__(self) -> None:
@@ -88,7 +89,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
                                      count_collectives=count_collectives)
                  for chunk in chunks]
-    return ParallelModel(chunks, dp_chunks)
+    return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
 
 
 def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedAdamW:
