@@ -75,7 +75,10 @@ def test_the_block_equals_transformers(kind):
 def test_the_family_equals_transformers(config_class, hf_class, tmp_path):
     """Logits within 1e-5 on the same weights, the same state_dict keys, transformers' from_pretrained reads
     tetron's folder, and transformers' own auxiliary loss equals tetron's batch-wise one."""
+    from tetron.checkpoint.check import inspect_checkpoint
+    from tetron.checkpoint.load import TensorReader, load_model
     from tetron.checkpoint.save import save_model
+    from tetron.models.spec import stored_as_of
 
     cfg = config_class(**TINY, moe_aux_loss="batch", **({"moe_intermediate_size": 16} if config_class is MoeConfig
                                                         else {}))
@@ -90,14 +93,28 @@ def test_the_family_equals_transformers(config_class, hf_class, tmp_path):
     figures = finish_moe_step([model], None, sequences=2)
     torch.testing.assert_close(figures[0], out.aux_loss.float(), rtol=1e-5, atol=0)
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    # transformers writes the hub's layout, experts one by one (Mixtral's as w1/w3/w2, its router renamed):
+    # the pre-start check, the slice reader (--init-from) and load_model assemble tetron's tensors from it
+    fresh = getattr(transformers, hf_class)(hf.config)  # (one loaded from a fused folder writes it back fused)
+    fresh.load_state_dict(hf.state_dict())
+    fresh.save_pretrained(tmp_path / "hub")
+    with TensorReader(tmp_path / "hub") as reader:
+        assert not any(".experts.gate_up_proj" in name for name in reader.names())
+    inspect_checkpoint(tmp_path / "hub", require_state=False)
+    with TensorReader(tmp_path / "hub", stored_as=stored_as_of(cfg)) as reader:
+        for name, value in model.state_dict().items():
+            assert torch.equal(reader.read(name), value), name
+        assert torch.equal(reader.read("model.layers.1.mlp.experts.down_proj", 0, 1, 3),
+                           model.state_dict()["model.layers.1.mlp.experts.down_proj"][1:3])
+    torch.testing.assert_close(load_model(tmp_path / "hub")(ids), logits, rtol=0, atol=1e-6)
 
 
 def test_capacity_drops_the_assignments_beyond_it_and_counts_them():
     """capacity = factor * tokens * k / E; each expert keeps its first tokens, the output of a dropped
     assignment is left out of its token's sum, and the step reports the fraction dropped."""
     torch.manual_seed(1)
-    block = MoEBlock(8, 8, 4, 2, capacity_factor=0.5)  # capacity: ceil(0.5 * 16 * 2 / 4) = 4
-    dropless = MoEBlock(8, 8, 4, 2)
+    block = MoEBlock(8, 8, 4, 2, capacity_factor=0.5, bias_update_rate=0.1)  # capacity: ceil(0.5*16*2/4) = 4
+    dropless = MoEBlock(8, 8, 4, 2, bias_update_rate=0.1)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_()
@@ -111,16 +128,19 @@ def test_capacity_drops_the_assignments_beyond_it_and_counts_them():
     for e in range(4):
         tokens, slots = (route.experts == e).nonzero(as_tuple=True)  # row-major: token order
         kept[tokens[:4], slots[:4]] = True
+    out = block(x).detach().view(-1, 8)
     for t in range(16):  # a token with a dropped choice gets only its kept expert's share
         if kept[t].all():
-            torch.testing.assert_close(block(x).view(-1, 8)[t], expected[t])
-    out = block(x).detach().view(-1, 8)
+            torch.testing.assert_close(out[t], expected[t])
     partial = ~kept.all(1)
     assert (out[partial] - expected[partial]).abs().amax(1).min() > 1e-4
     figures = dict(zip(FIGURES, finish_moe_step([block], None, sequences=1).tolist()))
     dropped = (counts - counts.clamp(max=4)).sum().item()
     assert figures["moe_dropped_frac"] == pytest.approx(dropped / 32)
     assert figures["moe_load_imbalance"] == pytest.approx(counts.max().item() / counts.float().mean().item())
+    # aux-loss-free balancing: the routing bias rises for the experts chosen less than the mean, falls for the others
+    loads = counts.float()
+    torch.testing.assert_close(block.gate.e_score_correction_bias, 0.1 * torch.sign(loads.mean() - loads))
 
 
 def test_dp2_pp2_zero3_trains_like_one_process(corpus, cache_dir, tmp_path):

@@ -26,7 +26,7 @@ class MoeConfig(LlamaConfig):
     """A Llama-style decoder with MoE feed-forwards; field names follow transformers' Qwen3MoeConfig."""
 
     model_type: str = "qwen3_moe"  # the model family (models/spec.py): "qwen3_moe" or "mixtral"
-    num_experts: int = 8  # routed experts per MoE layer (Mixtral's config.json calls it num_local_experts)
+    num_experts: int = 8  # routed experts per MoE layer (num_local_experts in transformers 5's config.json)
     num_experts_per_tok: int = 2  # experts each token is routed to (top-k)
     moe_intermediate_size: int | None = None  # width of one expert's hidden layer; None: intermediate_size
     norm_topk_prob: bool = True  # renormalize each token's top-k weights to sum to 1 (Mixtral always does)
@@ -68,10 +68,11 @@ class MoeConfig(LlamaConfig):
                 raise ValueError(f"sliding_window={hf['sliding_window']} is not supported; use null")
             if hf.get("router_jitter_noise"):
                 raise ValueError("router_jitter_noise is not supported; use 0")
-            hf.setdefault("num_experts", hf.get("num_local_experts", cls.num_experts))
             hf["moe_intermediate_size"] = hf.get("intermediate_size")
         elif hf.get("use_sliding_window"):
             raise ValueError("use_sliding_window=true is not supported; use false")
+        if "num_local_experts" in hf:  # transformers 5 writes Qwen3-MoE's num_experts under this name too
+            hf.setdefault("num_experts", hf["num_local_experts"])
         return super().from_hf(hf)
 
     def to_hf(self, dtype: str = "float32") -> dict:
@@ -167,9 +168,28 @@ class MoeForCausalLM(Llama):
         return out
 
 
+def hub_names(name: str, config: MoeConfig) -> str | list[list[str]] | None:
+    """Where transformers' save_pretrained (5.x, as the hub) keeps a tensor tetron holds fused or renamed:
+    experts one by one (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`; Mixtral's
+    `block_sparse_moe.experts.N.w1` (gate), `w3` (up), `w2` (down)) and Mixtral's router under
+    `block_sparse_moe.gate`. None for every other tensor (ModelSpec.stored_as)."""
+    layer, sep, rest = name.partition(".mlp.")
+    if not sep:
+        return None
+    mixtral = config.model_type == "mixtral"
+    block = f"{layer}.block_sparse_moe." if mixtral else f"{layer}.mlp."
+    if rest == "gate.weight":
+        return f"{block}gate.weight" if mixtral else None
+    pieces = {"experts.gate_up_proj": ("w1", "w3") if mixtral else ("gate_proj", "up_proj"),
+              "experts.down_proj": ("w2",) if mixtral else ("down_proj",)}.get(rest)
+    if pieces is None:
+        return None
+    return [[f"{block}experts.{e}.{piece}.weight" for piece in pieces] for e in range(config.num_experts)]
+
+
 def _register(name: str, config_class: type) -> ModelSpec:
     return register(ModelSpec(name=name, model_types=(name,), config_class=config_class,
-                              model_class=MoeForCausalLM, plan=LLAMA.plan))
+                              model_class=MoeForCausalLM, plan=LLAMA.plan, stored_as=hub_names))
 
 
 QWEN3_MOE = _register("qwen3_moe", MoeConfig)
