@@ -211,11 +211,14 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch
         where = folder / "model.safetensors.index.json"
     state.pop(tied_head, None)
     state = {k: v.to(dtype) for k, v in state.items()}
-    missing, unexpected = expected - set(state), set(state) - expected
+    optional = {name for name, _ in model.named_buffers()}  # a folder without a routing bias starts it at 0
+    missing, unexpected = expected - set(state) - optional, set(state) - expected
     if missing or unexpected:
         name = sorted(missing or unexpected)[0]
         what = "missing" if missing else "unexpected"
         raise ValueError(f"{where}: {what} tensor {name} for this config.json")
+    for name, buffer in model.named_buffers():
+        state.setdefault(name, torch.zeros(buffer.shape, dtype=dtype, device=device))
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -263,6 +266,10 @@ def load_weights(chunks: list[nn.Module], folder: Path, optimizer: ShardedAdamW)
                 if optimizer.sharding is None:  # under ZeRO-3 only the slices exist, which load fills
                     param.copy_(weights)
                 optimizer.load(param, master=weights)
+            for name, buffer in chunk.named_buffers():  # an MoE routing bias; a folder without it starts it at 0
+                if reader.info(name) is not None:
+                    reader.check(name, tuple(buffer.shape), dtypes=FLOAT_DTYPES)
+                    buffer.copy_(reader.read(name))
 
 
 @torch.no_grad()
