@@ -13,7 +13,7 @@ import transformers
 
 from tetron.config import from_dict
 from tetron.errors import ConfigError
-from tetron.models.moe import MoEBlock
+from tetron.models.moe import Experts, MoEBlock, sequence_balance_losses
 from tetron.models.moe_models import MixtralConfig, MoeConfig
 from tetron.parallel.init import seeded_model
 from tetron.parallel.moe_balance import FIGURES, finish_moe_step
@@ -107,6 +107,44 @@ def test_the_family_equals_transformers(config_class, hf_class, tmp_path):
         assert torch.equal(reader.read("model.layers.1.mlp.experts.down_proj", 0, 1, 3),
                            model.state_dict()["model.layers.1.mlp.experts.down_proj"][1:3])
     torch.testing.assert_close(load_model(tmp_path / "hub")(ids), logits, rtol=0, atol=1e-6)
+
+
+def test_the_balancing_losses_reach_the_gradients_with_their_weights():
+    """The block injects d(loss_scale * (aux_coef * aux + z_coef * z)) in the backward pass: the gradients equal
+    those of the output plus the explicitly added losses (sequence_balance_losses over the same routing)."""
+    torch.manual_seed(2)
+    block = MoEBlock(8, 8, 4, 2, aux_loss_coef=0.3, z_loss_coef=0.2)
+    block.loss_scale = 0.25
+    for p in block.parameters():
+        p.data.normal_()
+    x = torch.randn(3, 5, 8)
+    block(x).sum().backward()
+    injected = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+    plain = MoEBlock(8, 8, 4, 2)  # no coefficients: nothing injected
+    plain.load_state_dict(block.state_dict())
+    plain(x).sum().backward()
+    without = plain.gate.weight.grad.clone()
+    plain.zero_grad()
+    aux, z = sequence_balance_losses(plain.gate(x.view(-1, 8)), 3, 4)
+    (plain(x).sum() + 0.25 * (0.3 * aux + 0.2 * z)).backward()
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(injected[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert (injected["gate.weight"] - without).abs().max() > 1e-3  # the losses do move the router
+
+
+@torch.no_grad()  # the CPU's _grouped_mm has a forward only (torch 2.13); CUDA bf16 runs this path in training
+def test_the_grouped_matmul_path_equals_the_loop_over_experts():
+    """Experts.grouped (each expert's rows moved to an aligned start, the buffer's size known without a host
+    read) equals the per-expert loop, with empty experts first, in the middle and last."""
+    torch.manual_seed(0)
+    experts = Experts(5, 16, 8)
+    for p in experts.parameters():
+        p.normal_(0, 0.3)
+    for counts in ([3, 0, 9, 1, 8], [0, 0, 0, 0, 4], [8, 8, 0, 0, 0]):
+        counts = torch.tensor(counts)
+        x = torch.randn(int(counts.sum()), 16)
+        torch.testing.assert_close(experts.grouped(x, counts), experts(x, counts), rtol=1e-5, atol=1e-5)
 
 
 def test_capacity_drops_the_assignments_beyond_it_and_counts_them():

@@ -98,9 +98,7 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x [M, H], the rows of expert 0 first, then expert 1's, ...; counts [E] rows per expert -> [M, H]."""
         if grouped_mm_supported(x, self.gate_up_proj):
-            ends = counts.cumsum(0).to(torch.int32)  # [E]: where each expert's rows end
-            gate, up = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+            return self.grouped(x, counts)
         # Elsewhere one matmul per expert on its contiguous slice (one host read of the counts per layer).
         outs = []
         for e, (start, n) in enumerate(zip((counts.cumsum(0) - counts).tolist(), counts.tolist())):
@@ -110,6 +108,24 @@ class Experts(nn.Module):
         if not outs:  # nothing routed here: an empty output still joined to the weights, so they get a gradient
             return x[:0] @ self.down_proj[0].t() + 0 * self.gate_up_proj.sum()
         return torch.cat(outs)
+
+
+    def grouped(self, x: Tensor, counts: Tensor, *, align: int = 8) -> Tensor:
+        """The experts by torch._grouped_mm: each expert's rows moved to start at a multiple of `align` (8
+        bf16 rows are the 16 bytes its weight-gradient kernel needs per group), in a buffer sized without
+        reading the counts on the host (the last expert's group takes the zero rows at the end)."""
+        M, E = x.shape[0], counts.shape[0]
+        aligned = (counts + align - 1) // align * align
+        rows = (M + (align - 1) * E + align - 1) // align * align  # >= aligned.sum(), a multiple of align
+        expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=M)  # [M]
+        place = (aligned.cumsum(0) - aligned)[expert] + torch.arange(M, device=x.device) \
+            - (counts.cumsum(0) - counts)[expert]  # [M]: each row's place in the buffer
+        ends = aligned.cumsum(0)
+        ends[-1] = rows
+        ends = ends.to(torch.int32)
+        padded = x.new_zeros(rows, x.shape[1]).index_copy(0, place, x)  # [rows, H]
+        gate, up = torch._grouped_mm(padded, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)[place]
 
 
 def grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
