@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/zero.py
 	$(PY) bench/step_overhead.py
 	$(PY) bench/documents.py
+	$(PY) bench/checkpoint.py
 
 # docs/config.md from the config's field comments, and the docs' live outputs (docs/build.py says which).
 docs: $(STAMP)

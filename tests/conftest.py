@@ -72,6 +72,21 @@ LAYOUT_LR = 1e-3
 GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
 
 
+# A check_layout's single-process reference depends only on its config (the model, the data, the global
+# batch's settings), and many layouts share one: each is trained once per test session, keyed by that config
+# without its output folder. Training is deterministic, so a cached run is the run a new one would give.
+_REFERENCES: dict[str, tuple[dict, dict]] = {}
+
+
+def reference_run(raw: dict) -> tuple[dict, dict]:
+    """The single-process run of `raw`: its rank result and what it wrote (see run_parallel), trained once."""
+    key = json.dumps({k: v for k, v in raw.items() if k != "out"}, sort_keys=True)
+    if key not in _REFERENCES:
+        (ref,), written = run_parallel(raw, timeout=600)
+        _REFERENCES[key] = (ref, written)
+    return _REFERENCES[key]
+
+
 def check_layout(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
                  grad_acc: int = 2, train: dict | None = None, data: dict | None = None) -> tuple[list[dict], dict]:
     """Train `parallel` and the single process on the same global batches (a 4-layer GQA model unless
@@ -84,7 +99,7 @@ def check_layout(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | N
     cfg = from_dict(raw)
     ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model, data=data or {},
                           train={**train_cfg, "micro_batch": cfg.global_batch, "grad_acc": 1})
-    (ref,), ref_written = run_parallel(ref_raw, timeout=600)
+    ref, ref_written = reference_run(ref_raw)
     results, written = run_parallel(raw, timeout=600)
     ref_state, state = ref_written["model"], written["model"]
     expected = torch.tensor(ref["losses"])

@@ -5,22 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import STEPS, run_parallel, tiny_config
+from conftest import STEPS, reference_run, run_parallel, tiny_config
 
 LOSS_RTOL = 1e-5  # per-step loss, relative (issue 2)
 WEIGHT_ATOL = 1e-5  # final weights, absolute, fp32
 
 
-_references: dict[tuple, dict] = {}
-
-
 def reference(corpus, cache_dir, tmp_path, global_batch: int) -> dict:
     """The single-process run: one micro-batch holding the whole global batch."""
-    key = (str(corpus), global_batch)
-    if key not in _references:
-        raw = tiny_config(corpus, cache_dir, tmp_path / "ref", train={"micro_batch": global_batch, "grad_acc": 1})
-        _references[key] = run_parallel(raw)[0][0]
-    return _references[key]
+    raw = tiny_config(corpus, cache_dir, tmp_path / "ref", train={"micro_batch": global_batch, "grad_acc": 1})
+    return reference_run(raw)[0]
 
 
 def assert_matches(result: dict, ref: dict) -> None:

@@ -112,14 +112,17 @@ def test_masked_block_matches_math_with_empty_rows(kernel):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-def _masked_reference(q, k, v, docs):
+def _masked_reference(q, k, v, docs, window=None):
     rep = q.shape[1] // k.shape[1]
     pos = torch.arange(q.shape[2])
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                          attn_mask=document_mask(docs, pos, pos))
+    mask = document_mask(docs, pos, pos) if docs is not None else (pos[:, None] >= pos[None, :])
+    if window is not None:
+        mask = mask & (pos[:, None] - pos[None, :] < window)  # transformers' sliding window
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask)
 
 
-def _cp_rank(T: int, heads: int, kv_heads: int, impl: str, layout: str) -> dict:
+def _cp_rank(T: int, heads: int, kv_heads: int, impl: str, layout: str, window: int | None = None,
+             packed: bool = True) -> dict:
     cp, rank = dist.get_world_size(), dist.get_rank()
     mesh = Mesh(cp=cp)
     g = torch.Generator().manual_seed(0)  # the same full tensors on every rank
@@ -127,26 +130,30 @@ def _cp_rank(T: int, heads: int, kv_heads: int, impl: str, layout: str) -> dict:
     k = torch.randn(3, kv_heads, T, 16, generator=g, dtype=torch.float64)
     v = torch.randn(3, kv_heads, T, 16, generator=g, dtype=torch.float64)
     dout = torch.randn(3, heads, T, 16, generator=g, dtype=torch.float64)
-    docs = _random_docs(3, T, 5)
+    docs = _random_docs(3, T, 5) if packed else None
     idx = shard_indices(T, cp, rank, layout=layout)
     local = [t[:, :, idx].float().requires_grad_(True) for t in (q, k, v)]  # the shards in fp32
+    masks = Documents(docs) if packed else None
     if impl == "ring":
-        out = ring_attention(*local, Documents(docs), mesh=mesh, layout=layout)
+        out = ring_attention(*local, masks, window, mesh=mesh, layout=layout)
     else:
-        out = ulysses_attention(*local, Documents(docs), mesh=mesh,
+        out = ulysses_attention(*local, masks, window, mesh=mesh,
                                 shards=lambda n, c, r: shard_indices(n, c, r, layout=layout))
     out.backward(dout[:, :, idx].float())
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = _masked_reference(*full, docs)
+    ref = _masked_reference(*full, docs, window)
     ref.backward(dout)
     return {"out": out.detach().double(), "ref": ref.detach()[:, :, idx],
             "grads": [t.grad.double() for t in local], "ref_grads": [t.grad[:, :, idx] for t in full]}
 
 
-@pytest.mark.parametrize("impl, layout, cp, kv_heads", [("ring", "zigzag", 2, 2), ("ring", "contiguous", 2, 1),
-                                                        ("ring", "zigzag", 4, 1), ("ulysses", "zigzag", 2, 2)])
-def test_context_parallel_attention_keeps_documents_apart(impl, layout, cp, kv_heads):
-    for r in run_ranks(cp, _cp_rank, 32, 4, kv_heads, impl, layout):
+@pytest.mark.parametrize("impl, layout, cp, kv_heads, window, packed", [
+    ("ring", "zigzag", 2, 2, None, True), ("ring", "contiguous", 2, 1, None, True),
+    ("ring", "zigzag", 4, 1, None, True), ("ulysses", "zigzag", 2, 2, None, True),
+    # a sliding window (Mistral's) shorter than a shard, with and without documents: blocks it empties, too
+    ("ring", "zigzag", 2, 2, 3, False), ("ulysses", "zigzag", 2, 1, 5, True)])
+def test_context_parallel_attention_keeps_documents_apart(impl, layout, cp, kv_heads, window, packed):
+    for r in run_ranks(cp, _cp_rank, 32, 4, kv_heads, impl, layout, window, packed):
         # fp32 shards against an fp64 reference: 1e-5 covers fp32 rounding over 32 keys, as for ring attention
         torch.testing.assert_close(r["out"], r["ref"], rtol=1e-5, atol=1e-5)
         for name, got, want in zip("qkv", r["grads"], r["ref_grads"]):

@@ -20,7 +20,7 @@ from tetron.parallel.pipeline_schedules import (
     theoretical_bubble,
 )
 
-from conftest import STEPS, run_parallel, tiny_config
+from conftest import STEPS, reference_run, run_parallel, tiny_config
 
 LOSS_RTOL = 1e-5  # per-step loss (every rank's, and metrics.jsonl's), relative
 # Gradient norm in metrics.jsonl, relative. Step 1 starts from identical weights: only summation order
@@ -88,17 +88,12 @@ def test_split_layers():
 # ----------------------------------------------------------------------------- training runs
 
 
-_references: dict[tuple, tuple] = {}
-
-
 def reference(corpus, cache_dir, tmp_path, *, global_batch: int, model: dict) -> tuple[list[dict], dict]:
     """The single-process run: one micro-batch holding the whole global batch."""
-    key = (str(corpus), global_batch, tuple(sorted(model.items())))
-    if key not in _references:
-        raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
-                          train={"micro_batch": global_batch, "grad_acc": 1, "lr": LR})
-        _references[key] = run_parallel(raw, timeout=120)
-    return _references[key]
+    raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
+                      train={"micro_batch": global_batch, "grad_acc": 1, "lr": LR})
+    ref, written = reference_run(raw)
+    return [ref], written
 
 
 def assert_matches(results: list[dict], written: dict, ref: tuple[list[dict], dict]) -> None:

@@ -169,7 +169,8 @@ def test_functions_fit_on_a_screen(module):
 def test_layouts_only_through_their_accessor():
     """No module reads or writes layout attributes on parameters by name: parallel/layout.py's
     set_layout and layout_of are the only way (a typo there fails loudly, not as 'not sharded')."""
-    old_names = {"shard", "logical_size", "sequence_parallel", "tied_copy", "init_name", "main_grad"}
+    old_names = {"shard", "logical_size", "sequence_parallel", "summed_over_tp", "tied_copy", "init_name",
+                 "main_grad"}
     by_name = old_names | {"_tetron_layout"}
     offenders = []
     for name, tree in MODULES.items():

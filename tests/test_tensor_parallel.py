@@ -17,7 +17,7 @@ from tetron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from conftest import STEPS, run_parallel, tiny_config
+from conftest import STEPS, reference_run, run_parallel, tiny_config
 from harness import run_ranks, saved_bytes
 
 LOSS_RTOL = 1e-5  # per-step loss, relative (issue 3)
@@ -29,7 +29,7 @@ def check_parity(corpus, cache_dir, tmp_path, *, model: dict, parallel: dict, tr
     cfg = from_dict(raw)
     ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model,
                           train={**train_cfg, "micro_batch": cfg.global_batch, "grad_acc": 1})
-    ref = run_parallel(ref_raw)[0][0]
+    ref = reference_run(ref_raw)[0]
     results, _ = run_parallel(raw)
     for result in results:
         losses = torch.tensor(result["losses"])

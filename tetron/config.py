@@ -351,7 +351,9 @@ def field_docs(cls: type) -> list[tuple[str, str, str, str]]:
     that follows the field in its source (continued on comment-only lines below it)."""
     docs: dict[str, str] = {}
     last = None
-    for line in inspect.getsource(cls).splitlines():
+    # base classes first, so that a subclass's comment on a field it redefines wins
+    sources = [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]
+    for line in (line for c in sources for line in inspect.getsource(c).splitlines()):
         field_line = re.match(r"\s+(\w+): [^=]+=[^#]*(?:#\s*(.*))?$", line)
         if field_line and field_line.group(1) in {f.name for f in dataclasses.fields(cls)}:
             last = field_line.group(1)

@@ -2,6 +2,17 @@
 
 Parallel strategies live elsewhere and transform this model: they swap its linears and
 embedding, drop layers, or replace each attention module's `attn_fn`.
+
+Its blocks are shared by the families that differ from Llama only in their attention (qwen.py, mistral.py,
+and the MoE families), each a config subclass of LlamaConfig that sets the options the blocks read:
+- `attention_bias` (a field, transformers' name): q, k, v and o carry biases; `attention_biases()` says
+  which, (q/k/v, o): Qwen2 overrides it to biases on q, k and v only;
+- `qk_norm` (a class attribute, no config field: a family has it or not): an RMSNorm over head_dim of each
+  query and key head before RoPE, one weight shared by all heads (`self_attn.q_norm`, `k_norm`: Qwen3);
+- `layer_window(i)`: layer i's sliding window (None: the whole causal past), passed to `attn_fn` as its
+  `window` (models/attention.py); Mistral's is `sliding_window` in every layer, Qwen's per `layer_types`.
+Llama's own config sets none of them but attention_bias, which Llama checkpoints may have; with none set, the
+blocks compute exactly what they did without the options.
 """
 
 from __future__ import annotations
@@ -10,6 +21,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +53,18 @@ class LlamaConfig:
     initializer_range: float = 0.02  # std of the normal init of linear and embedding weights
     bos_token_id: int | None = None  # beginning-of-sequence token id, for tokenizers and generation
     eos_token_id: int | list[int] | None = None  # end-of-sequence token id(s)
+    attention_bias: bool = False  # q, k, v and o projections carry biases (Qwen2: q, k, v always)
+
+    hf_architecture: ClassVar[str] = "LlamaForCausalLM"  # transformers' class, written to config.json
+    qk_norm: ClassVar[bool] = False  # an RMSNorm over each query and key head (Qwen3's q_norm, k_norm)
+
+    def attention_biases(self) -> tuple[bool, bool]:
+        """(q, k and v have biases, o has a bias), as transformers' attention of the family builds them."""
+        return self.attention_bias, self.attention_bias
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of decoder layer `index` (None: the whole causal past); Llama has none."""
+        return None
 
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads"):
@@ -84,8 +108,8 @@ class LlamaConfig:
                              "models.config_from_hf, which picks its family")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; tetron's MLP uses 'silu'")
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise ValueError("attention_bias/mlp_bias=True is not supported; tetron's linears have no bias")
+        if hf.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported; tetron's MLP linears have no bias")
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "rope_scaling"}
         kwargs = {k: v for k, v in hf.items() if k in names}
         _check_hf_types(kwargs)
@@ -104,19 +128,19 @@ class LlamaConfig:
         if not isinstance(kwargs["rope_scaling"], (dict, type(None))):
             raise ValueError(f"rope_scaling={kwargs['rope_scaling']!r}: expected a mapping or null")
         config = cls(**kwargs)
-        _check_is_llama(hf)  # after building, so that a rope or head error names itself first
+        _check_is_family(hf, cls)  # after building, so that a rope or head error names itself first
         return config
 
     def to_hf(self, dtype: str = "float32") -> dict:
-        """A config dict that transformers (4.x and 5.x) loads as a LlamaForCausalLM, its weights in `dtype`."""
+        """A config dict that transformers (4.x and 5.x) loads as the family's class (LlamaForCausalLM, ...), its
+        weights in `dtype`."""
         rope_parameters = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
         return {
             **dataclasses.asdict(self),  # asdict deep-copies, so transformers can't mutate our dicts
             "rope_parameters": rope_parameters,  # transformers 5 reads this; 4.x reads rope_theta/scaling
-            "architectures": ["LlamaForCausalLM"],
+            "architectures": [self.hf_architecture],
             "dtype": dtype,
             "hidden_act": "silu",
-            "attention_bias": False,
             "mlp_bias": False,
         }
 
@@ -124,6 +148,8 @@ class LlamaConfig:
         """Exact parameter count; without embedding it leaves out embed_tokens and lm_head."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        qkv_bias, o_bias = self.attention_biases()
+        per_layer += (q + 2 * kv) * qkv_bias + h * o_bias + 2 * self.head_dim * self.qk_norm
         n = self.num_hidden_layers * per_layer + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
@@ -147,35 +173,37 @@ class LlamaConfig:
 
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-_HF_INTS = {*_HF_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings", "bos_token_id"}
+_HF_INTS = {*_HF_REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings", "bos_token_id",
+            "sliding_window", "max_window_layers"}
+_HF_ZERO_OK = ("bos_token_id", "max_window_layers")  # the integers that may be 0
 
 
 def _check_hf_types(kwargs: dict) -> None:
     """Each config.json field tetron reads has its type (a string for a size would fail far later)."""
     for name, value in kwargs.items():
         if name in _HF_INTS and not (value is None and name not in _HF_REQUIRED) and (
-                type(value) is not int or (value < 1 and name != "bos_token_id")):
+                type(value) is not int or (value < 1 and name not in _HF_ZERO_OK)):
             raise ValueError(f"{name}={value!r}: expected a positive integer")
         if name in ("rms_norm_eps", "initializer_range") and (
                 not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise ValueError(f"{name}={value!r}: expected a number")
-        if name == "tie_word_embeddings" and type(value) is not bool:
+        if name in ("tie_word_embeddings", "attention_bias", "use_sliding_window") and type(value) is not bool:
             raise ValueError(f"{name}={value!r}: expected true or false")
         if name == "eos_token_id" and not (value is None or type(value) is int or (
                 isinstance(value, list) and all(type(v) is int for v in value))):
             raise ValueError(f"{name}={value!r}: expected an integer, a list of integers or null")
 
 
-def _check_is_llama(hf: dict) -> None:
-    """A Llama config, not any JSON: model_type "llama" (or, in older files, a Llama architecture) and
-    every size given, so that nothing falls back to a default (transformers' is a 6.9B model)."""
+def _check_is_family(hf: dict, cls: type[LlamaConfig]) -> None:
+    """A config of the family, not any JSON: its model_type (or, in older Llama files, a Llama architecture)
+    and every size given, so that nothing falls back to a default (transformers' is a 6.9B model)."""
     archs = hf.get("architectures")
     named = isinstance(archs, list) and any(isinstance(a, str) and a.startswith("Llama") for a in archs)
     if "model_type" not in hf and not named:
         raise ValueError("no model_type (nor a Llama architecture): not a Llama config.json")
     missing = [k for k in _HF_REQUIRED if k not in hf]
     if missing:
-        raise ValueError(f"{missing[0]} is missing: a Llama config gives {', '.join(_HF_REQUIRED)}")
+        raise ValueError(f"{missing[0]} is missing: a {cls.hf_architecture} config gives {', '.join(_HF_REQUIRED)}")
 
 
 def rope_inv_freq(config: LlamaConfig, *, device: torch.device | None = None) -> Tensor:
@@ -235,27 +263,35 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE; head counts come from the projections' sizes."""
+    """Grouped-query self-attention with RoPE; head counts come from the projections' sizes. The family's
+    options (the module docstring) add biases, per-head q/k norms and layer `index`'s sliding window."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, index: int = 0) -> None:
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
+        qkv_bias, o_bias = config.attention_biases()
         self.head_dim = hd
-        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
-        self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
-        self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=False)
+        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=o_bias)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.sliding_window = config.layer_window(index)
         self.attn_fn = sdpa_attention  # context parallelism swaps in ring attention here
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, heads*head_dim]
         # Heads are counted from q/k/v themselves, so tensor parallelism can shard the projections.
         B, T = q.shape[:2]
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_heads, T, head_dim]
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
+        q = q.view(B, T, -1, self.head_dim)  # [B, T, n_heads, head_dim]
+        k = k.view(B, T, -1, self.head_dim)  # [B, T, n_kv_heads, head_dim]
+        if self.q_norm is not None:  # each head normed over its head_dim, before RoPE (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, head_dim]
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attn_fn(q, k, v, docs)  # [B, n_heads, T, head_dim]
+        out = self.attn_fn(q, k, v, docs, self.sliding_window)  # [B, n_heads, T, head_dim]
         out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, n_heads*head_dim]
         return self.o_proj(out)
 
@@ -276,9 +312,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, index)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -296,7 +332,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
         # A dict keyed "0", "1", ... gives HF's names, and keeps them when a pipeline stage drops layers.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: Tensor, position_ids: Tensor, docs: Tensor | None = None) -> Tensor:

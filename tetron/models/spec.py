@@ -43,6 +43,8 @@ class ParallelPlan:
     blocks: tuple[Block, ...]  # the tensor-parallel blocks of one decoder layer, in forward order
     residual_norms: tuple[str, ...]  # a layer's norms on the residual stream (their weights see one rank's tokens
     # under sequence parallelism, so their gradients are summed over tp), relative to the layer
+    head_norms: tuple[str, ...] = ()  # norms inside a tp block, whole on every tp rank, applied to each head
+    # (Qwen3's q_norm, k_norm): a rank's gradient holds only its heads' share, so it is summed over tp always
     layers: str = "model.layers"  # the ModuleDict of decoder layers: the pipeline cuts it; recompute, compile
     # and ZeRO-3's units take its entries
     embedding: str = "model.embed_tokens"  # the token embedding (first stage; vocab-parallel under tp)

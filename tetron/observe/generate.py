@@ -27,15 +27,17 @@ class KVCache:
         self.k: Tensor | None = None  # [B, kv_heads, T so far, head_dim], RoPE applied
         self.v: Tensor | None = None
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs: object = None) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs: object = None, window: int | None = None) -> Tensor:
         if docs is not None:  # generation continues one text: no packed documents
             raise ValueError("the KV cache generates one sequence per row; it takes no document mask")
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.k, self.v = k, v
         if q.shape[2] == k.shape[2]:
-            return sdpa_attention(q, k, v)  # the prompt: causal over itself
-        # one new query, after every cached key: nothing to mask
+            return sdpa_attention(q, k, v, window=window)  # the prompt: causal over itself
+        # one new query, after every cached key: nothing to mask but what a sliding window leaves out
+        if window is not None:
+            k, v = k[:, :, -window:], v[:, :, -window:]  # [B, kv_heads, <= window, head_dim]
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, heads, T, head_dim]
         return F.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.mesh import Mesh
-from tetron.models.attention import Documents, document_mask, sdpa_attention
+from tetron.models.attention import Documents, causal_mask, document_mask, sdpa_attention
 from tetron.parallel.block_attention import (  # noqa: F401  (the block kernels, also imported from here)
     _math_block,
     _math_block_backward,
@@ -51,16 +51,19 @@ def _shard_positions(seq_len: int, cp: int, rank: int, layout: str, device: torc
     return shard_indices(seq_len, cp, rank, layout=layout, device=device)
 
 
-def _block_mask(docs: Documents | None, rank: int, src: int, cp: int, layout: str,
+def _block_mask(q: Tensor, docs: Documents | None, window: int | None, src: int, ring: _Ring, layout: str,
                 qs: slice, ks: slice) -> Tensor | None:
-    """The document mask (models/attention.py) of this rank's queries `qs` on the keys `ks` of the block that
-    started on rank `src`; None without documents."""
-    if docs is None:
+    """The mask (models/attention.py: documents, sliding window) of this rank's queries `qs` on the keys `ks`
+    of the block that started on cp rank `src`; None without either. `q` is this rank's [B, H, T/cp, D]."""
+    cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
+    seq_len = q.shape[2] * cp
+    if docs is None and (window is None or window >= seq_len):
         return None
-    ids = docs.ids
-    q_pos = _shard_positions(ids.shape[1], cp, rank, layout, ids.device)[qs]
-    k_pos = _shard_positions(ids.shape[1], cp, src, layout, ids.device)[ks]
-    return document_mask(ids, q_pos, k_pos)
+    q_pos = _shard_positions(seq_len, cp, rank, layout, q.device)[qs]
+    k_pos = _shard_positions(seq_len, cp, src, layout, q.device)[ks]
+    if docs is None:
+        return causal_mask(q_pos, k_pos, window)[None, None]  # [1, 1, Tq, Tk]
+    return document_mask(docs.ids, q_pos, k_pos, window)
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -128,9 +131,10 @@ class _RingAttention(torch.autograd.Function):
     same ring, with key/value gradients travelling alongside their blocks back to their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, layout, docs):
+    def forward(ctx, q, k, v, ring, layout, docs, window):
         # q [B, H, Tl, D]; k, v [B, KVH, Tl, D]: GQA heads are repeated per block, not sent repeated;
-        # docs (or None): the documents of the whole window, for the mask of each pair of shards
+        # docs (or None): the documents of the whole window, for the mask of each pair of shards (with the
+        # sliding window, where there is one)
         cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
         rep, tl = q.shape[1] // k.shape[1], q.shape[2]
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -145,7 +149,7 @@ class _RingAttention(torch.autograd.Function):
                 qs, ks, causal = part
                 kb = k[:, :, ks].repeat_interleave(rep, dim=1)  # [B, H, Tk, D]
                 vb = v[:, :, ks].repeat_interleave(rep, dim=1)
-                mask = _block_mask(docs, rank, (rank - step) % cp, cp, layout, qs, ks)
+                mask = _block_mask(q, docs, window, (rank - step) % cp, ring, layout, qs, ks)
                 # the mask is causal by true positions too; `causal` (the diagonal block, whose local
                 # order is position order) lets the kernel skip the blocks above the diagonal
                 block_out, block_lse = block_attention(q[:, :, qs], kb, vb, causal, mask=mask)
@@ -155,13 +159,13 @@ class _RingAttention(torch.autograd.Function):
                 k, v = k_next, v_next
         out = out.to(q.dtype)
         ctx.save_for_backward(q, own_k, own_v, out, lse)
-        ctx.ring, ctx.layout, ctx.docs = ring, layout, docs
+        ctx.ring, ctx.layout, ctx.docs, ctx.window = ring, layout, docs, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors  # k, v: this rank's own block; the ring restarts from it
-        ring, layout, docs = ctx.ring, ctx.layout, ctx.docs
+        ring, layout, docs, window = ctx.ring, ctx.layout, ctx.docs, ctx.window
         cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
         rep, tl, kv_heads = q.shape[1] // k.shape[1], q.shape[2], k.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -176,7 +180,7 @@ class _RingAttention(torch.autograd.Function):
                 qs, ks, causal = part
                 kb = k[:, :, ks].repeat_interleave(rep, dim=1)
                 vb = v[:, :, ks].repeat_interleave(rep, dim=1)
-                mask = _block_mask(docs, rank, (rank - step) % cp, cp, layout, qs, ks)
+                mask = _block_mask(q, docs, window, (rank - step) % cp, ring, layout, qs, ks)
                 dqb, dkb, dvb = block_attention_backward(dout[:, :, qs], q[:, :, qs], kb, vb, out[:, :, qs],
                                                          lse[:, :, qs], causal, mask=mask)
                 dq[:, :, qs] += dqb.float()
@@ -188,18 +192,20 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 _wait(kv_works)
                 k, v = k_next, v_next
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None, *, mesh: Mesh,
-                   layout: str = "zigzag") -> Tensor:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None, window: int | None = None, *,
+                   mesh: Mesh, layout: str = "zigzag") -> Tensor:
     """Causal attention over the whole sequence, from this cp rank's share of q, k, v
     ([B, heads, T/cp, head_dim], positions as `shard_indices` gives them); with `docs` (the whole window's
-    documents) each position attends only within its document."""
+    documents) each position attends only within its document, with `window` only to the `window` latest
+    positions. A block the window leaves no pair of is still scored (all masked): the ring passes every
+    block on anyway, and which blocks are empty depends on the layout."""
     if mesh.size("cp") == 1:
-        return sdpa_attention(q, k, v, docs)
+        return sdpa_attention(q, k, v, docs, window)
     ring = _Ring(mesh.group("cp"), mesh.cp_next, mesh.cp_prev)
-    return _RingAttention.apply(q, k, v, ring, layout, docs)
+    return _RingAttention.apply(q, k, v, ring, layout, docs, window)
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, *, layout: str = "zigzag", impl: str = "ring") -> nn.Module:

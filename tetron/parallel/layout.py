@@ -6,8 +6,9 @@ needs the whole tensor (init, checkpoints, gradient-norm clipping, gradient sync
 - `tp`: the parameter is one of `count` equal parts of the full tensor along `dim` (tensor
   parallelism), this rank's being part `index`; `logical_size` is the full size along `dim` before
   the padding that makes it divisible (a vocabulary that tp does not divide).
-- `sequence_parallel`: replicated over tp, but each tp rank's gradient saw only its share of the
-  sequence, so gradients are summed over tp (RMSNorm weights under sequence parallelism).
+- `summed_over_tp`: replicated over tp, but each tp rank's gradient is only a share of the whole, so
+  gradients are summed over tp: RMSNorm weights under sequence parallelism (each rank saw its share of
+  the sequence), per-head norms (Qwen3's q_norm, k_norm: each rank saw its heads).
 - `tied_copy`: this rank's own copy of a tensor another pipeline stage also holds (the last stage's
   head when embeddings are tied): its gradient is summed with the other copy's, and it is left out
   of the gradient norm, which counts the first stage's.
@@ -45,7 +46,7 @@ class ParamLayout:
     """Where a parameter's values come from and how its gradient is finished; see the module doc."""
 
     tp: Shard | None = None
-    sequence_parallel: bool = False
+    summed_over_tp: bool = False
     tied_copy: bool = False
     source: str | None = None
 

@@ -104,7 +104,7 @@ def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedAda
 def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedAdamW) -> None:
     """What each axis adds to the averaged gradients (data parallelism averaged them during the
     backward pass), wherever they are (whole, or this rank's ZeRO pieces): tied embedding copies
-    summed over the pipeline's ends, sequence-parallel norm weights summed over tp."""
+    summed over the pipeline's ends, sequence-parallel and per-head norm weights summed over tp."""
     copies = tied_embeddings(model.chunks, mesh)
     if copies:
         grad = optimizer.full_grad(copies[0])
@@ -115,7 +115,7 @@ def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedAdamW) 
             grad = grad + optimizer.full_grad(copies[1])
         for copy in copies:
             optimizer.set_full_grad(copy, grad)
-    sync_sequence_parallel_grads([g for g, p in optimizer.grads() if layout_of(p).sequence_parallel],
+    sync_sequence_parallel_grads([g for g, p in optimizer.grads() if layout_of(p).summed_over_tp],
                                  mesh.group("tp"))
 
 

@@ -15,7 +15,9 @@ softmax, so receive no gradient, and are dropped on export.
 
 With sequence parallelism the residual stream between blocks is split along the sequence: f and g
 become all-gather and reduce-scatter, and RMSNorm weights, which then see only this rank's tokens,
-have their gradients summed over tp after the backward pass.
+have their gradients summed over tp after the backward pass. So do, with or without it, the weights of
+norms applied to each attention head (the plan's `head_norms`: Qwen3's q_norm, k_norm), whole on every
+rank but each rank's gradient holding only its own heads' share; summed, they stay equal on every rank.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ class RowParallelLinear(nn.Module):
         # rank's tokens, so its gradient is summed over tp like a norm weight's.
         self.bias = linear.bias
         if self.bias is not None and sequence_parallel:
-            set_layout(self.bias, sequence_parallel=True)
+            set_layout(self.bias, summed_over_tp=True)
 
     def forward(self, x: Tensor) -> Tensor:
         partial = F.linear(x, self.weight)  # [B, T, out], this rank's share of the sum
@@ -198,15 +200,15 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
                 setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none"))
             setattr(part, block.row, RowParallelLinear(getattr(part, block.row), group, sequence_parallel=sp))
             part.register_forward_pre_hook(enter(group))
-        if sp:
-            for norm in plan.residual_norms:
-                set_layout(layer.get_submodule(norm).weight, sequence_parallel=True)
+        # a norm weight whose gradient on each rank is a share (of the tokens under sp, of the heads always)
+        for norm in (*plan.residual_norms, *plan.head_norms) if sp else plan.head_norms:
+            set_layout(layer.get_submodule(norm).weight, summed_over_tp=True)
     embedding, final_norm, head = (plan.part(model, path) for path in (plan.embedding, plan.final_norm, plan.head))
     if embedding is not None:
         plan.set_part(model, plan.embedding, VocabParallelEmbedding(embedding, group, padded_vocab=padded,
                                                                     sequence_parallel=sp))
     if final_norm is not None and sp:
-        set_layout(final_norm.weight, sequence_parallel=True)
+        set_layout(final_norm.weight, summed_over_tp=True)
     if head is not None:
         plan.set_part(model, plan.head, ColumnParallelLinear(head, group, input_mode="gather" if sp else "copy",
                                                              padded_out=padded))
@@ -228,8 +230,8 @@ def _gather_input(group: dist.ProcessGroup):
 
 @torch.no_grad()
 def sync_sequence_parallel_grads(grads: list[Tensor], group: dist.ProcessGroup) -> None:
-    """Sum over tp the gradients of replicated weights that saw only this rank's tokens (RMSNorm
-    under sequence parallelism: the caller picks them by layout), in one flat all-reduce."""
+    """Sum over tp the gradients of replicated weights that saw only this rank's tokens or heads (RMSNorm
+    under sequence parallelism, per-head norms: the caller picks them by layout), in one flat all-reduce."""
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.flatten() for g in grads])

@@ -84,14 +84,15 @@ def _orders(shards: Shards, seq_len: int, cp: int, device: torch.device) -> tupl
     return gathered.to(device), torch.argsort(gathered).to(device)
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None, *, mesh: Mesh,
-                      shards: Shards) -> Tensor:
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None, window: int | None = None,
+                      *, mesh: Mesh, shards: Shards) -> Tensor:
     """Causal attention over the whole sequence from this cp rank's share of q [B, H, T/cp, D] and
     k, v [B, KVH, T/cp, D] (the positions `shards` gives); returns this rank's share of the output, like q.
-    With `docs` (the whole window's documents) attention stays within each."""
+    With `docs` (the whole window's documents) attention stays within each, with `window` within the
+    `window` latest positions: the local kernel sees the whole sequence in order, so it masks both."""
     cp = mesh.size("cp")
     if cp == 1:
-        return sdpa_attention(q, k, v, docs)
+        return sdpa_attention(q, k, v, docs, window)
     group, heads, tl = mesh.group("cp"), q.shape[1], q.shape[2]
     r = kv_repeats(heads, k.shape[1], cp)
     if r > 1:  # too few kv heads for cp: each rank needs the kv heads of its query heads (autograd sums back)
@@ -105,7 +106,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = 
     orders = _orders(shards, tl * cp, cp, q.device)
     if orders is not None:  # rank order is not position order (zigzag): sort for the causal mask, and back
         q, k, v = (t.index_select(2, orders[1]) for t in (q, k, v))
-    out = sdpa_attention(q, k, v, docs)  # [B, H/cp, T, D], positions in order
+    out = sdpa_attention(q, k, v, docs, window)  # [B, H/cp, T, D], positions in order
     if orders is not None:
         out = out.index_select(2, orders[0])
     return all_to_all(out, group, scatter_dim=2, gather_dim=1)  # [B, H, T/cp, D]
