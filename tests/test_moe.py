@@ -5,8 +5,6 @@ to the single process, balancing figures included."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import transformers
@@ -19,7 +17,7 @@ from tetron.parallel.init import seeded_model
 from tetron.parallel.moe_balance import FIGURES, finish_moe_step
 from tetron.validate import validate
 
-from conftest import check_layout, tiny_config
+from conftest import check_layout, layout_configs, reference_run, tiny_config
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
@@ -74,14 +72,15 @@ def test_the_block_equals_transformers(kind):
                                                     (MixtralConfig, "MixtralForCausalLM")])
 def test_the_family_equals_transformers(config_class, hf_class, tmp_path):
     """Logits within 1e-5 on the same weights, the same state_dict keys, transformers' from_pretrained reads
-    tetron's folder, and transformers' own auxiliary loss equals tetron's batch-wise one."""
+    tetron's folder, and transformers' own auxiliary loss equals tetron's batch-wise one. Qwen3-MoE with its
+    q/k norms, Mixtral with a sliding window of 5 in sequences of 16 (Llama's shared attention options)."""
     from tetron.checkpoint.check import inspect_checkpoint
     from tetron.checkpoint.load import TensorReader, load_model
     from tetron.checkpoint.save import save_model
     from tetron.models.spec import stored_as_of
 
     cfg = config_class(**TINY, moe_aux_loss="batch", **({"moe_intermediate_size": 16} if config_class is MoeConfig
-                                                        else {}))
+                                                        else {"sliding_window": 5}))
     model = seeded_model(cfg, seed=0, device=torch.device("cpu"))
     save_model(model, tmp_path / "folder")
     hf = getattr(transformers, hf_class).from_pretrained(tmp_path / "folder").eval()
@@ -189,9 +188,10 @@ def test_dp2_zero3_trains_like_one_process(corpus, cache_dir, tmp_path):
     selective recomputation, pp2 with 1f1b, interleaved, zbh1 and zbv, and dp2 pp2 interleaved ZeRO-3
     passed the same check when written (4 ranks cost the suite 4 s more)."""
     model = {**MOE, "router_z_loss_coef": 1e-3, "moe_bias_update_rate": 1e-2, "router_aux_loss_coef": 0.01}
-    _, written = check_layout(corpus, cache_dir, tmp_path, model=model, train={"recompute": "full"},
-                              parallel={"dp": 2, "zero": 3})
-    ref = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    layout = dict(model=model, train={"recompute": "full"}, parallel={"dp": 2, "zero": 3})
+    _, written = check_layout(corpus, cache_dir, tmp_path, **layout)
+    # the reference check_layout compared with (trained once per session: its folder may be another test's)
+    ref = reference_run(layout_configs(corpus, cache_dir, tmp_path, **layout)[1])[1]["metrics"]
     for name in FIGURES:
         torch.testing.assert_close(torch.tensor([m[name] for m in written["metrics"]]),
                                    torch.tensor([m[name] for m in ref]), rtol=1e-5, atol=1e-7, msg=name)

@@ -1,24 +1,25 @@
 """Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`), each a
 Llama whose feed-forwards are MoE blocks (moe.py), with transformers' names and numerics.
 
-Qwen3-MoE adds per-head RMSNorm on q and k before RoPE; Mixtral is Llama's attention (its sliding window,
-off in its released configs, is refused here). The config also offers DeepSeek-V3's routing (sigmoid
+Both use Llama's shared attention with its options (models/llama.py): Qwen3-MoE's per-head RMSNorm on q and k
+before RoPE (`qk_norm`, and biases with `attention_bias`, as Qwen3), Mixtral's `sliding_window` in every layer
+(as Mistral; null in its released configs). The config also offers DeepSeek-V3's routing (sigmoid
 scores, the load-driven routing bias, group-limited top-k, shared experts, a scaling factor) on either
 family; such a model trains in tetron but transformers' class of the family does not compute it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torch import Tensor
 
-from tetron.models.llama import LLAMA, Attention, Llama, LlamaConfig, RMSNorm, apply_rope
+from tetron.models.llama import LLAMA, Llama, LlamaConfig
 from tetron.models.moe import MoEBlock, add_batch_balance_loss, moe_blocks
-from tetron.models.spec import ModelSpec, read_hf_config, register
+from tetron.models.qwen import QWEN3_PLAN
+from tetron.models.spec import ModelSpec, ParallelPlan, read_hf_config, register
 
 
 @dataclass
@@ -46,6 +47,9 @@ class MoeConfig(LlamaConfig):
     moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: the routing bias moves by this per step
     # toward balanced expert load (DeepSeek-V3 used 0.001); 0: no bias (a sigmoid router still has one)
 
+    hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+    qk_norm: ClassVar[bool] = True
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.moe_intermediate_size is None:
@@ -64,8 +68,6 @@ class MoeConfig(LlamaConfig):
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> MoeConfig:
         hf = dict(read_hf_config(path_or_dict))
         if hf.get("model_type") == "mixtral":
-            if hf.get("sliding_window") is not None:
-                raise ValueError(f"sliding_window={hf['sliding_window']} is not supported; use null")
             if hf.get("router_jitter_noise"):
                 raise ValueError("router_jitter_noise is not supported; use 0")
             hf["moe_intermediate_size"] = hf.get("intermediate_size")
@@ -77,19 +79,18 @@ class MoeConfig(LlamaConfig):
 
     def to_hf(self, dtype: str = "float32") -> dict:
         """A config dict transformers loads as the family's class (Qwen3MoeForCausalLM or MixtralForCausalLM)."""
-        hf = {**super().to_hf(dtype), "output_router_logits": False, "use_sliding_window": False,
-              "sliding_window": None}
+        hf = {**super().to_hf(dtype), "output_router_logits": False}
         if self.model_type == "mixtral":
-            hf.update(architectures=["MixtralForCausalLM"], num_local_experts=self.num_experts,
-                      intermediate_size=self.moe_intermediate_size, router_jitter_noise=0.0)
+            hf.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size,
+                      router_jitter_noise=0.0)
         else:
-            hf["architectures"] = ["Qwen3MoeForCausalLM"]
+            hf.update(use_sliding_window=False, sliding_window=None)
         return hf
 
     def _layer_params(self, experts: int) -> int:
         """Parameters of the decoder layers with `experts` experts counted per MoE layer."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        attention = h * q + 2 * h * kv + q * h + 2 * h + (2 * self.head_dim if self.model_type == "qwen3_moe" else 0)
+        h = self.hidden_size
+        attention = self.attention_params()
         moe = self.num_experts * h + (experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
         return sum(attention + (moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size)
                    for i in range(self.num_hidden_layers))
@@ -113,24 +114,21 @@ class MixtralConfig(MoeConfig):
     """Mixtral: every layer MoE, experts of intermediate_size, top-k weights always renormalized."""
 
     model_type: str = "mixtral"  # the model family (models/spec.py)
+    sliding_window: int | None = None  # a windowed layer's query attends to this many latest positions, itself
+    # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window)
 
+    hf_architecture: ClassVar[str] = "MixtralForCausalLM"
+    qk_norm: ClassVar[bool] = False
 
-class QkNormAttention(Attention):
-    """Llama's attention with RMSNorm over each head's q and k before RoPE (Qwen3): `q_norm`, `k_norm`."""
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be at least 1 (or null: no window)")
+        if self.attention_bias:
+            raise ValueError("attention_bias=True: Mixtral's projections have no biases (transformers builds none)")
 
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__(config)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs=None) -> Tensor:
-        B, T = x.shape[:2]
-        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # [B, n_heads, T, hd]
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)  # [B, n_kv_heads, T, hd]
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attn_fn(q, k, v, docs).transpose(1, 2).reshape(B, T, -1)  # [B, T, n_heads*hd]
-        return self.o_proj(out)
+    def layer_window(self, index: int) -> int | None:
+        return self.sliding_window
 
 
 def moe_block(config: MoeConfig) -> MoEBlock:
@@ -147,14 +145,12 @@ def moe_block(config: MoeConfig) -> MoEBlock:
 
 
 class MoeForCausalLM(Llama):
-    """Qwen3MoeForCausalLM / MixtralForCausalLM: Llama's body with MoE blocks as the feed-forwards (and, for
-    Qwen3-MoE, q/k norms); `state_dict()` has exactly transformers' keys."""
+    """Qwen3MoeForCausalLM / MixtralForCausalLM: Llama's body (its attention options set by the config) with MoE
+    blocks as the feed-forwards; `state_dict()` has exactly transformers' keys."""
 
     def __init__(self, config: MoeConfig) -> None:
         super().__init__(config)
         for i, layer in self.model.layers.items():
-            if config.model_type == "qwen3_moe":
-                layer.self_attn = QkNormAttention(config)
             if config.is_moe_layer(int(i)):
                 layer.mlp = moe_block(config)
         blocks = moe_blocks(self)
@@ -187,17 +183,11 @@ def hub_names(name: str, config: MoeConfig) -> str | list[list[str]] | None:
     return [[f"{block}experts.{e}.{piece}.weight" for piece in pieces] for e in range(config.num_experts)]
 
 
-def _register(name: str, config_class: type) -> ModelSpec:
+def _register(name: str, config_class: type, plan: ParallelPlan) -> ModelSpec:
     return register(ModelSpec(name=name, model_types=(name,), config_class=config_class,
-                              model_class=MoeForCausalLM, plan=LLAMA.plan, stored_as=hub_names))
+                              model_class=MoeForCausalLM, plan=plan, stored_as=hub_names))
 
 
-QWEN3_MOE = _register("qwen3_moe", MoeConfig)
-MIXTRAL = _register("mixtral", MixtralConfig)
-
-
-def moe_config_fields() -> list[str]:
-    """The fields an MoE config adds to Llama's (docs, validation)."""
-    return [f.name for f in dataclasses.fields(MoeConfig) if f.name not in
-            {g.name for g in dataclasses.fields(LlamaConfig)}]
+QWEN3_MOE = _register("qwen3_moe", MoeConfig, QWEN3_PLAN)  # its q/k norms' gradients are summed over tp
+MIXTRAL = _register("mixtral", MixtralConfig, LLAMA.plan)
 
