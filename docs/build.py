@@ -105,20 +105,22 @@ def family_fields(base: type) -> list[str]:
     """The model fields some families add to `base`'s (Llama's): a table with the families that have each."""
     from tetron.config import field_docs
 
-    rows: dict[str, tuple[str, str, list[str], str]] = {}
+    rows: dict[str, tuple[str, dict[str, str], str]] = {}  # name: (type, default by family, meaning)
     known = {name for name, *_ in field_docs(base)}
     for cls in _family_configs():
-        family = cls.model_type
         for name, kind, default, doc in field_docs(cls):
             if name not in known:
-                rows.setdefault(name, (kind, default, [], doc))[2].append(family)
+                rows.setdefault(name, (kind, {}, doc))[1][cls.model_type] = default
     if not rows:
         return []
     lines = ["Fields of other families (`model.model_type`: one of theirs), as transformers names them:", "",
              "| field | type | default | families | meaning |", "|---|---|---|---|---|"]
-    for name, (kind, default, families, doc) in rows.items():
-        shown = f"`{_cell(default)}`"
-        lines.append(f"| `model.{name}` | `{_cell(kind)}` | {shown} | {', '.join(families)} | {_cell(doc)} |")
+    # the fields of the same families together (sorted is stable: in each group, the config's order)
+    for name, (kind, defaults, doc) in sorted(rows.items(), key=lambda row: list(row[1][1])):
+        first = next(iter(defaults.values()))
+        shown = f"`{_cell(first)}`" + "".join(f" ({family}: `{_cell(default)}`)" for family, default
+                                                in defaults.items() if default != first)
+        lines.append(f"| `model.{name}` | `{_cell(kind)}` | {shown} | {', '.join(defaults)} | {_cell(doc)} |")
     return lines + [""]
 
 

@@ -87,18 +87,25 @@ def reference_run(raw: dict) -> tuple[dict, dict]:
     return _REFERENCES[key]
 
 
-def check_layout(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
-                 grad_acc: int = 2, train: dict | None = None, data: dict | None = None) -> tuple[list[dict], dict]:
-    """Train `parallel` and the single process on the same global batches (a 4-layer GQA model unless
-    `model` says otherwise): per-step losses on every rank and in metrics.jsonl within LOSS_RTOL, the
-    saved OUT/model within WEIGHT_ATOL. Returns the layout's per-rank results and what rank 0 wrote."""
+def layout_configs(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
+                   grad_acc: int = 2, train: dict | None = None, data: dict | None = None) -> tuple[dict, dict]:
+    """check_layout's two raw configs: the layout's, and its single-process reference's (for reference_run)."""
     model = {**GQA, "num_hidden_layers": 4, **(model or {})}
     train_cfg = {"micro_batch": micro_batch, "grad_acc": grad_acc, "lr": LAYOUT_LR, **(train or {})}
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model, parallel=parallel, train=train_cfg,
                       data=data or {})
-    cfg = from_dict(raw)
     ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model, data=data or {},
-                          train={**train_cfg, "micro_batch": cfg.global_batch, "grad_acc": 1})
+                          train={**train_cfg, "micro_batch": from_dict(raw).global_batch, "grad_acc": 1})
+    return raw, ref_raw
+
+
+def check_layout(corpus, cache_dir, tmp_path, **layout) -> tuple[list[dict], dict]:
+    """Train the layout of `layout` (layout_configs' keywords: parallel, model, ...) and the single process on
+    the same global batches (a 4-layer GQA model unless `model` says otherwise): per-step losses on every rank
+    and in metrics.jsonl within LOSS_RTOL, the saved OUT/model within WEIGHT_ATOL. Returns the layout's
+    per-rank results and what rank 0 wrote."""
+    raw, ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)
+    cfg = from_dict(raw)
     ref, ref_written = reference_run(ref_raw)
     results, written = run_parallel(raw, timeout=600)
     ref_state, state = ref_written["model"], written["model"]

@@ -46,6 +46,7 @@ from tetron.observe.metrics import say
 from tetron.observe.step_report import PendingStep, Reporter, StepFigures, check_finite, read_back
 from tetron.observe.watchers import StepObservers
 from tetron.parallel.grads import clip_grads_
+from tetron.parallel.moe_balance import finish_moe_step
 from tetron.parallel.parallelize import (
     ParallelModel,
     build_optimizer,
@@ -251,6 +252,8 @@ def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
     with meter or contextlib.nullcontext():
         loss_sum = forward_backward(run, batch)
     finish_gradients(run.model, run.mesh, run.optimizer)
+    moe = finish_moe_step(run.model.chunks, run.mesh.group("dp_cp"), sequences=run.cfg.global_batch,
+                          moe_layers=run.model.moe_layers or None, stages=run.mesh.group("pp"))
     loss_stop = global_loss(run, loss_sum)  # the same on every rank, as is the norm: every rank skips alike
     grad_norm = clip_grads_(run.optimizer.grads(), t.grad_clip, run.mesh, sharded_over_dp=run.cfg.parallel.zero >= 1)
     bad = (~(torch.isfinite(loss_stop[0]) & torch.isfinite(grad_norm))).float()
@@ -260,7 +263,8 @@ def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
     run.optimizer.step(found_inf)
     memory = memory_figures(run, meter) if meter is not None else None  # after the step: moments exist
     run.model.zero_grad()
-    return PendingStep(step, torch.stack([loss_stop[0], grad_norm, bad, loss_stop[1]]), lr, start, memory)
+    values = torch.stack([loss_stop[0], grad_norm, bad, loss_stop[1]])
+    return PendingStep(step, values if moe is None else torch.cat([values, moe]), lr, start, memory)
 
 
 def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigures:

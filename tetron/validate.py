@@ -22,6 +22,7 @@ from tetron.device import compile_problem, device_problem
 from tetron.errors import CheckpointError, ConfigError, DataError
 from tetron.errors import check as _check
 from tetron.fs import find_latest, is_run_folder
+from tetron.models.moe_models import MoeConfig
 from tetron.observe.profiling import parse_steps
 from tetron.stop import parse_signal
 
@@ -281,6 +282,25 @@ def _validate_model(cfg: Config) -> None:
             _check(0 <= i < m.vocab_size, f"model.{name}={ids}: ids must be in [0, vocab_size={m.vocab_size})")
 
 
+def _validate_moe(cfg: Config) -> None:
+    """An MoE model trains in one process, under dp (ZeRO 0-3) and pp; tp and cp wait for expert parallelism,
+    which decides how experts split over ranks."""
+    m, p = cfg.model, cfg.parallel
+    if not isinstance(m, MoeConfig):
+        return
+    for axis, why in (("tp", "how experts split under tp is expert parallelism's to decide"),
+                      ("cp", "its per-sequence auxiliary loss needs expert counts summed over cp ranks")):
+        _check(getattr(p, axis) == 1, f"parallel.{axis}={getattr(p, axis)} is not supported for an MoE model "
+                                      f"(model_type={m.model_type}) yet: {why}; use {axis}=1")
+    _check(not cfg.train.compile, "train.compile is not supported for an MoE model yet (its sorted-token loop "
+                                  "reads expert counts on the host); use train.compile=false")
+    _check(m.moe_capacity_factor is None or m.moe_capacity_factor >= 0,
+           f"model.moe_capacity_factor={m.moe_capacity_factor} must be >= 0 (0 or null: dropless)")
+    for name in ("router_aux_loss_coef", "router_z_loss_coef", "moe_bias_update_rate", "routed_scaling_factor"):
+        _check(getattr(m, name) >= 0, f"model.{name}={getattr(m, name)} must be >= 0")
+    _check(m.moe_intermediate_size >= 1, f"model.moe_intermediate_size={m.moe_intermediate_size} must be >= 1")
+
+
 def _validate_out(cfg: Config) -> None:
     """The run folder: new, empty, or an earlier tetron run's (never any folder whose model/ a run would
     replace), and every part of it the run writes writable, checked before the run rather than at its end."""
@@ -333,6 +353,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
                                   f"or model folder, or a config file with a model section")
     _validate_numbers(cfg)
     _validate_model(cfg)
+    _validate_moe(cfg)
     _validate_layout(cfg, world_size)
     _validate_data(cfg)
     _validate_train(cfg)

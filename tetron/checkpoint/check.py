@@ -15,7 +15,7 @@ from tetron.checkpoint.save import FORMAT, model_specs, optimizer_specs, seal
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check
 from tetron.fs import STATE_FILE, STEP_DIR, read_json, sha256
-from tetron.models.spec import config_from_hf
+from tetron.models.spec import config_from_hf, stored_as_of
 
 # the family and the shapes: always the same
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -122,8 +122,8 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
     if model is not None:
         compare_models(config, model, folder / "config.json", settings=settings)
     dtypes = {"F32"} if state is not None else FLOAT_DTYPES
-    reader = TensorReader(folder, "model")
-    for name, _, _, shape in model_specs(config):
+    reader = TensorReader(folder, "model", stored_as=stored_as_of(config))
+    for name, _, _, shape in model_specs(config, buffers=False):  # a buffer missing is left at its start value
         reader.check(name, shape, dtypes=dtypes)
     readers = [reader]
     if state is not None and state["optimizer"]["present"]:

@@ -20,6 +20,7 @@ from tetron.checkpoint.load import TensorReader, copy_tokenizer
 from tetron.checkpoint.save import FORMAT, checkpoint_bytes, model_specs, seal, storage_error, write_tensors
 from tetron.errors import CheckpointError
 from tetron.fs import STATE_FILE, read_json, replace_folder, sha256, write_json
+from tetron.models.spec import stored_as_of
 
 
 def _tmp_for(dst: Path) -> Path:
@@ -86,7 +87,7 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
 
     def write() -> None:
         specs = model_specs(config)
-        with TensorReader(src, "model") as reader:
+        with TensorReader(src, "model", stored_as=stored_as_of(config)) as reader:
             stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
             write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20)
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")

@@ -16,7 +16,7 @@ import shutil
 import stat
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from tetron.checkpoint.safetensors_stream import DTYPES
 from tetron.data.hub import hub_problem
 from tetron.errors import CheckpointError, check
 from tetron.fs import STATE_FILE, read_json
-from tetron.models.spec import config_from_hf, spec_of
+from tetron.models.spec import assemble, config_from_hf, piece_names, spec_of, stored_as_of
 from tetron.parallel.init import name_seed
 from tetron.parallel.layout import full_shape, layout_of
 from tetron.parallel.zero import ShardedAdamW
@@ -94,8 +94,10 @@ class TensorReader:
     """Tensors of `{prefix}.safetensors` or `{prefix}-*.safetensors` + `{prefix}.safetensors.index.json`
     in `folder`, read whole or one slice at a time; every header is checked on opening."""
 
-    def __init__(self, folder: Path, prefix: str = "model") -> None:
+    def __init__(self, folder: Path, prefix: str = "model", *,
+                 stored_as: Callable[[str], str | list[list[str]] | None] | None = None) -> None:
         self.folder = Path(folder)
+        self.stored_as = stored_as  # a family's other names for a tensor (ModelSpec.stored_as, its config bound)
         index, single = self.folder / f"{prefix}.safetensors.index.json", self.folder / f"{prefix}.safetensors"
         if index.exists():
             data = read_json(index)
@@ -136,20 +138,37 @@ class TensorReader:
     def names(self) -> list[str]:
         return list(self.file_of)
 
+    def _stored(self, name: str) -> str | list[list[str]] | None:
+        """The other names `name` is stored under here, when it is not stored as named and they all are."""
+        if name in self.file_of or self.stored_as is None:
+            return None
+        stored = self.stored_as(name)
+        return stored if stored and all(n in self.file_of for n in piece_names(stored)) else None
+
     def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
         f = self.file_of.get(name)
-        return None if f is None else self.headers[f][name]
+        if f is not None:
+            return self.headers[f][name]
+        stored = self._stored(name)
+        if stored is None or isinstance(stored, str):
+            return None if stored is None else self.info(stored)
+        dtype, shape = self.info(stored[0][0])
+        return dtype, (len(stored), sum(self.info(n)[1][0] for n in stored[0]), *shape[1:])
 
     def check(self, name: str, shape: tuple[int, ...], *, dtypes: set[str]) -> None:
         info = self.info(name)
         _need(info is not None, f"{self.where}: tensor {name} is missing")
-        where = self.folder / self.file_of[name]
+        where = self.folder / self.file_of[name] if name in self.file_of else self.where
         _need(info[1] == tuple(shape),
               f"{where}: tensor {name} has shape {list(info[1])}, the model needs {list(shape)}")
         _need(info[0] in dtypes, f"{where}: tensor {name} has dtype {info[0]}, expected one of {sorted(dtypes)}")
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> Tensor:
         """The whole tensor, or rows [start, stop) along `dim`, as stored (its own dtype)."""
+        stored = self._stored(name)
+        if stored is not None:  # assembled whole from its pieces, then cut
+            whole = assemble(stored, self.read)
+            return whole if dim is None else whole.narrow(dim, start, stop - start)
         f = self.file_of.get(name)
         _need(f is not None, f"{self.where}: tensor {name} is missing")
         try:
@@ -176,20 +195,30 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch
         model = spec.model_class(config)
     tied_head = spec.plan.tied_head(config)
     expected = {k for k in model.state_dict() if k != tied_head}
+    stored_as = stored_as_of(config)
     if (folder / "model.safetensors").is_file():
         state = load_file(folder / "model.safetensors", device=str(device))
         where = folder / "model.safetensors"
+        for key in sorted(expected - set(state)) if stored_as else []:  # kept under other names (the hub's)
+            stored = stored_as(key)
+            if stored and all(n in state for n in piece_names(stored)):
+                state[key] = assemble(stored, state.__getitem__)
+                for n in piece_names(stored):
+                    del state[n]
     else:
-        with TensorReader(folder, "model") as reader:
-            state = {k: reader.read(k).to(device) for k in reader.names() if k in expected}
+        with TensorReader(folder, "model", stored_as=stored_as) as reader:
+            state = {k: reader.read(k).to(device) for k in expected if reader.info(k) is not None}
         where = folder / "model.safetensors.index.json"
     state.pop(tied_head, None)
     state = {k: v.to(dtype) for k, v in state.items()}
-    missing, unexpected = expected - set(state), set(state) - expected
+    optional = {name for name, _ in model.named_buffers()}  # a folder without a routing bias starts it at 0
+    missing, unexpected = expected - set(state) - optional, set(state) - expected
     if missing or unexpected:
         name = sorted(missing or unexpected)[0]
         what = "missing" if missing else "unexpected"
         raise ValueError(f"{where}: {what} tensor {name} for this config.json")
+    for name, buffer in model.named_buffers():
+        state.setdefault(name, torch.zeros(buffer.shape, dtype=dtype, device=device))
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -230,13 +259,17 @@ def _source_name(name: str, param: nn.Parameter, reader: TensorReader, chunk: nn
 def load_weights(chunks: list[nn.Module], folder: Path, optimizer: ShardedAdamW) -> None:
     """Fill this rank's parameters, and the optimizer's fp32 master weights, from a checkpoint or HF
     model folder, reading only this rank's slices."""
-    with TensorReader(folder, "model") as reader:
+    with TensorReader(folder, "model", stored_as=stored_as_of(chunks[0].config)) as reader:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 weights = _read_local(reader, _source_name(name, param, reader, chunk), param)
                 if optimizer.sharding is None:  # under ZeRO-3 only the slices exist, which load fills
                     param.copy_(weights)
                 optimizer.load(param, master=weights)
+            for name, buffer in chunk.named_buffers():  # an MoE routing bias; a folder without it starts it at 0
+                if reader.info(name) is not None:
+                    reader.check(name, tuple(buffer.shape), dtypes=FLOAT_DTYPES)
+                    buffer.copy_(reader.read(name))
 
 
 @torch.no_grad()

@@ -127,20 +127,23 @@ def stage_of(name: str, layer_ranks: list[int], plan: ParallelPlan) -> int:
     return layer_ranks[0] if part == "embedding" else layer_ranks[-1]
 
 
-def model_specs(config: Any, dtype: torch.dtype = torch.float32) -> list[Spec]:
-    """Every tensor of the HF model folder in the plain model's order; a tied head is not stored."""
+def model_specs(config: Any, dtype: torch.dtype = torch.float32, *, buffers: bool = True) -> list[Spec]:
+    """Every tensor of the HF model folder in the plain model's order, then (with `buffers`) the state that
+    is no parameter (an MoE routing bias); a tied head is not stored."""
     spec = spec_of(config)
     with torch.device("meta"):
         whole = spec.model_class(config)  # names and full shapes, no storage
     tied_head = spec.plan.tied_head(config)
+    stored = whole.state_dict().keys()  # the persistent buffers among them
     return [(name, name, dtype, tuple(p.shape)) for name, p in whole.named_parameters(remove_duplicate=False)
-            if name != tied_head]
+            if name != tied_head] + [(name, name, dtype, tuple(b.shape)) for name, b in whole.named_buffers()
+                                     if buffers and name in stored]
 
 
 def optimizer_specs(config: Any) -> list[Spec]:
     """AdamW's two moments of every stored parameter, full (unpadded) shapes, fp32."""
     return [(f"{name}.{kind}", name, torch.float32, shape)
-            for name, _, _, shape in model_specs(config) for kind in ("exp_avg", "exp_avg_sq")]
+            for name, _, _, shape in model_specs(config, buffers=False) for kind in ("exp_avg", "exp_avg_sq")]
 
 
 @torch.no_grad()
@@ -148,16 +151,21 @@ def gather_tensors(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], *, la
                    local: Callable[[nn.Parameter, str], Tensor]) -> Iterator[tuple[str, Tensor | None]]:
     """Yield (key, whole tensor) on global rank 0 for every spec, in order; (key, None) on the other ranks,
     which take part in the tp all-gathers of their stage, and, on the owning stage's (dp=0, cp=0, tp=0)
-    rank, send the tensor to rank 0. `local(param, key)` is this rank's part of the tensor."""
+    rank, send the tensor to rank 0. `local(param, key)` is this rank's part of the tensor; a buffer (the same
+    on every rank of a stage) is sent as it is."""
     pp_rank, plan = mesh.local_rank("pp"), spec_of(chunks[0].config).plan
     in_column = all(mesh.local_rank(axis) == 0 for axis in ("dp", "cp", "tp"))
     mine = {name: p for chunk in chunks for name, p in chunk.named_parameters(remove_duplicate=False)}
+    buffers = {name: b for chunk in chunks for name, b in chunk.named_buffers()}  # whole on every rank
     device = next(iter(mine.values())).device
     for key, name, dtype, shape in specs:
         owner = stage_of(name, layer_ranks, plan)
         if owner == pp_rank:
-            param = mine[name]
-            full = _full_tensor(local(param, key), param, mesh.group("tp")).contiguous()  # all tp ranks join
+            if name in buffers:
+                full = buffers[name].to(dtype).contiguous()
+            else:
+                param = mine[name]
+                full = _full_tensor(local(param, key), param, mesh.group("tp")).contiguous()  # all tp ranks join
             if mesh.rank == 0:
                 yield key, full.cpu()
                 continue

@@ -7,11 +7,13 @@ one `ModelSpec` (spec.py) that tells the rest of tetron where its parts are and 
     mistral.py    Mistral: Llama's blocks with a sliding window
     attention.py  causal grouped-query attention, and the document masks of packed windows
     loss.py       cross entropy with a one-pass backward
+    moe.py        the mixture-of-experts layer: router, experts, dispatch, balancing
+    moe_models.py Qwen3-MoE and Mixtral (a Llama whose feed-forwards are MoE blocks)
 
 Imports only the ground floor (tetron/__init__.py's layers). Importing the package registers its families.
 """
 
-from tetron.models import llama, mistral, qwen  # noqa: F401  (registers the families)
+from tetron.models import llama, mistral, moe_models, qwen  # noqa: F401  (registers the families)
 from tetron.models.spec import FAMILIES, ModelSpec, ParallelPlan, config_from_hf, family, register, spec_of
 
 __all__ = ["FAMILIES", "ModelSpec", "ParallelPlan", "config_from_hf", "family", "register", "spec_of"]

@@ -144,13 +144,17 @@ class LlamaConfig:
             "mlp_bias": False,
         }
 
+    def attention_params(self) -> int:
+        """Parameters of one decoder layer but its feed-forward: attention (biases, q/k norms) and the two norms."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        qkv_bias, o_bias = self.attention_biases()
+        return (h * q + 2 * h * kv + q * h + 2 * h + (q + 2 * kv) * qkv_bias + h * o_bias
+                + 2 * self.head_dim * self.qk_norm)
+
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Exact parameter count; without embedding it leaves out embed_tokens and lm_head."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
-        qkv_bias, o_bias = self.attention_biases()
-        per_layer += (q + 2 * kv) * qkv_bias + h * o_bias + 2 * self.head_dim * self.qk_norm
-        n = self.num_hidden_layers * per_layer + h
+        h = self.hidden_size
+        n = self.num_hidden_layers * (self.attention_params() + 3 * h * self.intermediate_size) + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n

@@ -21,7 +21,7 @@ class MistralConfig(LlamaConfig):
 
     model_type: str = "mistral"  # the model family (models/spec.py)
     sliding_window: int | None = 4096  # a windowed layer's query attends to this many latest positions, itself
-    # included; None: no window (Mistral: every layer is windowed; Qwen: with use_sliding_window)
+    # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window)
 
     hf_architecture: ClassVar[str] = "MistralForCausalLM"
 

@@ -30,7 +30,7 @@ class SlidingLayersConfig(LlamaConfig):
 
     use_sliding_window: bool = False  # the layers from max_window_layers on attend within sliding_window
     sliding_window: int | None = 4096  # a windowed layer's query attends to this many latest positions, itself
-    # included; None: no window (Mistral: every layer is windowed; Qwen: with use_sliding_window)
+    # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window)
     max_window_layers: int = 28  # with use_sliding_window, the layers below this index see the whole past
     layer_types: list[str] | None = None  # "full_attention" or "sliding_attention" per layer; None: from
     # use_sliding_window and max_window_layers, as transformers derives it

@@ -20,9 +20,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,22 @@ class ModelSpec:
     config_class: type  # the config dataclass (fields named as transformers' config)
     model_class: type[nn.Module]  # the plain single-device model, transformers' tensor names
     plan: ParallelPlan
+    # Where a Hugging Face folder may hold a tensor under other names, as transformers' save_pretrained writes
+    # the hub's per-expert MoE tensors: (name, config) -> another tensor's name, or the names of its pieces
+    # (row i of the tensor is row i's pieces concatenated along their dim 0), or None (stored as named).
+    stored_as: Callable[[str, Any], str | list[list[str]] | None] | None = None
+
+
+def piece_names(stored: str | list[list[str]]) -> list[str]:
+    """Every tensor name a `ModelSpec.stored_as` answer reads."""
+    return [stored] if isinstance(stored, str) else [name for row in stored for name in row]
+
+
+def assemble(stored: str | list[list[str]], read: Callable[[str], Tensor]) -> Tensor:
+    """The tensor a `ModelSpec.stored_as` answer describes, its pieces read by `read(name)`."""
+    if isinstance(stored, str):
+        return read(stored)
+    return torch.stack([torch.cat([read(name) for name in row]) for row in stored])
 
 
 FAMILIES: dict[str, ModelSpec] = {}  # model_type -> family; filled by register()
@@ -133,6 +150,12 @@ def family(model_type: str) -> ModelSpec:
 def spec_of(config: Any) -> ModelSpec:
     """The family of a model config (by its model_type)."""
     return family(config.model_type)
+
+
+def stored_as_of(config: Any) -> Callable[[str], str | list[list[str]] | None] | None:
+    """The family's `stored_as` for this config (a folder reader's other names of a tensor), or None."""
+    stored_as = spec_of(config).stored_as
+    return None if stored_as is None else lambda name: stored_as(name, config)
 
 
 def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:

@@ -3,7 +3,8 @@ summary table.
 
 The picture has six panels, every run overlaid and labelled with its layout: loss (training, and the
 validation loss where measured, dashed), learning rate, gradient norm, tokens/s, peak memory, and where
-a step's time goes (the median seconds per category of the runs that had logging.timers on). The
+a step's time goes (the median seconds per category of the runs that had logging.timers on); a seventh,
+for MoE models, their balance (the auxiliary loss, the max/mean expert load). The
 layout comes from the run's latest checkpoint (trainer_state.json), else its Slurm config; a run still
 in progress is read as far as its metrics.jsonl goes. matplotlib draws off-screen (Agg), nothing opens
 a window.
@@ -31,6 +32,9 @@ PANELS = [("loss", "loss", ("loss", "val_loss"), False),
           ("gradient norm (before clipping)", "grad norm", ("grad_norm",), True),
           ("throughput", "tokens/s", ("tokens_per_s",), False),
           ("peak memory of rank 0", "MiB", ("peak_mem_mb",), False)]
+# drawn when a run trained an MoE model (parallel/moe_balance.py): both near 1 when experts share the load
+# (the auxiliary loss bottoms out at top_k)
+MOE_PANEL = ("MoE balance", "aux loss; max/mean expert load", ("moe_aux_loss", "moe_load_imbalance"), False)
 TIME_PANEL = "time per step (median; max over ranks)"
 MAX_METRICS_BYTES = 1 << 30
 
@@ -142,18 +146,21 @@ def figure(runs: list[RunData], *, x: str = "step") -> Any:
     """The report's matplotlib Figure (not shown, not saved): its axes hold exactly the runs' numbers."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(15, 8.5), layout="constrained")
-    axes = fig.subplots(2, 3).flatten()
+    moe = any(run.series("moe_load_imbalance")[0] for run in runs)
+    panels = [*PANELS, MOE_PANEL] if moe else PANELS
+    fig = Figure(figsize=(20 if moe else 15, 8.5), layout="constrained")
+    axes = fig.subplots(2, 4 if moe else 3).flatten()
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    for ax, (title, ylabel, keys, log) in zip(axes, PANELS):
+    for ax, (title, ylabel, keys, log) in zip(axes, panels):
         for run, color in zip(runs, colors):
             for key in keys:
                 xs, ys = run.series(key, x)
                 if not xs:
                     continue
                 val = key.startswith("val_")
-                ax.plot(xs, ys, color=color, linestyle="--" if val else "-", marker="o" if val else None,
-                        markersize=3, linewidth=1.2, label=f"{run.label}{' val' if val else ''}")
+                suffix = " val" if val else f" {key[4:]}" if key.startswith("moe_") else ""
+                ax.plot(xs, ys, color=color, linestyle="--" if val or key == "moe_load_imbalance" else "-",
+                        marker="o" if val else None, markersize=3, linewidth=1.2, label=f"{run.label}{suffix}")
         ax.set_title(title)
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.set_ylabel(ylabel)
@@ -161,7 +168,10 @@ def figure(runs: list[RunData], *, x: str = "step") -> Any:
         if log:
             ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    _time_panel(axes[5], runs)
+    if moe:
+        axes[len(panels) - 1].legend(fontsize=8)
+        axes[-1].set_axis_off()
+    _time_panel(axes[len(panels)], runs)
     names = ", ".join(str(run.folder) for run in runs)
     fig.suptitle(f"tetron report: {names}", fontsize=11)
     return fig

@@ -17,6 +17,7 @@ from tetron import device as dev
 from tetron.config import Config
 from tetron.observe.metrics import MetricsLog, ProgressBar, check_log_file, mfu, trim_after
 from tetron.observe.sinks import check_wandb, open_sinks
+from tetron.parallel.moe_balance import FIGURES as MOE_FIGURES
 
 
 @dataclass
@@ -30,6 +31,7 @@ class StepFigures:
     time_s: float
     memory: dict[str, float] | None = None  # MiB this rank holds, by kind (measured on a launch's first step)
     stop: bool = False  # some rank was asked to stop: every rank saves after this step and returns
+    moe: dict[str, float] | None = None  # an MoE model's balancing figures (parallel/moe_balance.py)
 
 
 @dataclass
@@ -37,7 +39,8 @@ class PendingStep:
     """One step as the device left it: its figures are read back (one wait for the device) when reported."""
 
     step: int  # 0-based
-    values: Tensor  # fp32 [4] on the device: loss, grad norm, non-finite (1) or not (0), stop requested (1/0)
+    values: Tensor  # fp32 [4] on the device: loss, grad norm, non-finite (1) or not (0), stop requested (1/0);
+    # an MoE model's figures follow (moe_balance.FIGURES)
     lr: float
     start: float  # perf_counter when the step began
     memory: dict[str, float] | None = None
@@ -50,7 +53,8 @@ def read_back(pending: list[PendingStep]) -> list[StepFigures]:
     values = torch.stack([p.values for p in pending]).tolist()
     each = (time.perf_counter() - pending[0].start - sum(p.aside_s for p in pending)) / len(pending)
     return [StepFigures(loss=loss, grad_norm=float("nan") if bad else norm, lr=p.lr, skipped=bool(bad), time_s=each,
-                        memory=p.memory, stop=stop > 0) for p, (loss, norm, bad, stop) in zip(pending, values)]
+                        memory=p.memory, stop=stop > 0, moe=dict(zip(MOE_FIGURES, moe)) if moe else None)
+            for p, (loss, norm, bad, stop, *moe) in zip(pending, values)]
 
 
 def check_finite(cfg: Config, step: int, f: StepFigures) -> None:
@@ -105,6 +109,7 @@ class Reporter:
             record["skipped"] = True
         if f.memory is not None:
             record.update(f.memory)
+        record.update(f.moe or {})
         record.update(extra or {})
         self.log.write(record)
         for sink in self.sinks:

@@ -38,7 +38,7 @@ def materialize_(model: nn.Module, device: torch.device) -> None:
     """Give a model built on the meta device real, uninitialised storage on `device`.
 
     Unlike `Module.to_empty`, this keeps each Parameter's attributes (its layout) and keeps
-    tied parameters tied: one new Parameter per old one, wherever it is registered."""
+    tied parameters tied: one new Parameter per old one, wherever it is registered. Buffers start at zero."""
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
@@ -49,6 +49,9 @@ def materialize_(model: nn.Module, device: torch.device) -> None:
                 fresh.__dict__.update(param.__dict__)
                 new[id(param)] = fresh
             module._parameters[name] = new[id(param)]
+        for name, buffer in module._buffers.items():  # state that is no parameter (an MoE routing bias): zeros,
+            if buffer is not None and buffer.is_meta:  # as transformers initialises it
+                module._buffers[name] = torch.zeros_like(buffer, device=device)
 
 
 @torch.no_grad()

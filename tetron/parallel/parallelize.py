@@ -25,12 +25,14 @@ from torch import Tensor, nn
 from tetron.config import Config
 from tetron.mesh import Mesh
 from tetron.models.loss import cross_entropy_sum
+from tetron.models.moe import moe_blocks
 from tetron.models.spec import spec_of
 from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
 from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.layout import layout_of
+from tetron.parallel.moe_balance import scale_moe_losses
 from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embeddings
 from tetron.parallel.pipeline_schedules import splits_backward
 from tetron.parallel.recompute import apply_recompute
@@ -51,6 +53,7 @@ class ParallelModel:
 
     chunks: list[nn.Module]  # the bare chunks: parameters, state dicts, checkpoints
     dp_chunks: list[DataParallel]  # the same chunks wrapped for gradient averaging: run forward/backward here
+    moe_layers: int = 0  # MoE layers of the whole model (every stage's), 0 for a dense model
     params: list[nn.Parameter] = field(init=False)  # every trainable parameter, once each, chunk by chunk
 
     def __post_init__(self) -> None:
@@ -70,12 +73,14 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
     for layers, first, last in rank_stages(cfg, mesh.local_rank("pp")):
         with torch.device("meta"):
             chunk = spec.model_class(cfg.model)
+        moe_layers = len(moe_blocks(chunk))  # of the whole model, before the pipeline keeps its stage's
         apply_pipeline_stage(chunk, layers, first=first, last=last, plan=spec.plan)
         apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
                               vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan)
         materialize_(chunk, device)
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
+        scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc)
         apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
         # zbh1/zbv split each backward into B and W: a recomputed layer must then split too
         apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
@@ -86,7 +91,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
                                      count_collectives=count_collectives)
                  for chunk in chunks]
-    return ParallelModel(chunks, dp_chunks)
+    return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
 
 
 def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedAdamW:

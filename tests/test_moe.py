@@ -1,0 +1,208 @@
+"""The mixture-of-experts layer (models/moe.py) and its families (models/moe_models.py): each block equal to
+transformers' on the same weights and inputs, each family's model equal to transformers' class (fp32 logits
+within 1e-5), its folders loaded by transformers, capacity dropping counted, and data-parallel training equal
+to the single process, balancing figures included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tetron.config import from_dict
+from tetron.errors import ConfigError
+from tetron.models.moe import Experts, MoEBlock, sequence_balance_losses
+from tetron.models.moe_models import MixtralConfig, MoeConfig
+from tetron.parallel.init import seeded_model
+from tetron.parallel.moe_balance import FIGURES, finish_moe_step
+from tetron.validate import validate
+
+from conftest import check_layout, layout_configs, reference_run, tiny_config
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def _hf_block(kind: str):
+    """transformers' block of `kind` and the keyword arguments of tetron's MoEBlock with its routing rules."""
+    common = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=16, num_experts_per_tok=2,
+                  hidden_act="silu")
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, num_experts=8, norm_topk_prob=False)
+        return transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(cfg), dict(
+            num_experts=8, norm_topk_prob=False)
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(**common, num_local_experts=4)
+        return transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(cfg), dict(num_experts=4)
+    cfg = transformers.DeepseekV3Config(**common, n_routed_experts=8, n_shared_experts=2, n_group=4, topk_group=2,
+                                        routed_scaling_factor=2.5, norm_topk_prob=True)
+    return transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE(cfg), dict(
+        num_experts=8, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, scoring="sigmoid",
+        bias_update_rate=0.01)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_the_block_equals_transformers(kind):
+    """Same weights, same input: the output, and the gradients of the input and every weight, within 1e-5
+    (DeepSeek-V3's with a nonzero routing bias that changes which experts win)."""
+    torch.manual_seed(0)
+    hf, kwargs = _hf_block(kind)
+    ours = MoEBlock(32, 16, kwargs.pop("num_experts"), 2, **kwargs)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+        if kind == "deepseek_v3":
+            hf.gate.e_score_correction_bias.normal_(0, 0.3)
+    assert set(ours.state_dict()) == set(hf.state_dict())
+    ours.load_state_dict(hf.state_dict())
+    x = torch.randn(2, 24, 32, requires_grad=True)
+    x_ours = x.detach().clone().requires_grad_()
+    expected, got = hf(x), ours(x_ours)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    cotangent = torch.randn_like(got)
+    (expected * cotangent).sum().backward()
+    (got * cotangent).sum().backward()
+    torch.testing.assert_close(x_ours.grad, x.grad, rtol=1e-5, atol=1e-5)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(ours.get_parameter(name).grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("config_class, hf_class", [(MoeConfig, "Qwen3MoeForCausalLM"),
+                                                    (MixtralConfig, "MixtralForCausalLM")])
+def test_the_family_equals_transformers(config_class, hf_class, tmp_path):
+    """Logits within 1e-5 on the same weights, the same state_dict keys, transformers' from_pretrained reads
+    tetron's folder, and transformers' own auxiliary loss equals tetron's batch-wise one. Qwen3-MoE with its
+    q/k norms, Mixtral with a sliding window of 5 in sequences of 16 (Llama's shared attention options)."""
+    from tetron.checkpoint.check import inspect_checkpoint
+    from tetron.checkpoint.load import TensorReader, load_model
+    from tetron.checkpoint.save import save_model
+    from tetron.models.spec import stored_as_of
+
+    cfg = config_class(**TINY, moe_aux_loss="batch", **({"moe_intermediate_size": 16} if config_class is MoeConfig
+                                                        else {"sliding_window": 5}))
+    model = seeded_model(cfg, seed=0, device=torch.device("cpu"))
+    save_model(model, tmp_path / "folder")
+    hf = getattr(transformers, hf_class).from_pretrained(tmp_path / "folder").eval()
+    assert set(hf.state_dict()) == set(model.state_dict())
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = hf(ids, output_router_logits=True)
+    logits = model(ids)
+    torch.testing.assert_close(logits, out.logits, rtol=0, atol=1e-5)
+    figures = finish_moe_step([model], None, sequences=2)
+    torch.testing.assert_close(figures[0], out.aux_loss.float(), rtol=1e-5, atol=0)
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    # transformers writes the hub's layout, experts one by one (Mixtral's as w1/w3/w2, its router renamed):
+    # the pre-start check, the slice reader (--init-from) and load_model assemble tetron's tensors from it
+    fresh = getattr(transformers, hf_class)(hf.config)  # (one loaded from a fused folder writes it back fused)
+    fresh.load_state_dict(hf.state_dict())
+    fresh.save_pretrained(tmp_path / "hub")
+    with TensorReader(tmp_path / "hub") as reader:
+        assert not any(".experts.gate_up_proj" in name for name in reader.names())
+    inspect_checkpoint(tmp_path / "hub", require_state=False)
+    with TensorReader(tmp_path / "hub", stored_as=stored_as_of(cfg)) as reader:
+        for name, value in model.state_dict().items():
+            assert torch.equal(reader.read(name), value), name
+        assert torch.equal(reader.read("model.layers.1.mlp.experts.down_proj", 0, 1, 3),
+                           model.state_dict()["model.layers.1.mlp.experts.down_proj"][1:3])
+    torch.testing.assert_close(load_model(tmp_path / "hub")(ids), logits, rtol=0, atol=1e-6)
+
+
+def test_the_balancing_losses_reach_the_gradients_with_their_weights():
+    """The block injects d(loss_scale * (aux_coef * aux + z_coef * z)) in the backward pass: the gradients equal
+    those of the output plus the explicitly added losses (sequence_balance_losses over the same routing)."""
+    torch.manual_seed(2)
+    block = MoEBlock(8, 8, 4, 2, aux_loss_coef=0.3, z_loss_coef=0.2)
+    block.loss_scale = 0.25
+    for p in block.parameters():
+        p.data.normal_()
+    x = torch.randn(3, 5, 8)
+    block(x).sum().backward()
+    injected = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+    plain = MoEBlock(8, 8, 4, 2)  # no coefficients: nothing injected
+    plain.load_state_dict(block.state_dict())
+    plain(x).sum().backward()
+    without = plain.gate.weight.grad.clone()
+    plain.zero_grad()
+    aux, z = sequence_balance_losses(plain.gate(x.view(-1, 8)), 3, 4)
+    (plain(x).sum() + 0.25 * (0.3 * aux + 0.2 * z)).backward()
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(injected[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert (injected["gate.weight"] - without).abs().max() > 1e-3  # the losses do move the router
+
+
+@torch.no_grad()  # the CPU's _grouped_mm has a forward only (torch 2.13); CUDA bf16 runs this path in training
+def test_the_grouped_matmul_path_equals_the_loop_over_experts():
+    """Experts.grouped (each expert's rows moved to an aligned start, the buffer's size known without a host
+    read) equals the per-expert loop, with empty experts first, in the middle and last."""
+    torch.manual_seed(0)
+    experts = Experts(5, 16, 8)
+    for p in experts.parameters():
+        p.normal_(0, 0.3)
+    for counts in ([3, 0, 9, 1, 8], [0, 0, 0, 0, 4], [8, 8, 0, 0, 0]):
+        counts = torch.tensor(counts)
+        x = torch.randn(int(counts.sum()), 16)
+        torch.testing.assert_close(experts.grouped(x, counts), experts(x, counts), rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_drops_the_assignments_beyond_it_and_counts_them():
+    """capacity = factor * tokens * k / E; each expert keeps its first tokens, the output of a dropped
+    assignment is left out of its token's sum, and the step reports the fraction dropped."""
+    torch.manual_seed(1)
+    block = MoEBlock(8, 8, 4, 2, capacity_factor=0.5, bias_update_rate=0.1)  # capacity: ceil(0.5*16*2/4) = 4
+    dropless = MoEBlock(8, 8, 4, 2, bias_update_rate=0.1)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_()
+    dropless.load_state_dict(block.state_dict())
+    x = torch.randn(1, 16, 8)
+    route = block.gate(x.view(-1, 8))
+    counts = torch.bincount(route.experts.flatten(), minlength=4)
+    assert counts.max() > 4  # the test routes more than capacity to some expert
+    expected = dropless(x).detach().view(-1, 8)
+    kept = torch.zeros(16, 2, dtype=torch.bool)
+    for e in range(4):
+        tokens, slots = (route.experts == e).nonzero(as_tuple=True)  # row-major: token order
+        kept[tokens[:4], slots[:4]] = True
+    out = block(x).detach().view(-1, 8)
+    for t in range(16):  # a token with a dropped choice gets only its kept expert's share
+        if kept[t].all():
+            torch.testing.assert_close(out[t], expected[t])
+    partial = ~kept.all(1)
+    assert (out[partial] - expected[partial]).abs().amax(1).min() > 1e-4
+    figures = dict(zip(FIGURES, finish_moe_step([block], None, sequences=1).tolist()))
+    dropped = (counts - counts.clamp(max=4)).sum().item()
+    assert figures["moe_dropped_frac"] == pytest.approx(dropped / 32)
+    assert figures["moe_load_imbalance"] == pytest.approx(counts.max().item() / counts.float().mean().item())
+    # aux-loss-free balancing: the routing bias rises for the experts chosen less than the mean, falls for the others
+    loads = counts.float()
+    torch.testing.assert_close(block.gate.e_score_correction_bias, 0.1 * torch.sign(loads.mean() - loads))
+
+
+def test_dp2_zero3_trains_like_one_process(corpus, cache_dir, tmp_path):
+    """Losses, final weights (the routing biases included), and the balancing figures of every step (auxiliary
+    loss, z-loss, load) equal to the single process, with the aux-loss-free routing bias moving (the same on
+    both ranks: the losses would part otherwise); under ZeRO-3 and full recomputation (whose replayed forwards
+    inject the balancing gradients again but must not count their figures twice). dp2 with ZeRO 0, 1, 2 and
+    selective recomputation, pp2 with 1f1b, interleaved, zbh1 and zbv, and dp2 pp2 interleaved ZeRO-3
+    passed the same check when written (4 ranks cost the suite 4 s more)."""
+    model = {**MOE, "router_z_loss_coef": 1e-3, "moe_bias_update_rate": 1e-2, "router_aux_loss_coef": 0.01}
+    layout = dict(model=model, train={"recompute": "full"}, parallel={"dp": 2, "zero": 3})
+    _, written = check_layout(corpus, cache_dir, tmp_path, **layout)
+    # the reference check_layout compared with (trained once per session: its folder may be another test's)
+    ref = reference_run(layout_configs(corpus, cache_dir, tmp_path, **layout)[1])[1]["metrics"]
+    for name in FIGURES:
+        torch.testing.assert_close(torch.tensor([m[name] for m in written["metrics"]]),
+                                   torch.tensor([m[name] for m in ref]), rtol=1e-5, atol=1e-7, msg=name)
+    assert ref[0]["moe_aux_loss"] > 0 and ref[0]["moe_load_imbalance"] >= 1
+    biases = [v for k, v in written["model"].items() if k.endswith("gate.e_score_correction_bias")]
+    assert len(biases) == 4 and all(b.abs().max() > 0 for b in biases)  # saved, moved, equal to the reference's
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"cp": 2}])
+def test_layouts_an_moe_model_cannot_use_yet_are_refused(corpus, cache_dir, tmp_path, parallel):
+    axis = next(iter(parallel))
+    cfg = from_dict(tiny_config(corpus, cache_dir, tmp_path, model=MOE, parallel=parallel))
+    with pytest.raises(ConfigError, match=rf"^parallel.{axis}=2 is not supported for an MoE model"):
+        validate(cfg)

@@ -1,0 +1,316 @@
+"""The mixture-of-experts layer: a token-choice top-k router, experts stored as transformers 5 stores them
+(two fused 3D tensors), and the dispatch between them.
+
+    router      scores (softmax, or sigmoid plus a load-driven routing bias), top-k (optionally within the
+                best groups of experts), the weights each chosen expert's output gets
+    dispatch    permute: each (token, choice) assignment sorted by expert, those over an expert's capacity
+                dropped; `experts_fn` runs the experts on their contiguous slices (expert parallelism
+                replaces it with all-to-all -> local experts -> all-to-all); un-permute: each token's
+                outputs weighted and summed back into its row
+    balancing   the auxiliary loss and router z-loss, added to the training objective by injecting their
+                gradient in the backward pass (so no loss code and no pipeline stage needs to carry them);
+                per-step statistics (expert load, dropped assignments) that parallel/moe_balance.py
+                reduces over the ranks to report and to update the routing bias
+
+The auxiliary loss is defined per sequence, E * sum_e f_e * P_e with f_e the fraction of the sequence's
+top-k assignments times k (transformers' tokens_per_expert: assignments / tokens) and P_e the sequence's mean
+router probability, and averaged over MoE layers: a sum over sequences divided by the sequences of a step, as
+the main loss is a sum over tokens, so every data-parallel layout computes the same value. `moe_aux_loss:
+batch` computes transformers' formula instead (over each forward's whole batch, aggregated over layers), for
+comparing with transformers in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class Routing:
+    """Where a forward's N tokens go: k experts each, with the weights of their outputs."""
+
+    experts: Tensor  # [N, k] long: the chosen experts
+    weights: Tensor  # [N, k] fp32: each chosen expert's share of the token's output
+    probs: Tensor  # [N, E] fp32: the scores the auxiliary loss balances (softmax, or normalized sigmoid)
+    logits: Tensor  # [N, E] fp32: the router logits (the z-loss)
+
+
+class Router(nn.Module):
+    """Token-choice top-k routing. `weight` [E, H] is transformers' `mlp.gate.weight`; with a routing bias
+    (DeepSeek-V3's `e_score_correction_bias`, a buffer moved by expert load, never by gradient) the bias
+    changes which experts are chosen but not the weights of their outputs."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, *, scoring: str = "softmax",
+                 norm_topk_prob: bool = True, n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, bias_update_rate: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k, self.scoring, self.norm_topk_prob = top_k, scoring, norm_topk_prob
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
+        self.bias_update_rate = bias_update_rate
+        has_bias = scoring == "sigmoid" or bool(bias_update_rate)  # a None buffer is not in the state dict
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts) if has_bias else None)
+
+    def forward(self, x: Tensor) -> Routing:  # x [N, H]
+        if self.scoring == "sigmoid":  # DeepSeek-V3 scores in fp32 from the start
+            logits = F.linear(x.float(), self.weight.float())  # [N, E]
+            scores = logits.sigmoid()
+        else:  # Qwen3-MoE and Mixtral: logits in the activations' dtype, softmax in fp32
+            logits = F.linear(x, self.weight).float()
+            scores = logits.softmax(-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            choice = self._best_groups(choice)
+        experts = choice.topk(self.top_k, dim=-1)[1]  # [N, k]
+        weights = scores.gather(1, experts)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        weights = weights * self.routed_scaling_factor
+        probs = scores if self.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return Routing(experts=experts, weights=weights, probs=probs, logits=logits)
+
+    def _best_groups(self, choice: Tensor) -> Tensor:
+        """Scores outside each token's topk_group best groups (a group scored by its two best experts) set to
+        -inf, as DeepSeek-V3 limits the nodes a token's experts sit on."""
+        n, e = choice.shape
+        grouped = choice.view(n, self.n_group, e // self.n_group)  # [N, groups, E/groups]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # [N, groups]
+        best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [N, groups]
+        return choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(n, e), float("-inf"))
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as transformers 5 stores them: `gate_up_proj` [E, 2*I, H] (gate rows, then up rows)
+    and `down_proj` [E, H, I]. Takes tokens already grouped by expert."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """x [M, H], the rows of expert 0 first, then expert 1's, ...; counts [E] rows per expert -> [M, H]."""
+        if grouped_mm_supported(x, self.gate_up_proj):
+            return self.grouped(x, counts)
+        # Elsewhere one matmul per expert on its contiguous slice (one host read of the counts per layer).
+        outs = []
+        for e, (start, n) in enumerate(zip((counts.cumsum(0) - counts).tolist(), counts.tolist())):
+            if n:
+                gate, up = F.linear(x[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        if not outs:  # nothing routed here: an empty output still joined to the weights, so they get a gradient
+            return x[:0] @ self.down_proj[0].t() + 0 * self.gate_up_proj.sum()
+        return torch.cat(outs)
+
+
+    def grouped(self, x: Tensor, counts: Tensor, *, align: int = 8) -> Tensor:
+        """The experts by torch._grouped_mm: each expert's rows moved to start at a multiple of `align` (8
+        bf16 rows are the 16 bytes its weight-gradient kernel needs per group), in a buffer sized without
+        reading the counts on the host (the last expert's group takes the zero rows at the end)."""
+        M, E = x.shape[0], counts.shape[0]
+        aligned = (counts + align - 1) // align * align
+        rows = (M + (align - 1) * E + align - 1) // align * align  # >= aligned.sum(), a multiple of align
+        expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=M)  # [M]
+        place = (aligned.cumsum(0) - aligned)[expert] + torch.arange(M, device=x.device) \
+            - (counts.cumsum(0) - counts)[expert]  # [M]: each row's place in the buffer
+        ends = aligned.cumsum(0)
+        ends[-1] = rows
+        ends = ends.to(torch.int32)
+        padded = x.new_zeros(rows, x.shape[1]).index_copy(0, place, x)  # [rows, H]
+        gate, up = torch._grouped_mm(padded, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)[place]
+
+
+def grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
+    """torch._grouped_mm where it runs forward and backward: CUDA, bf16, rows 16-byte aligned (on the CPU
+    its backward fails in torch 2.13, and fp32 is not among its CUDA kernels)."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and all(d % 8 == 0 for d in weight.shape[1:]))
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP with transformers' names: DeepSeek's shared experts (one wide MLP)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEStats:
+    """What a block's forwards of one optimizer step add up (on the device, no host reads): the
+    assignments each expert was chosen for (before dropping), those dropped, and the per-sequence sums of
+    the auxiliary and z losses. parallel/moe_balance.py reads and resets them after each step."""
+
+    def __init__(self) -> None:
+        self.counts: Tensor | None = None  # [E] fp32
+        self.totals: Tensor | None = None  # [4] fp32: aux sum, z sum, dropped, assignments
+
+    def add(self, counts: Tensor, aux: Tensor, z: Tensor, dropped: Tensor, assigned: int) -> None:
+        totals = torch.stack([aux.detach().float(), z.detach().float(), dropped.float(),
+                              torch.full((), float(assigned), device=counts.device)])
+        self.counts = counts.float() if self.counts is None else self.counts + counts
+        self.totals = totals if self.totals is None else self.totals + totals
+
+    def reset(self) -> None:
+        self.counts = self.totals = None
+
+
+class _InjectGrad(torch.autograd.Function):
+    """forward: identity on `out`; backward: `loss` gets gradient `scale`, so that `scale * loss` is part of
+    the objective without being added to the value any loss code sees (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, loss: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+def add_loss_gradient(out: Tensor, loss: Tensor, scale: float) -> Tensor:
+    """`out` unchanged; in the backward pass `scale * loss` adds its gradient."""
+    return _InjectGrad.apply(out, loss, scale) if scale and loss.requires_grad else out
+
+
+def in_recomputation() -> bool:
+    """True while autograd runs a backward pass, where activation recomputation replays a forward: its
+    statistics are already counted."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def sequence_balance_losses(route: Routing, batch: int, num_experts: int) -> tuple[Tensor, Tensor]:
+    """(auxiliary loss, z-loss) each summed over the `batch` sequences of the forward: per sequence
+    E * sum_e (assignments to e / tokens) * (mean probability of e), and the mean of logsumexp(logits)^2."""
+    n, k = route.experts.shape
+    t = n // batch
+    assigned = torch.zeros(batch, num_experts, device=route.probs.device).scatter_add_(
+        1, route.experts.view(batch, t * k), torch.ones(batch, t * k, device=route.probs.device))  # [B, E]
+    mean_probs = route.probs.view(batch, t, num_experts).mean(1)  # [B, E]
+    aux = num_experts * (assigned / t * mean_probs).sum()
+    z = route.logits.logsumexp(-1).square().view(batch, t).mean(1).sum()
+    return aux, z
+
+
+def batch_balance_loss(routes: list[Routing], num_experts: int) -> Tensor:
+    """transformers' load_balancing_loss_func: assignment fractions and mean probabilities over every token
+    of the batch and every layer together, then E * their dot product."""
+    chosen = torch.cat([r.experts.reshape(-1) for r in routes])
+    probs = torch.cat([r.probs for r in routes])  # [L*N, E]
+    fraction = torch.bincount(chosen, minlength=num_experts).float() / probs.shape[0]
+    return num_experts * (fraction * probs.mean(0)).sum()
+
+
+class MoEBlock(nn.Module):
+    """The MoE feed-forward of a decoder layer, transformers' `mlp` with `gate` (the router), `experts` and,
+    with shared experts, `shared_experts`. `experts_fn(tokens, counts)` is the one seam between the
+    permuted tokens and the experts that compute them."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
+                 capacity_factor: float | None = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 aux_loss: str = "sequence", n_shared_experts: int = 0, **router: object) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.aux_loss_coef, self.z_loss_coef, self.aux_loss = aux_loss_coef, z_loss_coef, aux_loss
+        self.gate = Router(hidden, num_experts, top_k, **router)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared_experts = SwiGLU(hidden, intermediate * n_shared_experts) if n_shared_experts else None
+        # (tokens [M, H] grouped by expert, counts [E]) -> [M, H]; None: this rank's `experts`. Expert
+        # parallelism sets its exchange here: all-to-all to the experts' ranks, their experts, all-to-all back.
+        self.experts_fn: Callable[[Tensor, Tensor], Tensor] | None = None
+        # The objective's share of this block's summed per-sequence losses: 1 / (MoE layers * sequences of a
+        # rank's step), set by the model and the training run (parallel/parallelize.py).
+        self.loss_scale = 1.0
+        self.stats = MoEStats()
+        self.last_route: Routing | None = None  # the last forward's routing, kept under aux_loss="batch"
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments an expert takes per forward: capacity_factor * tokens * k / E, None when dropless."""
+        if not self.capacity_factor:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+    def forward(self, x: Tensor) -> Tensor:  # x [B, T, H]
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)  # [N, H]
+        route = self.gate(flat)
+        out, counts, dropped = self.dispatch(flat, route)  # [N, H]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        out = out.view(B, T, H)
+        if not torch.is_grad_enabled():
+            return out
+        # Recomputation (recompute.py) replays this forward in the backward pass: the same operations, so that
+        # it saves the same tensors, but its figures are already counted.
+        counted = not in_recomputation()
+        if self.aux_loss == "batch":  # the model adds transformers' formula over all its layers
+            if counted:
+                self.last_route = route
+                zero = torch.zeros((), device=x.device)
+                self.stats.add(counts, zero, zero, dropped, route.experts.numel())
+            return out
+        aux, z = sequence_balance_losses(route, B, self.num_experts)
+        if counted:
+            self.stats.add(counts, aux, z, dropped, route.experts.numel())
+        objective = self.aux_loss_coef * aux + self.z_loss_coef * z
+        return add_loss_gradient(out, objective, self.loss_scale)
+
+    def dispatch(self, x: Tensor, route: Routing) -> tuple[Tensor, Tensor, Tensor]:
+        """Each token's weighted sum of its experts' outputs [N, H]; also the assignments each expert was
+        chosen for [E] and the number dropped for capacity."""
+        N, k = route.experts.shape
+        chosen = route.experts.reshape(-1)  # [N*k]: assignment i is token i // k's choice i % k
+        order = torch.argsort(chosen, stable=True)  # assignments grouped by expert, in token order within
+        counts = torch.bincount(chosen, minlength=self.num_experts)  # [E]
+        kept, capacity = counts, self.capacity(N)
+        dropped = torch.zeros((), device=x.device)
+        if capacity is not None:  # an expert keeps its first `capacity` tokens; the others skip it
+            starts = counts.cumsum(0) - counts
+            place = torch.arange(N * k, device=x.device) - starts[chosen[order]]  # rank within its expert
+            order = order[place < capacity]
+            kept = counts.clamp(max=capacity)
+            dropped = (counts - kept).sum()
+        token = order // k  # [M]: the token of each kept assignment, grouped by expert
+        y = (self.experts_fn or self.experts)(x[token], kept)  # [M, H]
+        y = y * route.weights.reshape(-1)[order, None]
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype)), counts, dropped
+
+    @torch.no_grad()
+    def update_bias(self, load: Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): each expert's routing bias moves by the rate toward
+        balance, up when it took fewer assignments than the mean, down when more. `load` [E] must be the
+        same on every rank (counted over all of them)."""
+        bias = self.gate.e_score_correction_bias
+        if bias is not None and self.gate.bias_update_rate:
+            bias += self.gate.bias_update_rate * torch.sign(load.mean() - load)
+
+
+def moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    """The MoE blocks of a model (or pipeline chunk), in layer order."""
+    return [m for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+def add_batch_balance_loss(out: Tensor, blocks: list[MoEBlock]) -> Tensor:
+    """Under aux_loss="batch": transformers' formula over the blocks' last routings, its gradient injected
+    through `out`, its value (times the batch's sequences, as the per-sequence sums are) in the stats."""
+    routes = [b.last_route for b in blocks if b.last_route is not None]
+    if not routes or not torch.is_grad_enabled() or in_recomputation():
+        return out
+    aux = batch_balance_loss(routes, blocks[0].num_experts)
+    for b in blocks:
+        b.last_route = None
+    blocks[0].stats.totals[0] += aux.detach() * out.shape[0] * len(blocks)
+    return add_loss_gradient(out, blocks[0].aux_loss_coef * aux, blocks[0].loss_scale * len(blocks) * out.shape[0])

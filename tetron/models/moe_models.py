@@ -1,0 +1,193 @@
+"""Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`), each a
+Llama whose feed-forwards are MoE blocks (moe.py), with transformers' names and numerics.
+
+Both use Llama's shared attention with its options (models/llama.py): Qwen3-MoE's per-head RMSNorm on q and k
+before RoPE (`qk_norm`, and biases with `attention_bias`, as Qwen3), Mixtral's `sliding_window` in every layer
+(as Mistral; null in its released configs). The config also offers DeepSeek-V3's routing (sigmoid
+scores, the load-driven routing bias, group-limited top-k, shared experts, a scaling factor) on either
+family; such a model trains in tetron but transformers' class of the family does not compute it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from torch import Tensor
+
+from tetron.models.llama import LLAMA, Llama, LlamaConfig
+from tetron.models.moe import MoEBlock, add_batch_balance_loss, moe_blocks
+from tetron.models.qwen import QWEN3_PLAN
+from tetron.models.spec import ModelSpec, ParallelPlan, read_hf_config, register
+
+
+@dataclass
+class MoeConfig(LlamaConfig):
+    """A Llama-style decoder with MoE feed-forwards; field names follow transformers' Qwen3MoeConfig."""
+
+    model_type: str = "qwen3_moe"  # the model family (models/spec.py): "qwen3_moe" or "mixtral"
+    num_experts: int = 8  # routed experts per MoE layer (num_local_experts in transformers 5's config.json)
+    num_experts_per_tok: int = 2  # experts each token is routed to (top-k)
+    moe_intermediate_size: int | None = None  # width of one expert's hidden layer; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalize each token's top-k weights to sum to 1 (Mixtral always does)
+    decoder_sparse_step: int = 1  # every n-th layer is MoE (Qwen3-MoE); the others have a dense MLP
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers with a dense MLP of intermediate_size
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the objective; 0 disables it
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp of the logits)
+    moe_capacity_factor: float | None = None  # None or 0: dropless; else an expert takes at most
+    # factor * tokens * top_k / num_experts assignments per forward, the others are dropped (counted)
+    moe_aux_loss: Literal["sequence", "batch"] = "sequence"  # per sequence (the same in every layout), or
+    # transformers' formula over each forward's batch and all layers (to compare with transformers)
+    scoring_func: Literal["softmax", "sigmoid"] = "softmax"  # router scores; sigmoid is DeepSeek-V3's
+    n_group: int = 1  # expert groups; a token's experts come from its topk_group best groups (DeepSeek-V3)
+    topk_group: int = 1  # groups each token may use
+    n_shared_experts: int = 0  # experts every token goes through (one MLP of n * moe_intermediate_size)
+    routed_scaling_factor: float = 1.0  # factor on the routed experts' weights
+    moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: the routing bias moves by this per step
+    # toward balanced expert load (DeepSeek-V3 used 0.001); 0: no bias (a sigmoid router still has one)
+
+    hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
+    qk_norm: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                             f"num_experts={self.num_experts}")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
+                             f"topk_group={self.topk_group} be between 1 and n_group")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> MoeConfig:
+        hf = dict(read_hf_config(path_or_dict))
+        if hf.get("model_type") == "mixtral":
+            if hf.get("router_jitter_noise"):
+                raise ValueError("router_jitter_noise is not supported; use 0")
+            hf["moe_intermediate_size"] = hf.get("intermediate_size")
+        elif hf.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported; use false")
+        if "num_local_experts" in hf:  # transformers 5 writes Qwen3-MoE's num_experts under this name too
+            hf.setdefault("num_experts", hf["num_local_experts"])
+        return super().from_hf(hf)
+
+    def to_hf(self, dtype: str = "float32") -> dict:
+        """A config dict transformers loads as the family's class (Qwen3MoeForCausalLM or MixtralForCausalLM)."""
+        hf = {**super().to_hf(dtype), "output_router_logits": False}
+        if self.model_type == "mixtral":
+            hf.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size,
+                      router_jitter_noise=0.0)
+        else:
+            hf.update(use_sliding_window=False, sliding_window=None)
+        return hf
+
+    def _layer_params(self, experts: int) -> int:
+        """Parameters of the decoder layers with `experts` experts counted per MoE layer."""
+        h = self.hidden_size
+        attention = self.attention_params()
+        moe = self.num_experts * h + (experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
+        return sum(attention + (moe if self.is_moe_layer(i) else 3 * h * self.intermediate_size)
+                   for i in range(self.num_hidden_layers))
+
+    def num_params(self, *, include_embedding: bool = True, active: bool = False) -> int:
+        """Exact parameter count (`active`: with each MoE layer's experts counted top_k times, not num_experts:
+        the weights one token's forward multiplies by); without embedding it leaves out embed_tokens and lm_head."""
+        n = self._layer_params(self.num_experts_per_tok if active else self.num_experts) + self.hidden_size
+        if include_embedding:
+            n += self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token from the ACTIVE parameters: 6 * N_active + 12*L*H*s (see LlamaConfig's)."""
+        n = self.num_params(include_embedding=False, active=True) + self.vocab_size * self.hidden_size
+        return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+
+
+@dataclass
+class MixtralConfig(MoeConfig):
+    """Mixtral: every layer MoE, experts of intermediate_size, top-k weights always renormalized."""
+
+    model_type: str = "mixtral"  # the model family (models/spec.py)
+    sliding_window: int | None = None  # a windowed layer's query attends to this many latest positions, itself
+    # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window)
+
+    hf_architecture: ClassVar[str] = "MixtralForCausalLM"
+    qk_norm: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be at least 1 (or null: no window)")
+        if self.attention_bias:
+            raise ValueError("attention_bias=True: Mixtral's projections have no biases (transformers builds none)")
+
+    def layer_window(self, index: int) -> int | None:
+        return self.sliding_window
+
+
+def moe_block(config: MoeConfig) -> MoEBlock:
+    """One MoE feed-forward of `config`'s shape and routing rules."""
+    return MoEBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                    config.num_experts_per_tok, capacity_factor=config.moe_capacity_factor,
+                    aux_loss_coef=config.router_aux_loss_coef, z_loss_coef=config.router_z_loss_coef,
+                    aux_loss=config.moe_aux_loss, n_shared_experts=config.n_shared_experts,
+                    scoring=config.scoring_func,
+                    norm_topk_prob=config.norm_topk_prob or config.model_type == "mixtral",
+                    n_group=config.n_group, topk_group=config.topk_group,
+                    routed_scaling_factor=config.routed_scaling_factor,
+                    bias_update_rate=config.moe_bias_update_rate)
+
+
+class MoeForCausalLM(Llama):
+    """Qwen3MoeForCausalLM / MixtralForCausalLM: Llama's body (its attention options set by the config) with MoE
+    blocks as the feed-forwards; `state_dict()` has exactly transformers' keys."""
+
+    def __init__(self, config: MoeConfig) -> None:
+        super().__init__(config)
+        for i, layer in self.model.layers.items():
+            if config.is_moe_layer(int(i)):
+                layer.mlp = moe_block(config)
+        blocks = moe_blocks(self)
+        for block in blocks:  # one forward's objective: the per-sequence sums averaged over the MoE layers
+            block.loss_scale = 1.0 / len(blocks)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None) -> Tensor:
+        out = super().forward(input_ids, position_ids, docs)
+        if self.config.moe_aux_loss == "batch":
+            out = add_batch_balance_loss(out, moe_blocks(self))
+        return out
+
+
+def hub_names(name: str, config: MoeConfig) -> str | list[list[str]] | None:
+    """Where transformers' save_pretrained (5.x, as the hub) keeps a tensor tetron holds fused or renamed:
+    experts one by one (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`; Mixtral's
+    `block_sparse_moe.experts.N.w1` (gate), `w3` (up), `w2` (down)) and Mixtral's router under
+    `block_sparse_moe.gate`. None for every other tensor (ModelSpec.stored_as)."""
+    layer, sep, rest = name.partition(".mlp.")
+    if not sep:
+        return None
+    mixtral = config.model_type == "mixtral"
+    block = f"{layer}.block_sparse_moe." if mixtral else f"{layer}.mlp."
+    if rest == "gate.weight":
+        return f"{block}gate.weight" if mixtral else None
+    pieces = {"experts.gate_up_proj": ("w1", "w3") if mixtral else ("gate_proj", "up_proj"),
+              "experts.down_proj": ("w2",) if mixtral else ("down_proj",)}.get(rest)
+    if pieces is None:
+        return None
+    return [[f"{block}experts.{e}.{piece}.weight" for piece in pieces] for e in range(config.num_experts)]
+
+
+def _register(name: str, config_class: type, plan: ParallelPlan) -> ModelSpec:
+    return register(ModelSpec(name=name, model_types=(name,), config_class=config_class,
+                              model_class=MoeForCausalLM, plan=plan, stored_as=hub_names))
+
+
+QWEN3_MOE = _register("qwen3_moe", MoeConfig, QWEN3_PLAN)  # its q/k norms' gradients are summed over tp
+MIXTRAL = _register("mixtral", MixtralConfig, LLAMA.plan)
+
