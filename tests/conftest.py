@@ -88,12 +88,14 @@ def reference_run(raw: dict) -> tuple[dict, dict]:
 
 
 def layout_configs(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
-                   grad_acc: int = 2, train: dict | None = None, data: dict | None = None) -> tuple[dict, dict]:
-    """check_layout's two raw configs: the layout's, and its single-process reference's (for reference_run)."""
+                   grad_acc: int = 2, train: dict | None = None, data: dict | None = None,
+                   checkpoint: dict | None = None, logging: dict | None = None) -> tuple[dict, dict]:
+    """check_layout's two raw configs: the layout's, and its single-process reference's (for reference_run);
+    `checkpoint` and `logging` go to the layout's only (saving and timing change no loss)."""
     model = {**GQA, "num_hidden_layers": 4, **(model or {})}
     train_cfg = {"micro_batch": micro_batch, "grad_acc": grad_acc, "lr": LAYOUT_LR, **(train or {})}
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model, parallel=parallel, train=train_cfg,
-                      data=data or {})
+                      data=data or {}, checkpoint=checkpoint or {}, logging=logging or {})
     ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model, data=data or {},
                           train={**train_cfg, "micro_batch": from_dict(raw).global_batch, "grad_acc": 1})
     return raw, ref_raw
@@ -125,11 +127,11 @@ def train_rank(raw: dict, *, trace: bool = False) -> dict:
     number of its parameters, and with `trace` its pipeline trace and data-parallel all-reduce count."""
     cfg = from_dict(raw)
     p = cfg.parallel
-    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep)
     result = train(cfg, mesh, trace=trace)
     state = {}
     for chunk in result.chunks if p.zero < 3 else []:  # under ZeRO-3 only slices are left: see OUT/model
-        state.update(gather_full_state(chunk, mesh.group("tp")))
+        state.update(gather_full_state(chunk, mesh.group("tp"), mesh.group("ep")))
     return {"losses": result.losses, "state": state, "trace": result.pipeline_trace,
             "collectives": result.dp_collectives, "num_params": sum(1 for c in result.chunks for _ in c.parameters())}
 
@@ -138,7 +140,7 @@ def train_rank_losses(raw: dict) -> list[float]:
     """On one rank of a process group: train the raw config, return the losses of the steps run."""
     cfg = from_dict(raw)
     p = cfg.parallel
-    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
+    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep)).losses
 
 
 def run_parallel(raw: dict, *, trace: bool = False, timeout: float = 300) -> tuple[list[dict], dict]:

@@ -129,6 +129,7 @@ SHORT_FLAG_CASES = {
     "tp": ("5", lambda c: c.parallel.tp, 5),
     "pp": ("6", lambda c: c.parallel.pp, 6),
     "cp": ("7", lambda c: c.parallel.cp, 7),
+    "ep": ("2", lambda c: c.parallel.ep, 2),
     "steps": ("11", lambda c: c.train.steps, 11),
     "seed": ("12", lambda c: c.train.seed, 12),
     "seq-len": ("13", lambda c: c.data.seq_len, 13),

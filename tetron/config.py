@@ -1,9 +1,8 @@
 """Run configuration: typed dataclasses, loaded from YAML, overridden from the command line.
 
-A config is built in three steps: the YAML file becomes a plain dict, command-line
-overrides (overrides.py) edit that dict in the order given, and `from_dict` turns it into dataclasses
-(unknown keys are an error). `validate` (validate.py) then checks everything that can be checked
-before a process group starts; each problem is one `ConfigError` line naming the field.
+A config is built in three steps: the YAML file becomes a plain dict, command-line overrides (overrides.py) edit
+that dict in the order given, and `from_dict` turns it into dataclasses (unknown keys are an error). `validate`
+(validate.py) then checks all that can be checked before a process group starts: one `ConfigError` line each.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel ranks (within a node)
     pp: int = 1  # pipeline stages
     cp: int = 1  # context-parallel ranks (ring attention)
+    ep: int = 1  # expert-parallel ranks, out of dp*cp (dividing it): each MoE layer's experts split over them
     pp_schedule: PpSchedule = "1f1b"  # pipeline schedule: "afab" (all forward, all backward), "1f1b",
     # "interleaved", or zero-bubble "zbh1" (1F1B's memory) and "zbv" (two chunks per rank in a V; pp_virtual=2)
     pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank: above 1 with interleaved; 2 with zbv

@@ -26,7 +26,7 @@ class Mesh:
     `timeout`: how long any collective of its groups may wait (parallel.timeout_s); None: torch's default."""
 
     def __init__(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, device_type: str = "cpu",
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, ep: int = 1) -> None:
         self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
         self.world_size = pp * dp * cp * tp
         if dist.get_world_size() != self.world_size:
@@ -44,6 +44,9 @@ class Mesh:
         self.groups["dp_cp"] = self._new_group_over(("dp", "cp"))
         if pp > 1:
             self.groups["embed"] = self._embedding_group()
+        self.ep = ep
+        if ep > 1:
+            self.groups["ep"], self.groups["edp"] = self._expert_groups(ep)
 
     def _new_group_over(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
         """A group of the ranks that differ only along `axes`; every rank creates every such group, in order."""
@@ -70,21 +73,42 @@ class Mesh:
                 mine = group
         return mine
 
+    def _expert_groups(self, ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """Expert parallelism, carved out of dp*cp: the `ep` group (ep consecutive ranks of this rank's dp*cp
+        group, which hold the experts between them) and the `edp` group (the dp*cp/ep ranks of this rank's
+        dp*cp group that hold the same experts). Every rank creates every such group, in order."""
+        columns = self.grid.permute(0, 3, 1, 2).reshape(-1, self.size("dp_cp"))  # [pp*tp, dp*cp]
+        experts = columns.reshape(-1, self.size("dp_cp") // ep, ep)  # [pp*tp, edp, ep]
+        mine: list[dist.ProcessGroup] = []
+        for rows in (experts.reshape(-1, ep), experts.transpose(1, 2).reshape(-1, self.size("dp_cp") // ep)):
+            for row in rows.tolist():
+                group = dist.new_group(row, timeout=self.timeout)
+                if self.rank in row:
+                    mine.append(group)
+        return mine[0], mine[1]
+
     def size(self, axis: str) -> int:
-        """Number of ranks along `axis` ("pp", "dp", "cp", "tp" or "dp_cp")."""
-        if axis == "dp_cp":
-            return self.sizes["dp"] * self.sizes["cp"]
+        """Number of ranks along `axis` ("pp", "dp", "cp", "tp", "dp_cp", "ep" or "edp")."""
+        if axis in ("dp_cp", "ep", "edp"):
+            dp_cp = self.sizes["dp"] * self.sizes["cp"]
+            return {"dp_cp": dp_cp, "ep": self.ep, "edp": dp_cp // self.ep}[axis]
         return self.sizes[axis]
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along `axis`."""
-        if axis == "dp_cp":
-            return self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
+        if axis in ("dp_cp", "ep", "edp"):
+            dp_cp = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
+            return {"dp_cp": dp_cp, "ep": dp_cp % self.ep, "edp": dp_cp // self.ep}[axis]
         return self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The group of `axis` (or "dp_cp"); "embed": first + last pipeline stage, None elsewhere or without pp."""
-        return self.groups.get(axis) if axis == "embed" else self.groups[axis]
+        """The group of `axis` (or "dp_cp"); "embed": first + last pipeline stage, None elsewhere or without pp;
+        "ep": None without expert parallelism; "edp": dp*cp's group then."""
+        if axis == "embed":
+            return self.groups.get(axis)
+        if axis in ("ep", "edp") and self.ep == 1:
+            return None if axis == "ep" else self.groups["dp_cp"]
+        return self.groups[axis]
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage `stage` in this rank's (dp, cp, tp) column."""

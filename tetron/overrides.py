@@ -21,6 +21,7 @@ SHORT_FLAGS = {
     "tp": "parallel.tp",
     "pp": "parallel.pp",
     "cp": "parallel.cp",
+    "ep": "parallel.ep",
     "steps": "train.steps",
     "seed": "train.seed",
     "seq-len": "data.seq_len",

@@ -301,6 +301,25 @@ def _validate_moe(cfg: Config) -> None:
     _check(m.moe_intermediate_size >= 1, f"model.moe_intermediate_size={m.moe_intermediate_size} must be >= 1")
 
 
+def _validate_experts(cfg: Config) -> None:
+    """Expert parallelism: ep ranks carved out of dp*cp, each holding num_experts/ep experts of every MoE layer;
+    what it has not been made to compose with is refused."""
+    m, p = cfg.model, cfg.parallel
+    _check(p.ep >= 1, f"parallel.ep={p.ep} must be at least 1")
+    if p.ep == 1:
+        return
+    _check(isinstance(m, MoeConfig), f"parallel.ep={p.ep} splits the experts of an MoE model, and "
+                                     f"model_type={m.model_type} has none; use ep=1")
+    _check((p.dp * p.cp) % p.ep == 0, f"parallel.ep={p.ep} must divide dp*cp = {p.dp}*{p.cp} = {p.dp * p.cp} "
+                                      f"(its ranks are carved out of them); use an ep that divides it")
+    _check(m.num_experts % p.ep == 0, f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts} "
+                                      f"(each rank holds num_experts/ep of them); use an ep that divides it")
+    _check(p.zero <= 1, f"parallel.zero={p.zero} with ep={p.ep} is not supported yet (ZeRO-2/3 do not shard "
+                        f"expert shards over their own group); use zero=0 or 1")
+    _check(p.pp_schedule not in ("zbh1", "zbv"), f"parallel.pp_schedule={p.pp_schedule} with ep={p.ep} is not "
+                                                 f"supported yet; use 1f1b, afab or interleaved")
+
+
 def _validate_out(cfg: Config) -> None:
     """The run folder: new, empty, or an earlier tetron run's (never any folder whose model/ a run would
     replace), and every part of it the run writes writable, checked before the run rather than at its end."""
@@ -354,6 +373,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _validate_numbers(cfg)
     _validate_model(cfg)
     _validate_moe(cfg)
+    _validate_experts(cfg)
     _validate_layout(cfg, world_size)
     _validate_data(cfg)
     _validate_train(cfg)

@@ -229,9 +229,10 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch
 
 
 def _read_local(reader: TensorReader, key: str, param: nn.Parameter) -> Tensor:
-    """This rank's part of tensor `key` for `param`, in fp32: its slice along the tp dim, vocab padding as zeros."""
+    """This rank's part of tensor `key` for `param`, in fp32: its slice along the tp dim, vocab padding as zeros,
+    or its experts."""
     reader.check(key, full_shape(param), dtypes=FLOAT_DTYPES)
-    shard = layout_of(param).tp
+    shard = layout_of(param).tp or layout_of(param).ep  # an expert shard: its experts (never both)
     if shard is None:
         return reader.read(key).to(torch.float32)
     dim, index = shard.dim, shard.index

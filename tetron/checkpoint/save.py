@@ -102,8 +102,12 @@ def save_state(state: dict[str, Tensor], config: Any, folder: Path, *,
 # --------------------------------------------------------------------------- gathering, one tensor at a time
 
 
-def _full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup) -> Tensor:
-    """The whole tensor of which `local` (the parameter or a state of the same shape) is this rank's part."""
+def _full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup,
+                 ep_group: dist.ProcessGroup | None = None) -> Tensor:
+    """The whole tensor of which `local` (the parameter or a state of the same shape) is this rank's part
+    (an expert shard's experts gathered over `ep_group`, every rank of it joining)."""
+    if layout_of(param).ep is not None:
+        return all_gather_dim(local, layout_of(param).ep.dim, ep_group)
     shard = layout_of(param).tp
     if shard is None:
         return local
@@ -112,9 +116,11 @@ def _full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup
 
 
 @torch.no_grad()
-def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup) -> dict[str, Tensor]:
-    """The whole tensors of a tensor-parallel model (every tp rank gets them); for tests and small models."""
-    return {name: _full_tensor(p.detach(), p, tp_group).cpu()
+def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup,
+                      ep_group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
+    """The whole tensors of a tensor- or expert-parallel model (every tp and ep rank gets them); for tests and
+    small models."""
+    return {name: _full_tensor(p.detach(), p, tp_group, ep_group).cpu()
             for name, p in model.named_parameters(remove_duplicate=False)}
 
 
@@ -165,7 +171,8 @@ def gather_tensors(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], *, la
                 full = buffers[name].to(dtype).contiguous()
             else:
                 param = mine[name]
-                full = _full_tensor(local(param, key), param, mesh.group("tp")).contiguous()  # all tp ranks join
+                # all tp ranks join, and for an expert shard all ep ranks
+                full = _full_tensor(local(param, key), param, mesh.group("tp"), mesh.group("ep")).contiguous()
             if mesh.rank == 0:
                 yield key, full.cpu()
                 continue

@@ -10,6 +10,10 @@ Two implementations of the same contract:
 
 Both skip communication inside `no_sync()`, so with gradient accumulation the micro-batches
 before the last only accumulate locally and the sync happens once per optimizer step.
+
+Under expert parallelism (expert_parallel.py) the expert shards' gradients are averaged over
+`expert_group` (the edp ranks holding the same experts) instead: in buckets of their own, each bucket
+knowing its group.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 
 from tetron.config import DpImpl
 from tetron.parallel.comm import reduce_scatter_flat
+from tetron.parallel.layout import layout_of
 from tetron.parallel.timers import timer
 
 # Gloo and NCCL both average natively; a sum followed by a division would cost an extra pass.
@@ -32,10 +37,12 @@ AVG = dist.ReduceOp.AVG
 class DataParallel(nn.Module):
     """Shared plumbing: the wrapped module, the group, the sync switch and a collective counter."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, count_collectives: bool = False) -> None:
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, count_collectives: bool = False,
+                 expert_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.module = module
         self.group = group
+        self.expert_group = expert_group or group  # where expert shards' gradients are averaged
         self.world = dist.get_world_size(group)
         self.require_sync = True
         # all-reduce calls issued so far, kept only when asked (tests count syncs per step)
@@ -56,18 +63,23 @@ class DataParallel(nn.Module):
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
-    def _all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> dist.Work | None:
-        """Average `tensor` over the group."""
+    def _group_of(self, param: nn.Parameter) -> dist.ProcessGroup:
+        return self.group if layout_of(param).ep is None else self.expert_group
+
+    def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, *,
+                    async_op: bool = False) -> dist.Work | None:
+        """Average `tensor` over `group`."""
         if self.num_collectives is not None:
             self.num_collectives += 1
-        return dist.all_reduce(tensor, op=AVG, group=self.group, async_op=async_op)
+        return dist.all_reduce(tensor, op=AVG, group=group, async_op=async_op)
 
 
 class DataParallelNaive(DataParallel):
     """An all-reduce (average) hook on every parameter's gradient."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, count_collectives: bool = False) -> None:
-        super().__init__(module, group, count_collectives=count_collectives)
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, count_collectives: bool = False,
+                 expert_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(module, group, count_collectives=count_collectives, expert_group=expert_group)
         if self.world > 1:
             for p in self._params():
                 p.register_post_accumulate_grad_hook(self._hook)
@@ -75,7 +87,7 @@ class DataParallelNaive(DataParallel):
     def _hook(self, param: nn.Parameter) -> None:
         if self.require_sync:
             with timer("dp"):
-                self._all_reduce(param.grad)
+                self._all_reduce(param.grad, self._group_of(param))
 
 
 class _Bucket:
@@ -87,8 +99,11 @@ class _Bucket:
     bucket made from a unit (ZeRO-3: a decoder layer, or the rest of the chunk) knows its `module`."""
 
     def __init__(self, params: list[nn.Parameter], device: torch.device, *, shards: int, rank: int = 0,
-                 separate_shard: bool = False, module: nn.Module | None = None, allocate: bool = True) -> None:
+                 separate_shard: bool = False, module: nn.Module | None = None, allocate: bool = True,
+                 group: dist.ProcessGroup | None = None) -> None:
         self.params, self.module = params, module
+        self.group = group  # over which it is averaged (and sharded under ZeRO)
+        self.world = dist.get_world_size(group) if group is not None else 1
         self.offsets: dict[nn.Parameter, int] = {}  # where each parameter starts in the buffer
         numel = 0
         for p in params:
@@ -126,23 +141,32 @@ class DataParallelBucket(DataParallel):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32,
                  units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                 count_collectives: bool = False) -> None:
-        super().__init__(module, group, count_collectives=count_collectives)
+                 count_collectives: bool = False, expert_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(module, group, count_collectives=count_collectives, expert_group=expert_group)
         params = self._params()
         device = params[0].device
         self.shards = self.world if zero >= 1 else 1
         self.free_after_reduce = zero >= 2 and self.world > 1
         shard = {"shards": self.shards, "rank": dist.get_rank(group) if self.shards > 1 else 0,
-                 "separate_shard": self.free_after_reduce}
+                 "separate_shard": self.free_after_reduce, "group": group}
+        # expert shards: averaged (and sharded under ZeRO) over the ranks holding the same experts
+        expert_shards = dist.get_world_size(self.expert_group) if zero >= 1 else 1
+        expert_shard = {"shards": expert_shards, "rank": dist.get_rank(self.expert_group) if expert_shards > 1 else 0,
+                        "separate_shard": self.free_after_reduce, "group": self.expert_group}
         # ZeRO-2/3: a bucket's full buffer exists only from its first gradient of the step (or, ZeRO-3, from
         # its unit's backward) until its reduction, not through the forward pass
         self.lazy = self.free_after_reduce
         self.reduce_dtype = reduce_dtype
+        experts = [p for p in params if layout_of(p).ep is not None]
         if units is not None:
+            if experts:
+                raise ValueError("ZeRO-3 does not shard expert-parallel parameters; use parallel.zero <= 1 with ep")
             # Backward visits the units in reverse order: so are the buckets.
             self.buckets = [_Bucket(ps, device, module=m, allocate=False, **shard) for m, ps in reversed(units) if ps]
         else:
-            self.buckets = self._size_buckets(params, device, bucket_mb, shard)
+            self.buckets = self._size_buckets([p for p in params if layout_of(p).ep is None], device, bucket_mb, shard)
+            if experts:
+                self.buckets += self._size_buckets(experts, device, bucket_mb, expert_shard)
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         # each parameter's fp32 gradient: a view into its bucket's buffer (Megatron's main_grad)
         self.main_grads: dict[nn.Parameter, torch.Tensor] = {}
@@ -227,19 +251,22 @@ class DataParallelBucket(DataParallel):
 
     def _reduce(self, bucket: _Bucket, *, async_op: bool) -> dist.Work | None:
         """Average the bucket over the group: all-reduce in place, or reduce-scatter into its slice."""
-        if self.num_collectives is not None:
-            self.num_collectives += 1
         if bucket.buffer is None:  # a lazily allocated bucket whose parameters got no gradient
             self.attach(bucket)
+        if bucket.world == 1:  # expert shards held by this rank alone: nothing to average
+            bucket.handle = bucket.after_wait = None
+            return None
+        if self.num_collectives is not None:
+            self.num_collectives += 1
         wire = bucket.buffer if self.reduce_dtype == torch.float32 else bucket.buffer.to(self.reduce_dtype)
         if self.shards == 1:
-            work = dist.all_reduce(wire, op=AVG, group=self.group, async_op=async_op)
+            work = dist.all_reduce(wire, op=AVG, group=bucket.group, async_op=async_op)
             target = bucket.buffer
         else:
             # In place: this rank's slice of the wire receives the average (NCCL and gloo allow it).
             target, full = bucket.reduced_grad(), wire
             wire = full[bucket.mine]
-            work = reduce_scatter_flat(wire, full, op=AVG, group=self.group, async_op=async_op)
+            work = reduce_scatter_flat(wire, full, op=AVG, group=bucket.group, async_op=async_op)
         same = wire.data_ptr() == target.data_ptr()
         bucket.after_wait = None if same else (lambda: target.copy_(wire))
         bucket.handle = work if async_op else None
@@ -275,9 +302,10 @@ class DataParallelBucket(DataParallel):
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, *, impl: DpImpl = "bucket",
                         bucket_mb: float = 25.0, zero: int = 0, reduce_dtype: torch.dtype = torch.float32,
                         units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                        count_collectives: bool = False) -> DataParallel:
-    """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket"; ZeRO needs buckets)."""
+                        count_collectives: bool = False, expert_group: dist.ProcessGroup | None = None) -> DataParallel:
+    """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket"; ZeRO needs buckets), those of
+    expert-parallel shards over `expert_group` (default: `group`)."""
     if impl == "naive":
-        return DataParallelNaive(model, group, count_collectives=count_collectives)
+        return DataParallelNaive(model, group, count_collectives=count_collectives, expert_group=expert_group)
     return DataParallelBucket(model, group, bucket_mb=bucket_mb, zero=zero, reduce_dtype=reduce_dtype,
-                              units=units, count_collectives=count_collectives)
+                              units=units, count_collectives=count_collectives, expert_group=expert_group)

@@ -12,6 +12,9 @@ needs the whole tensor (init, checkpoints, gradient-norm clipping, gradient sync
 - `tied_copy`: this rank's own copy of a tensor another pipeline stage also holds (the last stage's
   head when embeddings are tied): its gradient is summed with the other copy's, and it is left out
   of the gradient norm, which counts the first stage's.
+- `ep`: one of `count` equal parts of an MoE layer's fused expert tensor along dim 0 (its experts), over
+  the expert-parallel group (expert parallelism); its gradient is averaged over the `edp` group (the
+  ranks holding the same experts), not over dp*cp.
 - `source`: the name of the tensor it starts from and is loaded from, where that is not its own
   name (that same tied head: `model.embed_tokens.weight`).
 
@@ -49,12 +52,15 @@ class ParamLayout:
     summed_over_tp: bool = False
     tied_copy: bool = False
     source: str | None = None
+    ep: Shard | None = None
 
     def full_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of the whole (unpadded) tensor of which a local part shaped `local_shape` is one."""
         shape = list(local_shape)
         if self.tp is not None:
             shape[self.tp.dim] = self.tp.logical_size or shape[self.tp.dim] * self.tp.count
+        if self.ep is not None:
+            shape[self.ep.dim] *= self.ep.count
         return tuple(shape)
 
 
@@ -82,7 +88,10 @@ def full_shape(param: Tensor) -> tuple[int, ...]:
 
 def local_slice(param: Tensor, full: Tensor) -> Tensor:
     """This rank's part of the whole tensor `full`: its tp shard, padded rows (past the logical size)
-    as zeros."""
+    as zeros; or its experts."""
+    experts = layout_of(param).ep
+    if experts is not None:
+        return full.chunk(experts.count, dim=experts.dim)[experts.index]
     shard = layout_of(param).tp
     if shard is None:
         return full

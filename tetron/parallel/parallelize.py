@@ -1,11 +1,12 @@
 """The recipe: what is done to the plain model, in order, so that this rank trains its part of it.
 
-    build on meta -> pipeline split -> tensor parallel -> materialize + init -> context parallel -> recompute
-    -> compile -> data parallel
+    build on meta -> pipeline split -> tensor parallel -> expert parallel -> materialize + init -> context
+    parallel -> recompute -> compile -> data parallel
 
 `parallelize` is the only caller of the axes' `apply_*` functions; each axis lives in its own file.
 The order matters: the pipeline split decides which modules exist on this rank, tensor parallelism
-then swaps those for sharded ones (still on meta, so nothing is allocated twice), storage and initial
+then swaps those for sharded ones (still on meta, so nothing is allocated twice), expert parallelism keeps
+this rank's experts (on meta too), storage and initial
 values come only then, each rank filling its own slices; context parallelism swaps the attention
 function; recompute then wraps each decoder layer's forward, once the layer holds its final
 (sharded, ring-attention) code, since that is what must run again in the backward pass; compile
@@ -30,6 +31,7 @@ from tetron.models.spec import spec_of
 from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
+from tetron.parallel.expert_parallel import apply_expert_parallel, scale_expert_grads
 from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.layout import layout_of
 from tetron.parallel.moe_balance import scale_moe_losses
@@ -77,7 +79,9 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         apply_pipeline_stage(chunk, layers, first=first, last=last, plan=spec.plan)
         apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
                               vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan)
+        apply_expert_parallel(chunk, mesh)
         materialize_(chunk, device)
+        scale_expert_grads(chunk)
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
         scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc)
@@ -89,7 +93,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
-                                     count_collectives=count_collectives)
+                                     count_collectives=count_collectives, expert_group=mesh.group("edp"))
                  for chunk in chunks]
     return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tetron import device as dev
 from tetron.mesh import Mesh
 
-AXES = ("dp", "tp", "pp", "cp")
+AXES = ("dp", "tp", "pp", "cp", "ep")
 CATEGORIES = ("compute", *AXES)  # compute: whatever is not a timed wait (the loss all-reduce included)
 _OFF = contextlib.nullcontext()
 _active: StepTimers | None = None  # the timers of the step in progress in this process, None when off
@@ -61,8 +61,9 @@ class StepTimers:
         self.mesh = mesh
         self.sync = device.type == "cuda"
         self.device = device
-        # the groups of the axes; dp*cp (gradients) counts as dp, the tied-embedding pair as pp
-        named = {**{axis: axis for axis in AXES}, "dp_cp": "dp", "embed": "pp"}
+        # the groups of the axes; dp*cp (gradients) counts as dp, the tied-embedding pair as pp, and the
+        # expert shards' gradient group (edp) as dp; ep is the tokens' all-to-all
+        named = {**{axis: axis for axis in AXES}, "dp_cp": "dp", "embed": "pp", "edp": "dp"}
         self.axis_of = {id(mesh.group(name)): axis for name, axis in named.items() if mesh.group(name) is not None}
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.stack: list[str] = []

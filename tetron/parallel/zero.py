@@ -73,6 +73,7 @@ class ShardedAdamW:
         self.plain = self.shards == 1 and dtype == torch.float32
         self.masters_in_slices = dtype == torch.float32 and self.shards > 1  # ... or views of their slices
         self.buckets: list[_Bucket] = []
+        self.group_of: dict[int, dist.ProcessGroup] = {}  # each parameter's bucket's group
         if self.plain:
             self.pieces = [Piece(p, 0, None, 0, p) for p in params]
         else:
@@ -80,6 +81,7 @@ class ShardedAdamW:
                 if not isinstance(chunk, DataParallelBucket):
                     raise ValueError("fp32 master weights and ZeRO need parallel.dp_impl=bucket")
                 self.buckets += chunk.buckets
+            self.group_of = {id(p): bucket.group for bucket in self.buckets for p in bucket.params}
             self.pieces = [piece for bucket in self.buckets for piece in self._pieces(bucket)]
             self._to_compute_dtype(dtype)
             for chunk in dp_chunks:
@@ -117,8 +119,9 @@ class ShardedAdamW:
         return self.calls - float(self.skipped)
 
     def _pieces(self, bucket: _Bucket) -> list[Piece]:
-        """This rank's pieces of the bucket's parameters: their overlap with slice `rank`."""
-        lo, hi = self.rank * bucket.slice_size, (self.rank + 1) * bucket.slice_size
+        """This rank's pieces of the bucket's parameters: their overlap with its slice of the bucket (over dp*cp,
+        or for expert-parallel shards over the ranks holding the same experts)."""
+        lo, hi = (bucket.mine.start, bucket.mine.stop) if self.shards > 1 else (0, bucket.slice_size)
         pieces = []
         for p in bucket.params:
             begin, end = bucket.offsets[p], bucket.offsets[p] + p.numel()
@@ -188,7 +191,8 @@ class ShardedAdamW:
             return  # ZeRO-3: each unit's forward gathers the slices it needs
         with timer("dp"):
             for bucket in self.buckets:
-                all_gather_flat(bucket.params_flat, bucket.params_slice, group=self.group)
+                if bucket.world > 1:  # expert shards held by this rank alone are updated in place
+                    all_gather_flat(bucket.params_flat, bucket.params_slice, group=bucket.group)
 
     def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
         """Every averaged gradient this rank holds, with its parameter: whole parameters' without ZeRO,
@@ -202,8 +206,9 @@ class ShardedAdamW:
         full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         for piece, values in parts:
             full[piece.start:piece.start + values.numel()] = values.reshape(-1)
-        if self.shards > 1:
-            dist.all_reduce(full, group=self.group)  # each element is nonzero on one rank at most: exact
+        group = self.group_of.get(id(param), self.group)  # expert shards: over the ranks holding the same experts
+        if self.shards > 1 and dist.get_world_size(group) > 1:
+            dist.all_reduce(full, group=group)  # each element is nonzero on one rank at most: exact
         return full.view_as(param)
 
     def full_tensor(self, param: nn.Parameter, kind: Kind) -> Tensor:
