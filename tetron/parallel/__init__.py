@@ -9,6 +9,8 @@ parallel plan (models/spec.py), never its module names.
     pipeline_parallel.py   stages, P2P, the schedule runner; pipeline_schedules.py: the schedules as data;
                            p2p_order.py: a deadlock-free message order; weight_grad.py: the B/W split
     context_parallel.py    ring attention (block_attention.py: the blocks' fused kernels); ulysses.py
+    expert_parallel.py     MoE experts split over ep ranks, tokens to them and back by all-to-all;
+                           moe_balance.py: the expert load and balancing figures over the ranks
     data_parallel.py       naive and bucketed gradient averaging; zero.py: ZeRO-1/2/3 and the sharded AdamW
     recompute.py, compile.py, grads.py   activation recomputation, regional compile, gradient clipping
     timers.py              how long each axis's collectives wait (time_*_s)
