@@ -20,6 +20,7 @@ from tetron.parallel.moe_balance import FIGURES, finish_moe_step
 from tetron.validate import validate
 
 from conftest import LOSS_RTOL, WEIGHT_ATOL, check_layout, layout_configs, reference_run, run_parallel, tiny_config
+from harness import run_ranks
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
@@ -210,6 +211,33 @@ def test_layouts_an_moe_model_cannot_use_yet_are_refused(corpus, cache_dir, tmp_
         validate(cfg)
 
 
+def _exchange_on_rank() -> None:
+    """On rank r of dp2 ep2: the exchange with r's 2 of 4 experts equals all 4 experts in one place, output and
+    input gradient, where a rank sends nothing, receives nothing, or nobody sends anything."""
+    from tetron.mesh import Mesh
+    from tetron.parallel.expert_parallel import ExpertExchange
+
+    mesh = Mesh(dp=2, ep=2)
+    r = mesh.local_rank("ep")
+    torch.manual_seed(0)
+    whole, mine = Experts(4, 8, 6), Experts(2, 8, 6)
+    with torch.no_grad():
+        for p, q in zip(whole.parameters(), mine.parameters()):
+            q.copy_(p.normal_()[2 * r:2 * r + 2])
+    for counts in ([3, 2, 0, 0], [0, 0, 0, 0], [0, 0, 1, 4], [0, 5, 0, 0]):
+        counts = torch.tensor(counts if r == 0 else counts[::-1])
+        x = torch.randn(int(counts.sum()), 8, requires_grad=True)
+        got, expected = ExpertExchange(mine, mesh.group("ep"), 2)(x, counts), whole(x, counts)
+        torch.testing.assert_close(got, expected)
+        cotangent = torch.randn_like(got)
+        torch.testing.assert_close(torch.autograd.grad(got, x, cotangent)[0],
+                                   torch.autograd.grad(expected, x, cotangent)[0])
+
+
+def test_the_expert_exchange_equals_the_experts_in_one_place():
+    run_ranks(2, _exchange_on_rank)
+
+
 EP_REFUSED = [  # (model, parallel, the start of the one-line error)
     ({}, {"dp": 2, "ep": 2}, "parallel.ep=2 splits the experts of an MoE model, and model_type=llama has none"),
     (MOE, {"dp": 3, "ep": 2}, "parallel.ep=2 must divide dp*cp = 3*1 = 3"),
@@ -232,8 +260,8 @@ EP_MODEL = {**MOE, "router_z_loss_coef": 1e-3, "moe_bias_update_rate": 1e-2, "ro
 def test_ep2_trains_like_one_process_and_resumes_in_one(corpus, cache_dir, tmp_path):
     """dp2 ep2 (each rank holds 2 of the 4 experts; tokens exchanged by all-to-all): losses, weights (the routing
     biases, moved by the aux-loss-free balancing, included) equal to the single process; its checkpoint of step 3
-    (expert tensors saved whole) resumes in one process with the losses and weights of the single process. dp4 ep4,
-    dp2 pp2 ep2 with 1f1b and interleaved passed the same check when written (each 4 ranks, 2-3 s more)."""
+    (expert tensors saved whole) resumes in one process with the losses and weights of the single process. dp4 ep4
+    and dp2 pp2 ep2 with 1f1b and afab passed the same check when written (each 4 ranks, 2-3 s more)."""
     layout = dict(model=EP_MODEL, train={"recompute": "full"}, parallel={"dp": 2, "ep": 2})
     _, written = check_layout(corpus, cache_dir, tmp_path, checkpoint={"save_every": 3}, logging={"timers": True},
                               **layout)
@@ -254,3 +282,9 @@ def test_ep2_zero1_on_4_ranks_trains_like_one_process(corpus, cache_dir, tmp_pat
     _, written = check_layout(corpus, cache_dir, tmp_path, model=EP_MODEL, parallel={"dp": 4, "ep": 2, "zero": 1},
                               train={"recompute": "full"})
     assert all(m["grad_norm"] > 1.0 for m in written["metrics"])  # so train.grad_clip=1 clips every step
+
+
+def test_ep2_pp2_interleaved_trains_like_one_process(corpus, cache_dir, tmp_path):
+    """Each pipeline stage's MoE layers exchange tokens within the stage's ep group, in the schedule's order."""
+    check_layout(corpus, cache_dir, tmp_path, model=EP_MODEL, train={"recompute": "full"},
+                 parallel={"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "interleaved", "pp_virtual": 2})

@@ -105,8 +105,9 @@ class Experts(nn.Module):
             if n:
                 gate, up = F.linear(x[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
                 outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        if not outs:  # nothing routed here: an empty output still joined to the weights, so they get a gradient
-            return x[:0] @ self.down_proj[0].t() + 0 * self.gate_up_proj.sum()
+        if not outs:  # nothing routed here (often an expert-parallel rank's share): an empty [0, H] output still
+            # joined to the weights, so they get a (zero) gradient
+            return x[:0] + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
         return torch.cat(outs)
 
 
