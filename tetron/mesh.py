@@ -3,8 +3,9 @@
 Axes are ordered (pp, dp, cp, tp): tp innermost so tensor-parallel ranks are neighbours
 (same node, fastest links), pp outermost. HSDP (`dp_shard` < dp*cp) cuts each dp*cp group into
 shard groups of `dp_shard` consecutive ranks (ZeRO's slices; the nearest ranks, so its gathers and
-reduce-scatters stay on the fastest links) and replicate groups across them (the same slice on each). Every group (each axis, dp*cp over which gradients
-are averaged, the tied-embedding pairs) is built explicitly from the rank grid with `new_group`
+reduce-scatters stay on the fastest links) and replicate groups across them (the same slice on each).
+Every group (each axis, dp*cp over which gradients are averaged, ZeRO's shards and replicas, the
+tied-embedding pairs) is built explicitly from the rank grid with `new_group`
 and the run's timeout, and the DeviceMesh is assembled from the axis groups
 (`DeviceMesh.from_group`): groups that init_device_mesh or new_group create on their own wait
 torch's default 30 minutes, not `parallel.timeout_s`.
