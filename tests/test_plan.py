@@ -42,7 +42,8 @@ TOLERANCE = 0.10  # predicted vs measured per-rank peak, relative (the issue's b
 # A 4-layer GQA model small enough that 15 layouts train a few steps each in well under a minute.
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 128}
-# Every axis, ZeRO stage and recomputation mode, bf16, each pipeline schedule; at most 4 ranks each.
+# Every axis, ZeRO stage (accumulating sharded and full, HSDP) and recomputation mode, bf16, each pipeline
+# schedule; at most 4 ranks each.
 # Not here: tp with recompute=selective, which leaks the row-parallel outputs it keeps (about 540 KB a step
 # for this model; see the report), so its memory grows step after step and no steady state exists.
 LAYOUTS = {
@@ -50,7 +51,7 @@ LAYOUTS = {
     "single bf16 selective": ({}, {"dtype": "bfloat16", "recompute": "selective"}),
     "dp2 zero0 full": ({"dp": 2}, {"recompute": "full"}),
     "dp2 zero1 bf16": ({"dp": 2, "zero": 1}, {"dtype": "bfloat16"}),
-    "dp2 zero2": ({"dp": 2, "zero": 2, "bucket_mb": 0.05}, {"grad_acc": 1}),
+    "dp2 zero2": ({"dp": 2, "zero": 2, "bucket_mb": 0.05}, {}),
     "dp2 zero3": ({"dp": 2, "zero": 3}, {}),
     "tp2 sp": ({"tp": 2, "sp": True}, {}),
     "tp2 full bf16": ({"tp": 2}, {"recompute": "full", "dtype": "bfloat16"}),
@@ -58,8 +59,9 @@ LAYOUTS = {
     "pp2 1f1b selective": ({"pp": 2}, {"recompute": "selective"}),
     "pp2 interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}, {}),
     "cp2 selective": ({"cp": 2}, {"recompute": "selective"}),
-    "dp2 cp2 zero1": ({"dp": 2, "cp": 2, "zero": 1}, {}),
-    "dp2 pp2 zero3 tied": ({"dp": 2, "pp": 2, "zero": 3}, {}, {"tie_word_embeddings": True}),
+    "dp2 cp2 zero1 hsdp2": ({"dp": 2, "cp": 2, "zero": 1, "dp_shard": 2}, {}),
+    "dp2 pp2 zero3 tied full": ({"dp": 2, "pp": 2, "zero": 3, "zero_accumulate": "full"}, {},
+                                {"tie_word_embeddings": True}),
     "tp2 sp pp2": ({"tp": 2, "sp": True, "pp": 2}, {}),
 }
 

@@ -1,7 +1,8 @@
 """The layout search: every layout validate() accepts for a model on some GPUs, predicted and ranked.
 
-A layout is the parallel sizes (dp, tp, pp, cp), ZeRO stage, recomputation, micro-batch (and with it
-the gradient accumulation that keeps the global batch), pipeline schedule and virtual stages, and
+A layout is the parallel sizes (dp, tp, pp, cp), ZeRO stage (and under ZeRO-2/3 with accumulation,
+whether it accumulates sharded or in full buffers), recomputation, micro-batch (and with it the
+gradient accumulation that keeps the global batch), pipeline schedule and virtual stages, and
 sequence parallelism. `search` builds each as a Config from a base config, keeps those validate()
 accepts, and predicts per-rank peak memory (memory.py) and step time (steptime.py); `rank` orders the
 ones that fit by step time. `table`, `as_json` and `layout_config` present them.
@@ -27,7 +28,8 @@ GPU_RESERVE = GiB
 # A CPU rank's interpreter, torch and its libraries, resident before any tensor (measured here: ~0.4 GB).
 CPU_PROCESS_BYTES = 400 * 2**20
 
-AXES = ("dp", "tp", "pp", "cp", "zero", "recompute", "micro_batch", "pp_schedule", "pp_virtual", "sp")
+AXES = ("dp", "tp", "pp", "cp", "zero", "recompute", "micro_batch", "pp_schedule", "pp_virtual", "sp",
+        "zero_accumulate")
 
 
 @dataclass(frozen=True)
@@ -45,20 +47,23 @@ class Layout:
     pp_schedule: str
     pp_virtual: int
     sp: bool
+    zero_accumulate: str = "sharded"  # ZeRO-2/3 with grad_acc > 1: "sharded" (slices only) or "full" (whole buffers)
 
     def apply(self, base: Config) -> Config:
         """`base` with this layout."""
         parallel = replace(base.parallel, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,
-                           pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual, sp=self.sp, pp_split=None)
+                           pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual, sp=self.sp, pp_split=None,
+                           zero_accumulate=self.zero_accumulate)
         train = replace(base.train, recompute=self.recompute, micro_batch=self.micro_batch, grad_acc=self.grad_acc)
         return replace(base, parallel=parallel, train=train)
 
     def label(self) -> str:
-        """A short name: dp4 tp2 pp2(1f1b) cp1 sp z1 sel mb2x4."""
+        """A short name: dp4 tp2 pp2(1f1b) cp1 sp z1 sel mb2x4 (z3f: ZeRO-3 accumulating in full buffers)."""
         pp = f"pp{self.pp}" + (f"({self.pp_schedule}{'x' + str(self.pp_virtual) if self.pp_virtual > 1 else ''})"
                                if self.pp > 1 else "")
         recompute = {"none": "-", "selective": "sel", "full": "full"}[self.recompute]
-        return (f"dp{self.dp} tp{self.tp}{' sp' if self.sp else ''} {pp} cp{self.cp} z{self.zero} {recompute} "
+        full = "f" if self.zero_accumulate == "full" else ""
+        return (f"dp{self.dp} tp{self.tp}{' sp' if self.sp else ''} {pp} cp{self.cp} z{self.zero}{full} {recompute} "
                 f"mb{self.micro_batch}x{self.grad_acc}")
 
 
@@ -114,9 +119,12 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
         sp = tp > 1 and (base.data.seq_len // cp) % tp == 0
         for (schedule, virtual), zero, recompute in itertools.product(
                 schedules, (0, 1, 2, 3) if dp * cp > 1 else (0,), ("none", "selective", "full")):
-            layout = Layout(dp, tp, pp, cp, zero, recompute, mb, grad_acc, schedule, virtual, fixed.get("sp", sp))
-            if all(getattr(layout, k) == v for k, v in fixed.items()):
-                yield layout
+            # ZeRO-2/3 with accumulation: sharded (less memory) or full (fewer collectives); elsewhere no choice
+            for accumulate in ("sharded", "full") if zero >= 2 and grad_acc > 1 else ("sharded",):
+                layout = Layout(dp, tp, pp, cp, zero, recompute, mb, grad_acc, schedule, virtual, fixed.get("sp", sp),
+                                accumulate)
+                if all(getattr(layout, k) == v for k, v in fixed.items()):
+                    yield layout
 
 
 def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch: int,
