@@ -67,7 +67,7 @@ class ParallelConfig:
     zero_accumulate: ZeroAccumulate = "sharded"  # ZeRO-2/3 with grad_acc > 1: "sharded" reduce-scatters every
     # micro-batch into this rank's slice (gradients 1/dp_shard), "full" keeps whole buffers and reduces once a
     # step (fewer collectives, more memory); ZeRO-0/1 always keep whole buffers (ignored there)
-    dp_shard: int | None = None  # HSDP: ZeRO shards over groups of this many dp*cp ranks, replicated across groups
+    dp_shard: int | None = None  # HSDP: ZeRO's shard group, a divisor of dp*cp (replicated across groups); null: dp*cp
     device: DeviceKind = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     timeout_s: float = 600.0  # a collective that takes longer fails the run with an error
     max_restarts: int = 0  # the launcher restarts all ranks this many times after a failure (they resume "auto")
