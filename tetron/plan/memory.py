@@ -23,6 +23,7 @@ step. The pipeline schedule (parallel/pipeline_schedules.py) says which micro-ba
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass, replace
 
@@ -116,7 +117,7 @@ def _zero_extras(s: Sizes, st: State, chunk: Chunk, moment: str, *, attached: in
     those an earlier backward of this step left. ZeRO-3 also gathers units: the root while the chunk's
     forward or head backward runs, and on a first chunk until the embedding's gradient at the very end;
     the current layer and the one before."""
-    if st.lazy_buckets:
+    if st.lazy_starts:
         return 0, F32 * (attached or _zero2_buffers(st, chunk, moment, index=index, syncing=syncing, which=which))
     if not st.root and not st.layer:
         return 0, 0
@@ -135,13 +136,9 @@ def _zero2_buffers(st: State, chunk: Chunk, moment: str, *, index: int, syncing:
     if moment not in ("head backward", "layer backward"):
         return 0
     reached = st.head[which] + (index + 1) * st.layer_elements * (moment == "layer backward")
-    touched, start = [], 0
-    for size in st.lazy_buckets[which]:
-        if start >= max(reached, 1):
-            break
-        touched.append(size)
-        start += size
-    return sum(touched[-2:] if syncing else touched)
+    starts = st.lazy_starts[which]
+    touched = bisect.bisect_left(starts, max(reached, 1), 0, len(starts) - 1)  # buckets begun: those starting before
+    return starts[touched] - (starts[max(touched - 2, 0)] if syncing else 0)
 
 
 def _actions(cfg: Config, pp_rank: int) -> tuple[Action, ...]:

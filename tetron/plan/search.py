@@ -119,12 +119,12 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
         sp = tp > 1 and (base.data.seq_len // cp) % tp == 0
         for (schedule, virtual), zero, recompute in itertools.product(
                 schedules, (0, 1, 2, 3) if dp * cp > 1 else (0,), ("none", "selective", "full")):
-            # ZeRO-2/3 with accumulation: sharded (less memory) or full (fewer collectives); elsewhere no choice
-            for accumulate in ("sharded", "full") if zero >= 2 and grad_acc > 1 else ("sharded",):
-                layout = Layout(dp, tp, pp, cp, zero, recompute, mb, grad_acc, schedule, virtual, fixed.get("sp", sp),
-                                accumulate)
-                if all(getattr(layout, k) == v for k, v in fixed.items()):
-                    yield layout
+            # ZeRO-2/3 with accumulation: full (fewer collectives) unless pinned; search() falls back to sharded
+            accumulate = fixed.get("zero_accumulate", "full") if zero >= 2 and grad_acc > 1 else "sharded"
+            layout = Layout(dp, tp, pp, cp, zero, recompute, mb, grad_acc, schedule, virtual, fixed.get("sp", sp),
+                            accumulate)
+            if all(getattr(layout, k) == v for k, v in fixed.items()):
+                yield layout
 
 
 def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch: int,
@@ -139,14 +139,26 @@ def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch:
         except ConfigError as err:
             refused.append(str(err))
             continue
-        memory = floor(cfg)  # arithmetic: a layout far over the limit is not walked layer by layer
-        memory = memory if memory.total > limit else predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
+        memory = _memory(cfg, limit)
+        if memory.total > limit and layout.zero_accumulate == "full" and "zero_accumulate" not in (fixed or {}):
+            # Full accumulation is the faster (one reduction a step) and sharded the smaller: so the layout is
+            # ranked as full where that fits, as sharded where only that fits (as ranking both would)
+            layout = replace(layout, zero_accumulate="sharded")
+            cfg = layout.apply(base)
+            memory = _memory(cfg, limit)
         plans.append(Plan(layout, cfg, memory, estimate(cfg, hw, gpus_per_node=gpus_per_node), limit))
     if not plans:  # say why: the first refusal, or that the sizes leave nothing to try
         raise ConfigError(f"no layout of {world} ranks is valid: {refused[0]}" if refused else
                           f"no layout of {world} ranks divides the model (heads, layers) and the batch of {batch} "
                           f"sequences{' with ' + str(fixed) if fixed else ''}")
     return plans
+
+
+def _memory(cfg: Config, limit: int) -> MemoryEstimate:
+    """The predicted peak, or a lower bound of it by arithmetic alone where that is over `limit` already
+    (a layout far over the limit is not walked layer by layer)."""
+    memory = floor(cfg)
+    return memory if memory.total > limit else predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
 
 
 def rank(plans: list[Plan]) -> list[Plan]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +166,8 @@ class State:
     root: int = 0  # ZeRO-3: elements of a first/last chunk's non-layer unit (embedding, final norm, head), padded
     layer: int = 0  # ZeRO-3: elements of one decoder layer's unit, padded
     chunk_units: tuple[int, ...] = ()  # ZeRO-2/3: elements of each chunk's gradient buffers together, padded
-    lazy_buckets: tuple[tuple[int, ...], ...] = ()  # ZeRO-2: each chunk's buffers' elements, in backward order
+    lazy_starts: tuple[tuple[int, ...], ...] = ()  # ZeRO-2: where each chunk's buffers start in backward order, and
+    # their total (prefix sums of their padded elements: a moment's buffers found by bisection)
     head: tuple[int, ...] = ()  # ZeRO-2: each chunk's elements before its first layer's, in backward order
     layer_elements: int = 0  # ZeRO-2: one decoder layer's elements
 
@@ -214,7 +216,8 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
         units = [chunk_units(cfg, c) for c in chunks]
         return State(params=d * padded, grads=F32 * slices, optimizer=optimizer, largest=largest,
                      chunk_units=tuple(sum(b.padded for b in bs) for bs in per_chunk),
-                     lazy_buckets=tuple(tuple(b.padded for b in bs) for bs in per_chunk),
+                     lazy_starts=tuple(tuple(itertools.accumulate((b.padded for b in bs), initial=0))
+                                       for bs in per_chunk),
                      head=tuple(sum(u[0][1:] if c.first else u[0]) for u, c in zip(units, chunks)),
                      layer_elements=sum(layer_numels(cfg)))
     # ZeRO-0/1 (or nothing to shard): every bucket buffer is allocated once and kept; with shards > 1 the
