@@ -122,23 +122,25 @@ def check_layout(corpus, cache_dir, tmp_path, **layout) -> tuple[list[dict], dic
 def train_rank(raw: dict, *, trace: bool = False) -> dict:
     """On one rank of a process group: train the raw config. Returns the losses of the steps run, this
     rank's final weights as whole tensors (every chunk, gathered over tp, vocabulary padding cut), the
-    number of its parameters, and with `trace` its pipeline trace and data-parallel all-reduce count."""
+    number of its parameters, the most gradient bytes it held between micro-batches, and with `trace` its
+    pipeline trace and data-parallel all-reduce count."""
     cfg = from_dict(raw)
     p = cfg.parallel
-    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, dp_shard=p.dp_shard)
     result = train(cfg, mesh, trace=trace)
     state = {}
     for chunk in result.chunks if p.zero < 3 else []:  # under ZeRO-3 only slices are left: see OUT/model
         state.update(gather_full_state(chunk, mesh.group("tp")))
     return {"losses": result.losses, "state": state, "trace": result.pipeline_trace,
-            "collectives": result.dp_collectives, "num_params": sum(1 for c in result.chunks for _ in c.parameters())}
+            "collectives": result.dp_collectives, "grad_bytes_held": result.grad_bytes_held,
+            "num_params": sum(1 for c in result.chunks for _ in c.parameters())}
 
 
 def train_rank_losses(raw: dict) -> list[float]:
     """On one rank of a process group: train the raw config, return the losses of the steps run."""
     cfg = from_dict(raw)
     p = cfg.parallel
-    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)).losses
+    return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, dp_shard=p.dp_shard)).losses
 
 
 def run_parallel(raw: dict, *, trace: bool = False, timeout: float = 300) -> tuple[list[dict], dict]:

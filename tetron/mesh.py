@@ -1,8 +1,11 @@
 """The process layout: one object over DeviceMesh with this rank's coordinates, groups and neighbours.
 
 Axes are ordered (pp, dp, cp, tp): tp innermost so tensor-parallel ranks are neighbours
-(same node, fastest links), pp outermost. Every group (each axis, dp*cp over which gradients
-are averaged, the tied-embedding pairs) is built explicitly from the rank grid with `new_group`
+(same node, fastest links), pp outermost. HSDP (`dp_shard` < dp*cp) cuts each dp*cp group into
+shard groups of `dp_shard` consecutive ranks (ZeRO's slices; the nearest ranks, so its gathers and
+reduce-scatters stay on the fastest links) and replicate groups across them (the same slice on each).
+Every group (each axis, dp*cp over which gradients are averaged, ZeRO's shards and replicas, the
+tied-embedding pairs) is built explicitly from the rank grid with `new_group`
 and the run's timeout, and the DeviceMesh is assembled from the axis groups
 (`DeviceMesh.from_group`): groups that init_device_mesh or new_group create on their own wait
 torch's default 30 minutes, not `parallel.timeout_s`.
@@ -25,9 +28,10 @@ class Mesh:
 
     `timeout`: how long any collective of its groups may wait (parallel.timeout_s); None: torch's default."""
 
-    def __init__(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, device_type: str = "cpu",
-                 timeout: timedelta | None = None) -> None:
+    def __init__(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int | None = None,
+                 device_type: str = "cpu", timeout: timedelta | None = None) -> None:
         self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        self.dp_shard = dp * cp if dp_shard is None else dp_shard
         self.world_size = pp * dp * cp * tp
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"world size {dist.get_world_size()} != pp*dp*cp*tp = {self.world_size}")
@@ -42,6 +46,7 @@ class Mesh:
         self.device_mesh = DeviceMesh.from_group([self.groups[a] for a in AXES], device_type, mesh=self.grid,
                                                  mesh_dim_names=AXES)
         self.groups["dp_cp"] = self._new_group_over(("dp", "cp"))
+        self.groups["dp_shard"], self.groups["dp_replicate"] = self._hsdp_groups()
         if pp > 1:
             self.groups["embed"] = self._embedding_group()
 
@@ -59,6 +64,22 @@ class Mesh:
         assert mine is not None
         return mine
 
+    def _hsdp_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """(shard, replicate): without HSDP dp*cp itself and None; else each dp*cp row [R * S] cut into
+        R shard groups of S consecutive ranks and S replicate groups of every S-th (every rank creates all)."""
+        n, shard = self.size("dp_cp"), self.dp_shard
+        if shard == n:
+            return self.groups["dp_cp"], None
+        rows = self.grid.permute(0, 3, 1, 2).reshape(-1, n // shard, shard)  # [pp*tp, R, S]
+        mine = {}
+        cuts = {"shard": rows.reshape(-1, shard), "replicate": rows.transpose(1, 2).reshape(-1, n // shard)}
+        for kind, groups in cuts.items():
+            for row in groups.tolist():
+                group = dist.new_group(row, timeout=self.timeout)
+                if self.rank in row:
+                    mine[kind] = group
+        return mine["shard"], mine["replicate"]
+
     def _embedding_group(self) -> dist.ProcessGroup | None:
         """The first and the last pipeline stage of this rank's (dp, cp, tp) column: with tied embeddings
         both hold the tensor. Every rank creates every such group, in order; None off the two ends."""
@@ -71,20 +92,23 @@ class Mesh:
         return mine
 
     def size(self, axis: str) -> int:
-        """Number of ranks along `axis` ("pp", "dp", "cp", "tp" or "dp_cp")."""
-        if axis == "dp_cp":
-            return self.sizes["dp"] * self.sizes["cp"]
+        """Number of ranks along `axis` ("pp", "dp", "cp", "tp", "dp_cp", "dp_shard" or "dp_replicate")."""
+        if axis in ("dp_cp", "dp_shard", "dp_replicate"):
+            n = self.sizes["dp"] * self.sizes["cp"]
+            return {"dp_cp": n, "dp_shard": self.dp_shard, "dp_replicate": n // self.dp_shard}[axis]
         return self.sizes[axis]
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along `axis`."""
-        if axis == "dp_cp":
-            return self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
+        if axis in ("dp_cp", "dp_shard", "dp_replicate"):
+            index = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
+            return {"dp_cp": index, "dp_shard": index % self.dp_shard, "dp_replicate": index // self.dp_shard}[axis]
         return self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The group of `axis` (or "dp_cp"); "embed": first + last pipeline stage, None elsewhere or without pp."""
-        return self.groups.get(axis) if axis == "embed" else self.groups[axis]
+        """The group of `axis` (or "dp_cp", "dp_shard"); "embed": first + last pipeline stage, None elsewhere or
+        without pp; "dp_replicate": HSDP's replicas of this rank's ZeRO slices, None without HSDP."""
+        return self.groups.get(axis) if axis in ("embed", "dp_replicate") else self.groups[axis]
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage `stage` in this rank's (dp, cp, tp) column."""

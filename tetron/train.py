@@ -132,8 +132,8 @@ def describe(run: Run) -> None:
     """Rank 0's opening lines: the model's size and this rank's part of it, the data and the plan."""
     cfg, t = run.cfg, run.cfg.train
     total, mine = cfg.model.num_params(), sum(p.numel() for p in run.model.params)
-    dp_cp = run.mesh.size("dp_cp")
-    sharded = f" (ZeRO-3: a 1/{dp_cp} slice of it between uses)" if cfg.parallel.zero == 3 and dp_cp > 1 else ""
+    shards = run.mesh.size("dp_shard")
+    sharded = f" (ZeRO-3: a 1/{shards} slice of it between uses)" if cfg.parallel.zero == 3 and shards > 1 else ""
     say(f"model: {total:,} parameters, {mine:,} on rank 0{sharded}")
     tokens_per_step = cfg.global_batch * cfg.data.seq_len
     windows = sum(run.loader.num_windows) if cfg.data.sources else run.loader.sampler.num_windows
@@ -314,6 +314,7 @@ class TrainResult:
     chunks: list[Llama] = field(default_factory=list)  # this rank's bare chunks, virtual-stage order
     pipeline_trace: PipelineTrace | None = None  # with trace under pp: this rank's actions, last step
     dp_collectives: int | None = None  # with trace: gradient all-reduces issued by data parallelism
+    grad_bytes_held: int = 0  # the most gradient bytes this rank held between micro-batches (bucket buffers, slices)
     stopped_at: int | None = None  # the step saved when a stop request ended the run early, else None
     timings: list[dict[str, float]] = field(default_factory=list)  # with logging.timers: this rank's seconds
     # per category of each step, and the step's own step_time_s
@@ -383,6 +384,7 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace:
             batch = next_batch(run)
     if reporter:
         reporter.close()
+    result.grad_bytes_held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)
     if trace:
         result.dp_collectives = sum(chunk.num_collectives for chunk in run.model.dp_chunks)
         result.pipeline_trace = run.pipeline.trace if run.pipeline is not None else None

@@ -83,6 +83,12 @@ def _validate_memory(cfg: Config) -> None:
                         (t.dtype == "bfloat16", "train.dtype=bfloat16 (gradients accumulate in its fp32 buckets)"),
                         (p.reduce_dtype == "bfloat16", "parallel.reduce_dtype=bfloat16 (it reduces the buckets)")):
         _check(not needs or p.dp_impl == "bucket", f"{what} needs parallel.dp_impl=bucket, not {p.dp_impl}")
+    n = p.dp * p.cp
+    _check(p.dp_shard is None or (p.dp_shard >= 1 and n % p.dp_shard == 0),
+           f"parallel.dp_shard={p.dp_shard} must divide dp*cp={n}: ZeRO shards over groups of dp_shard ranks "
+           f"and replicates across them (null: all {n})")
+    _check(p.dp_shard in (None, n) or p.zero >= 1,
+           f"parallel.dp_shard={p.dp_shard} needs parallel.zero >= 1: without ZeRO nothing is sharded")
 
 
 def _validate_checkpoint(cfg: Config) -> None:

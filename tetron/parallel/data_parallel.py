@@ -9,7 +9,15 @@ Two implementations of the same contract:
   communication overlaps the rest of the backward pass; all are awaited at the end of backward.
 
 Both skip communication inside `no_sync()`, so with gradient accumulation the micro-batches
-before the last only accumulate locally and the sync happens once per optimizer step.
+before the last only accumulate locally and the sync happens once per optimizer step. Except under
+ZeRO-2/3 with `parallel.zero_accumulate: sharded` (the default): there every micro-batch's buckets are
+reduce-scattered as its backward goes, each added into this rank's fp32 slice, and the full buffers
+are released in between, so what persists through accumulation is 1/N of the gradients (FSDP2's and
+DeepSpeed's default), for N-1 more reduce-scatters a step than `full` (one reduction from whole buffers).
+(Averages add up: the sum over micro-batches of each one's average over the ranks is the average of sums.)
+
+HSDP (`parallel.dp_shard` < dp*cp): the reduce-scatter runs within the shard group, and the last
+micro-batch's reduced slices (1/dp_shard of the data) are then averaged across the replicate group.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tetron.config import DpImpl
+from tetron.config import DpImpl, ZeroAccumulate
 from tetron.parallel.comm import reduce_scatter_flat
 from tetron.parallel.timers import timer
 
@@ -104,6 +112,8 @@ class _Bucket:
                            if shards > 1 and separate_shard else None)
         self.sharded = shards > 1
         self.pending: set[nn.Parameter] = set(params)
+        self.fresh = True  # no reduction yet this step: the next one writes the slice, later ones add to it
+        self.reducing = False  # a reduction started and not yet completed
         self.handle: dist.Work | None = None
         self.after_wait: Callable[[], None] | None = None  # copies a lower-precision reduction back
 
@@ -121,18 +131,28 @@ class DataParallelBucket(DataParallel):
     the averaged gradients, for the sharded optimizer in zero.py); `zero` >= 2 also releases each full
     buffer once reduced, and allocates it again when its first gradient of the next step arrives.
     `units` (ZeRO-3) makes one bucket per (module, parameters) pair, whose buffer is allocated only
-    when its backward begins (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32)."""
+    when its backward begins (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32).
+    `accumulate` (ZeRO-2/3): "sharded" reduces every micro-batch into the slices, "full" once a step.
+    `shard_group` (HSDP; default `group`): the ranks ZeRO shards over; `replicate_group`: their replicas."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32,
                  units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                 count_collectives: bool = False) -> None:
+                 count_collectives: bool = False, accumulate: ZeroAccumulate = "sharded",
+                 shard_group: dist.ProcessGroup | None = None,
+                 replicate_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(module, group, count_collectives=count_collectives)
         params = self._params()
         device = params[0].device
-        self.shards = self.world if zero >= 1 else 1
-        self.free_after_reduce = zero >= 2 and self.world > 1
-        shard = {"shards": self.shards, "rank": dist.get_rank(group) if self.shards > 1 else 0,
+        self.shard_group = group if shard_group is None else shard_group
+        self.shards = dist.get_world_size(self.shard_group) if zero >= 1 else 1
+        self.free_after_reduce = zero >= 2 and self.shards > 1
+        self.reduce_every_micro_batch = self.free_after_reduce and accumulate == "sharded"
+        # HSDP: the slices' average over the shard group is averaged again over the replicas, once a step
+        self.replicate = replicate_group if self.shards > 1 else None
+        self._replica_works: list[dist.Work] = []
+        self.max_held_grad_bytes = 0  # the most gradient bytes alive at a forward's start: what accumulation holds
+        shard = {"shards": self.shards, "rank": dist.get_rank(self.shard_group) if self.shards > 1 else 0,
                  "separate_shard": self.free_after_reduce}
         # ZeRO-2/3: a bucket's full buffer exists only from its first gradient of the step (or, ZeRO-3, from
         # its unit's backward) until its reduction, not through the forward pass
@@ -163,11 +183,16 @@ class DataParallelBucket(DataParallel):
         for p in reversed(params):
             group_params.append(p)
             if sum(q.numel() for q in group_params) >= limit:
-                buckets.append(_Bucket(group_params, device, **shard))
+                buckets.append(_Bucket(group_params, device, allocate=not self.lazy, **shard))
                 group_params = []
         if group_params:
-            buckets.append(_Bucket(group_params, device, **shard))
+            buckets.append(_Bucket(group_params, device, allocate=not self.lazy, **shard))
         return buckets
+
+    def forward(self, *args, **kwargs):
+        held = [t for b in self.buckets for t in (b.buffer, b.shard_grad) if t is not None]
+        self.max_held_grad_bytes = max(self.max_held_grad_bytes, sum(t.numel() * t.element_size() for t in held))
+        return self.module(*args, **kwargs)
 
     def attach(self, bucket: _Bucket) -> None:
         """Give `bucket` a zeroed buffer if it has none, and point its parameters' gradients into it."""
@@ -197,6 +222,7 @@ class DataParallelBucket(DataParallel):
                 bucket.buffer.zero_()
                 self.attach(bucket)
             bucket.pending = set(bucket.params)
+            bucket.fresh = True
 
     def _hook(self, param: nn.Parameter) -> None:
         if param not in self.main_grads:  # the bucket's first gradient of the step (ZeRO-2): its buffer now
@@ -209,7 +235,7 @@ class DataParallelBucket(DataParallel):
             # fp32 buffer by hand, then point fp32 parameters back at their view.
             main_grad.add_(param.grad)
             param.grad = main_grad if param.dtype == torch.float32 else None
-        if not self.require_sync or self.world == 1:
+        if not (self.require_sync or self.reduce_every_micro_batch) or self.world == 1:
             return
         if not self._callback_queued:
             # Runs once the whole backward pass has finished: wait for every bucket there.
@@ -239,16 +265,22 @@ class DataParallelBucket(DataParallel):
             # In place: this rank's slice of the wire receives the average (NCCL and gloo allow it).
             target, full = bucket.reduced_grad(), wire
             wire = full[bucket.mine]
-            work = reduce_scatter_flat(wire, full, op=AVG, group=self.group, async_op=async_op)
-        same = wire.data_ptr() == target.data_ptr()
-        bucket.after_wait = None if same else (lambda: target.copy_(wire))
+            work = reduce_scatter_flat(wire, full, op=AVG, group=self.shard_group, async_op=async_op)
+        bucket.reducing = True
+        if wire.data_ptr() == target.data_ptr():
+            bucket.after_wait = None
+        else:  # the step's first reduction writes the slice; under sharded accumulation later ones add to it
+            bucket.after_wait = (lambda: target.copy_(wire)) if bucket.fresh else (lambda: target.add_(wire))
         bucket.handle = work if async_op else None
         if not async_op:
             self._complete(bucket)
         return work
 
     def _complete(self, bucket: _Bucket) -> None:
-        """Wait for the bucket's reduction, finish it, and under ZeRO-2/3 release its full buffer."""
+        """Wait for the bucket's reduction, finish it (HSDP, the step's last: start the slice's average over
+        the replicas), and under ZeRO-2/3 release its full buffer."""
+        if not bucket.reducing:
+            return
         if bucket.handle is not None:
             with timer("dp"):
                 bucket.handle.wait()
@@ -256,6 +288,12 @@ class DataParallelBucket(DataParallel):
         if bucket.after_wait is not None:
             bucket.after_wait()
             bucket.after_wait = None
+        bucket.reducing, bucket.fresh = False, False
+        if self.replicate is not None and self.require_sync:
+            if self.num_collectives is not None:
+                self.num_collectives += 1
+            self._replica_works.append(dist.all_reduce(bucket.reduced_grad(), op=AVG, group=self.replicate,
+                                                       async_op=True))
         if self.free_after_reduce and bucket.buffer is not None:
             self._release(bucket)
 
@@ -268,16 +306,19 @@ class DataParallelBucket(DataParallel):
             else:
                 self._complete(bucket)
             bucket.pending = set(bucket.params)
+        if self._replica_works:
+            with timer("dp"):
+                for work in self._replica_works:
+                    work.wait()
+            self._replica_works = []
         self._callback_queued = False
         self._in_flight = None
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, *, impl: DpImpl = "bucket",
-                        bucket_mb: float = 25.0, zero: int = 0, reduce_dtype: torch.dtype = torch.float32,
-                        units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                        count_collectives: bool = False) -> DataParallel:
-    """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket"; ZeRO needs buckets)."""
+                        count_collectives: bool = False, **bucket_options) -> DataParallel:
+    """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket"; ZeRO needs buckets, and
+    `bucket_options` are DataParallelBucket's)."""
     if impl == "naive":
         return DataParallelNaive(model, group, count_collectives=count_collectives)
-    return DataParallelBucket(model, group, bucket_mb=bucket_mb, zero=zero, reduce_dtype=reduce_dtype,
-                              units=units, count_collectives=count_collectives)
+    return DataParallelBucket(model, group, count_collectives=count_collectives, **bucket_options)

@@ -27,7 +27,7 @@ def clip_grads_(grads: list[tuple[Tensor, nn.Parameter]], max_norm: float, mesh:
     tp, replicated tensors are taken as they are, stages are summed over pp, and the last stage's
     copy of a tied embedding (layout `tied_copy`) is left out of the sum (the first stage counts it).
     With ZeRO each rank holds different pieces of every gradient (`sharded_over_dp`): the sums of
-    both kinds are also summed over dp*cp."""
+    both kinds are also summed over the shard group (dp*cp, or HSDP's dp_shard: its replicas hold the same)."""
     device = grads[0][0].device if grads else torch.device("cpu")
     replicated, sharded = [], []
     for g, p in grads:
@@ -35,8 +35,8 @@ def clip_grads_(grads: list[tuple[Tensor, nn.Parameter]], max_norm: float, mesh:
         if not layout.tied_copy:
             (sharded if layout.tp is not None else replicated).append(g)
     sums = torch.stack([_sum_of_squares(replicated, device), _sum_of_squares(sharded, device)])
-    if sharded_over_dp and mesh.size("dp_cp") > 1:
-        dist.all_reduce(sums, group=mesh.group("dp_cp"))
+    if sharded_over_dp and mesh.size("dp_shard") > 1:
+        dist.all_reduce(sums, group=mesh.group("dp_shard"))
     if mesh.size("tp") > 1:
         dist.all_reduce(sums[1:], group=mesh.group("tp"))  # the shards' squares; replicated ones count once
     total = sums.sum()

@@ -87,19 +87,21 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         apply_compile(chunk, cfg.train.compile)
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
+    # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
-                                     count_collectives=count_collectives)
+                                     count_collectives=count_collectives, accumulate=p.zero_accumulate,
+                                     shard_group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"))
                  for chunk in chunks]
     return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
 
 
 def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedAdamW:
-    """AdamW over fp32 master weights, sharded over dp*cp under ZeRO (zero.py); it also casts the
+    """AdamW over fp32 master weights, sharded over dp_shard (dp*cp) under ZeRO (zero.py); it also casts the
     parameters to the compute dtype, so it comes after data parallelism has laid out the buckets."""
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     return ShardedAdamW(model.params, model.dp_chunks, cfg.train, zero=cfg.parallel.zero, dtype=dtype,
-                        group=mesh.group("dp_cp"))
+                        group=mesh.group("dp_shard"))
 
 
 @torch.no_grad()

@@ -61,8 +61,10 @@ class StepTimers:
         self.mesh = mesh
         self.sync = device.type == "cuda"
         self.device = device
-        # the groups of the axes; dp*cp (gradients) counts as dp, the tied-embedding pair as pp
-        named = {**{axis: axis for axis in AXES}, "dp_cp": "dp", "embed": "pp"}
+        # the groups of the axes; dp*cp (gradients) and HSDP's shard and replicate groups count as dp, the
+        # tied-embedding pair as pp
+        named = {**{axis: axis for axis in AXES}, "dp_cp": "dp", "dp_shard": "dp", "dp_replicate": "dp",
+                 "embed": "pp"}
         self.axis_of = {id(mesh.group(name)): axis for name, axis in named.items() if mesh.group(name) is not None}
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.stack: list[str] = []

@@ -1,4 +1,5 @@
-"""ZeRO and mixed precision: AdamW over fp32 master weights, sharded over the dp*cp group.
+"""ZeRO and mixed precision: AdamW over fp32 master weights, sharded over the dp*cp group (or, under
+HSDP, over the `dp_shard` group it is given: the replicas across groups hold the same slices).
 
 Megatron's distributed optimizer in ordinary PyTorch, on top of the gradient buckets of
 data_parallel.py (every gradient lives in an fp32 bucket buffer, padded to a multiple of N = dp*cp).

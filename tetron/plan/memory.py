@@ -23,6 +23,7 @@ step. The pipeline schedule (parallel/pipeline_schedules.py) says which micro-ba
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass, replace
 
@@ -46,7 +47,7 @@ from tetron.plan.activations import (
     norm_bytes,
 )
 from tetron.plan.sizes import F32, I64, Sizes
-from tetron.plan.state import Chunk, State, rank_chunks, state
+from tetron.plan.state import Chunk, State, accumulates_sharded, rank_chunks, state, zero_shards
 
 # Fitted constants for short-lived tensors (bytes are these times the named size; see each use).
 LAYER_BWD_I = 2.0  # a layer's backward: MLP-width activation gradients alive at once (grad of the product,
@@ -119,11 +120,12 @@ def _zero_extras(s: Sizes, st: State, chunk: Chunk, moment: str, *, attached: in
     """(params, grads) that ZeRO adds at a moment, at the backward of chunk `which`'s `index`-th layer from
     the end. A full gradient buffer (ZeRO-2/3) is allocated when its first gradient of the step arrives
     (ZeRO-3: when its unit's backward begins) and released once reduced; when `syncing` (the step's last
-    micro-batch) a reduced buffer goes when the next one is reduced, so at most two are alive; before
-    that (gradient accumulation) all stay, and `attached` counts those an earlier backward of this step
-    left. ZeRO-3 also gathers units: the root while the chunk's forward or head backward runs, and on a
-    first chunk until the embedding's gradient at the very end; the current layer and the one before."""
-    if st.lazy_buckets:
+    micro-batch, or every one under sharded accumulation) a reduced buffer goes when the next one is
+    reduced, so at most two are alive; before that (full accumulation) all stay, and `attached` counts
+    those an earlier backward of this step left. ZeRO-3 also gathers units: the root while the chunk's
+    forward or head backward runs, and on a first chunk until the embedding's gradient at the very end;
+    the current layer and the one before."""
+    if st.lazy_starts:
         return 0, F32 * (attached or _zero2_buffers(st, chunk, moment, index=index, syncing=syncing, which=which))
     if not st.root and not st.layer:
         return 0, 0
@@ -142,13 +144,9 @@ def _zero2_buffers(st: State, chunk: Chunk, moment: str, *, index: int, syncing:
     if moment not in ("head backward", "layer backward"):
         return 0
     reached = st.head[which] + (index + 1) * st.layer_elements * (moment == "layer backward")
-    touched, start = [], 0
-    for size in st.lazy_buckets[which]:
-        if start >= max(reached, 1):
-            break
-        touched.append(size)
-        start += size
-    return sum(touched[-2:] if syncing else touched)
+    starts = st.lazy_starts[which]
+    touched = bisect.bisect_left(starts, max(reached, 1), 0, len(starts) - 1)  # buckets begun: those starting before
+    return starts[touched] - (starts[max(touched - 2, 0)] if syncing else 0)
 
 
 def _actions(cfg: Config, pp_rank: int) -> tuple[Action, ...]:
@@ -256,7 +254,8 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
         found.append(("forward", 0, {}))
     for name, index, extra in found:
         extra["params"], extra["grads"] = _zero_extras(s, st, chunk, name, attached=attached, index=index,
-                                                       syncing=action.micro == _micro_batches(cfg) - 1,
+                                                       syncing=action.micro == _micro_batches(cfg) - 1
+                                                       or accumulates_sharded(cfg),
                                                        which=action.chunk)
     return [(name, extra) for name, _, extra in found]
 
@@ -279,7 +278,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     mode = cfg.train.recompute
     rebuilt = [c.layers * (s.n_res * s.d * s.h + layer_weight_inputs(s) - layer_kept(s, mode))
                if split and mode != "none" and not c.first else 0 for c in chunks]
-    done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-3, grad_acc > 1)
+    done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-2/3, full accumulation)
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
     best_total = best.total
     for k, action in enumerate(_actions(cfg, pp_rank)):
@@ -303,7 +302,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
             acts += rebuilt[action.chunk]
         if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
             acts, loss = acts - h.activations - rebuilt[action.chunk], loss - h.loss
-            if st.chunk_units and cfg.train.grad_acc > 1:
+            if st.chunk_units and cfg.train.grad_acc > 1 and not accumulates_sharded(cfg):
                 done.add(action.chunk)
     # The optimizer step: activations gone; AdamW's temporaries (sqrt of the second moment, the update
     # denominator) and clipping's squares are each one piece in size, fp32.
@@ -324,11 +323,11 @@ def floor(cfg: Config) -> MemoryEstimate:
     device), no schedule walked, no loop over layers, so an absurd model (10**4 layers, a vocabulary of 10**9)
     is weighed at once. The busiest pipeline rank holds at least 1/(tp*pp) of the parameters (tp splits the
     matrices, pp the layers), each with its fp32 gradient and AdamW's two moments (plus an fp32 master under
-    bf16), divided by dp*cp where ZeRO shards them; the step's token ids; and under all-forward-all-backward
-    the first stage keeps at least every micro-batch's input to one layer."""
+    bf16), divided by dp*cp (HSDP: dp_shard) where ZeRO shards them; the step's token ids; and under
+    all-forward-all-backward the first stage keeps at least every micro-batch's input to one layer."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     elements = m.num_params() // (p.tp * p.pp)
-    shards = p.dp * p.cp if p.zero >= 1 else 1
+    shards = zero_shards(cfg)
     bf16 = t.dtype == "bfloat16"
     d = 2 if bf16 else F32
     tokens = t.micro_batch * (cfg.data.seq_len // p.cp)

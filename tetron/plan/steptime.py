@@ -28,7 +28,7 @@ from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import Hardware
 from tetron.plan.sizes import Sizes
-from tetron.plan.state import chunk_buckets, layer_matmul_numels, rank_chunks
+from tetron.plan.state import accumulates_sharded, chunk_buckets, layer_matmul_numels, rank_chunks, zero_shards
 
 
 @dataclass
@@ -135,9 +135,12 @@ def _idle(name: str, pp: int, virtual: int, micro_batches: int, relative: tuple[
 
 def _data_parallel(cfg: Config, hw: Hardware, gpus_per_node: int, *, backward_s: float,
                    compute_s: float) -> float:
-    """Seconds of gradient reduction over dp*cp (and ZeRO's parameter gathers) that compute does not hide."""
+    """Seconds of gradient reduction over dp*cp (and ZeRO's parameter gathers) that compute does not hide.
+    ZeRO reduce-scatters and gathers within its shard group (dp*cp, or HSDP's dp_shard consecutive ranks),
+    once a step or, under sharded accumulation, every micro-batch; HSDP then all-reduces the step's fp32
+    slices across the replicas."""
     p, s = cfg.parallel, Sizes.of(cfg)
-    n = p.dp * p.cp
+    n, shard = p.dp * p.cp, zero_shards(cfg)
     if n == 1:
         return 0.0
     buckets = [b for c in rank_chunks(cfg, 0) for b in chunk_buckets(cfg, c)]
@@ -145,16 +148,20 @@ def _data_parallel(cfg: Config, hw: Hardware, gpus_per_node: int, *, backward_s:
     grads = elements * (2 if p.reduce_dtype == "bfloat16" else 4)
     params = elements * s.d
     bw = _bandwidth(hw, p.tp * p.cp * p.dp, gpus_per_node)
-    if p.zero == 0:
+    if shard == 1:
         reduce = _ring(hw, grads, n, 2.0, bw) if p.dp_impl == "bucket" else len(buckets) * _ring(hw, grads, n, 2, bw)
         return max(reduce - backward_s, reduce / len(buckets))
-    scatter = _ring(hw, grads, n, 1.0, bw)
-    gather = _ring(hw, params, n, 1.0, bw)
-    if p.zero < 3:  # the reduce-scatter overlaps the backward; the all-gather after the step does not
-        return max(scatter - backward_s, scatter / len(buckets)) + gather
+    shard_bw = _bandwidth(hw, p.tp * shard, gpus_per_node)
+    scatter = _ring(hw, grads, shard, 1.0, shard_bw)
+    gather = _ring(hw, params, shard, 1.0, shard_bw)
+    replicate = _ring(hw, 4 * elements / shard, n // shard, 2.0, bw)
+    earlier = cfg.train.grad_acc - 1 if accumulates_sharded(cfg) else 0  # micro-batches that reduce before the last
+    if p.zero < 3:  # the reductions overlap their backward; the all-gather after the step does not
+        last, each = scatter + replicate, max(scatter - backward_s, scatter / len(buckets))
+        return max(last - backward_s, last / len(buckets)) + earlier * each + gather
     # ZeRO-3: every unit gathered before its forward and again before its backward, in every micro-batch,
     # each prefetched while the previous unit computes; only the first gather of each pass is exposed.
-    gathers = 2 * cfg.train.grad_acc * gather + scatter
+    gathers = 2 * cfg.train.grad_acc * gather + (1 + earlier) * scatter + replicate
     return max(0.0, gathers - compute_s) + 2 * gather / len(buckets)
 
 
