@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from tetron.config import from_dict
 from tetron.mesh import Mesh
 from tetron.models.llama import Llama, LlamaConfig
-from tetron.parallel.parallelize import make_loss_fn, parallelize
+from tetron.models.loss import head_cross_entropy
+from tetron.parallel.parallelize import parallelize
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
     padded_vocab_size,
@@ -111,12 +112,11 @@ def _head_and_loss_saved_bytes(raw: dict) -> int:
     cfg = from_dict(raw)
     mesh = Mesh(tp=cfg.parallel.tp)
     model = parallelize(cfg, mesh, torch.device("cpu")).chunks[0]
-    loss_fn = make_loss_fn(cfg, mesh)
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (4, cfg.data.seq_len))
     hidden = model.model(ids, torch.arange(cfg.data.seq_len)[None]).detach().requires_grad_(True)
     with saved_bytes(model) as saved:
-        loss = loss_fn(model.lm_head(hidden), ids)
+        loss = head_cross_entropy(model.lm_head, hidden, ids, chunk_tokens=cfg.train.loss_chunk_tokens)
     loss.backward()
     return sum(saved.values())
 
