@@ -51,7 +51,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, chunk_tokens: int,
                 chunk_loss: ChunkLoss) -> Tensor:  # hidden [N, H], weight [V, H], targets [N]
         want_dh, want_dw = ctx.needs_input_grad[:2]
-        dh = torch.empty_like(hidden) if want_dh else None
+        dh = hidden.new_empty(hidden.shape) if want_dh else None  # contiguous: each chunk fills its rows
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_dw else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         spans = _spans(hidden.shape[0], chunk_tokens)

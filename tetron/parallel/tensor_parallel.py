@@ -9,7 +9,8 @@ pre-hook), so the gradients of q, k and v (or gate and up) are summed locally fi
 in one all-reduce. See comm.py for f and g.
 
 The embedding is split by vocabulary rows, the head by vocabulary columns, and the loss is computed
-from vocab-sharded logits: no rank ever holds `[tokens, vocab]`. The vocabulary is padded to a
+from vocab-sharded logits, a chunk of tokens at a time (VocabParallelHead): no rank ever holds more
+than `[chunk, vocab/tp]` of them. The vocabulary is padded to a
 multiple of tp (times `vocab_pad_multiple`); padded rows start at zero, are masked out of the
 softmax, so receive no gradient, and are dropped on export.
 
