@@ -16,9 +16,10 @@ repeated before attention, fp32 gradient buckets even at dp 1), the term follows
 constants that describe short-lived tensors were fitted to tetron's measurements (noted where used).
 
 The peak is the largest of a few moments, each = what persists (parameters, gradients, optimizer
-state) + the activations of the micro-batches in flight + what that moment adds: the loss and its
-gradient over the logits, a decoder layer's backward (and its recomputed forward), or the optimizer
-step. The pipeline schedule (parallel/pipeline_schedules.py) says which micro-batches are in flight.
+state) + the activations of the micro-batches in flight + what that moment adds: the head and the loss
+over one chunk of logits, the head's backward, a decoder layer's backward (and its recomputed forward),
+or the optimizer step. The pipeline schedule (parallel/pipeline_schedules.py) says which micro-batches
+are in flight.
 """
 
 from __future__ import annotations
