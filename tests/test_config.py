@@ -273,6 +273,7 @@ BAD_VALUES = [
     (["--model.num_attention_heads=4", "--model.num_key_value_heads=3"],
      ["num_key_value_heads=3", "num_attention_heads=4"]),
     (["--model.num_attention_heads=0"], ["model.num_attention_heads=0"]),
+    (["--train.loss_chunk_tokens=-1"], ["train.loss_chunk_tokens=-1 must be >= 0", "all tokens at once"]),
     (["--model.num_key_value_heads=-2"], ["model.num_key_value_heads=-2"]),
     (["--tp", "3"], ["tp=3", "num_attention_heads=4"]),
     (["--tp", "4"], ["tp=4", "num_key_value_heads=2"]),

@@ -222,19 +222,21 @@ def _nan_rank(raw: dict) -> list[float]:
     """Train with the loss of the third step made NaN."""
     import tetron.train as tt
 
-    make = tt.make_loss_fn
+    build = tt.build_run
     calls = [0]
 
-    def make_nan(cfg, mesh):
-        fn = make(cfg, mesh)
+    def build_nan(*args, **kwargs):
+        run = build(*args, **kwargs)
+        per_token = run.loss_fn
 
-        def loss(logits, targets):
+        def loss(summed):
             calls[0] += 1
-            value = fn(logits, targets)
+            value = per_token(summed)
             return value * float("nan") if calls[0] == 3 else value
-        return loss
+        run.loss_fn = loss
+        return run
 
-    tt.make_loss_fn = make_nan
+    tt.build_run = build_nan
     return train_rank_losses(raw)
 
 

@@ -38,8 +38,7 @@ Dtype = Literal["float32", "bfloat16"]
 ZeroAccumulate = Literal["sharded", "full"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["cosine", "wsd", "constant"]
-OnNonfinite = Literal["stop", "skip"]
-OnBadRecord = Literal["stop", "skip"]
+OnNonfinite = OnBadRecord = Literal["stop", "skip"]
 
 INT_LIMIT = 2**63  # every integer field fits int64, as the tensors and files that hold them do
 MAX_TEXT = 4096  # characters of a text field (PATH_MAX): a longer one is refused before any message quotes it
@@ -119,6 +118,8 @@ class TrainConfig:
     seed: int = 0  # seeds the weights, the data order and the sampler
     dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads)
     recompute: Recompute = "none"  # activation recomputation per decoder layer: "none", "selective" or "full"
+    loss_chunk_tokens: int = 1024  # the head's matmul and the loss run over this many tokens at a time: only one
+    # chunk's fp32 logits [chunk, vocab/tp] ever exist (1024 x 49152: 192 MiB); 0: all of a micro-batch's at once
     compile: bool = False  # torch.compile each decoder layer (regional compilation): faster steps on GPUs, a
     # slower start (a minute or so per distinct layer shape); off by default
     on_nonfinite: OnNonfinite = "stop"  # a NaN/inf loss: "stop" the run naming the step, or "skip" the step's update

@@ -51,7 +51,6 @@ from tetron.parallel.parallelize import (
     ParallelModel,
     build_optimizer,
     finish_gradients,
-    make_loss_fn,
     parallelize,
     sequence_positions,
 )
@@ -75,7 +74,7 @@ class Run:
     model: ParallelModel  # this rank's chunks, bare and wrapped for data parallelism
     optimizer: ShardedAdamW  # AdamW over the fp32 master weights (this rank's pieces under ZeRO)
     dtype: torch.dtype  # the parameters' and activations' dtype
-    loss_fn: Callable[[Tensor, Tensor], Tensor]  # summed over tokens, divided by this rank's tokens per step
+    loss_fn: Callable[[Tensor], Tensor]  # the loss summed over tokens (the last chunk's output) -> per token
     positions: Tensor  # [T/cp] the positions of each sequence this rank holds (indexes the loader's CPU batches)
     device_positions: Tensor  # the same on the device: the RoPE position ids
     pipeline: Pipeline | None  # the schedule runner under pp, else None
@@ -152,12 +151,11 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
     # Sum over tokens, divided by this rank's tokens per step: after averaging over dp*cp the
     # gradient is that of the mean over every target token of the global batch.
     local_tokens = t.micro_batch * t.grad_acc * cfg.data.seq_len // mesh.size("cp")
-    token_loss = make_loss_fn(cfg, mesh)
     positions = sequence_positions(cfg, mesh)
     run = Run(cfg=cfg, mesh=mesh, device=device, tokenizer=tokenizer, loader=loader, model=model,
               optimizer=build_optimizer(model, cfg, mesh),
               dtype=torch.bfloat16 if t.dtype == "bfloat16" else torch.float32,
-              loss_fn=lambda logits, targets: token_loss(logits, targets) / local_tokens,
+              loss_fn=lambda summed: summed / local_tokens,
               positions=positions, device_positions=positions.to(device), pipeline=None,
               layer_ranks=layer_ranks(cfg), stop=stop)
     restore(run)
@@ -187,8 +185,7 @@ def forward_backward(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
     for k, mb in enumerate(micro_batches):  # on the device already (next_batch)
         last = k == len(micro_batches) - 1
         with contextlib.nullcontext() if last else wrapped.no_sync():
-            logits = wrapped(mb.inputs, mb.positions, mb.docs)  # [B, T/cp, vocab(/tp)]
-            loss = run.loss_fn(logits, mb.targets)
+            loss = run.loss_fn(wrapped(mb.inputs, mb.positions, mb.docs, targets=mb.targets))  # head and loss, chunked
             loss.backward()
         loss_sum += loss.detach()
     return loss_sum

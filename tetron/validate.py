@@ -252,6 +252,8 @@ def _validate_train(cfg: Config) -> None:
     _check(0 < t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2 must be in [0, 1)")
+    _check(t.loss_chunk_tokens >= 0,
+           f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 0 (0: the loss over all tokens at once)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _check(p.max_restarts >= 0, f"parallel.max_restarts={p.max_restarts} must be >= 0")
     problem = compile_problem(p.device) if t.compile else None

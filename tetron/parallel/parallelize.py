@@ -16,7 +16,6 @@ wraps the finished chunk to average its gradients, its hooks outside the compile
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,6 @@ from torch import Tensor, nn
 
 from tetron.config import Config
 from tetron.mesh import Mesh
-from tetron.models.loss import cross_entropy_sum
 from tetron.models.moe import moe_blocks
 from tetron.models.spec import spec_of
 from tetron.parallel.compile import apply_compile
@@ -38,9 +36,7 @@ from tetron.parallel.pipeline_schedules import splits_backward
 from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
-    padded_vocab_size,
     sync_sequence_parallel_grads,
-    vocab_parallel_cross_entropy,
 )
 from tetron.parallel.timers import timer
 from tetron.parallel.zero import ShardedAdamW, units_of
@@ -85,6 +81,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         # zbh1/zbv split each backward into B and W: a recomputed layer must then split too
         apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
         apply_compile(chunk, cfg.train.compile)
+        chunk.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # the head and the loss, chunked (models/loss.py)
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas
@@ -121,17 +118,6 @@ def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedAdamW) 
             optimizer.set_full_grad(copy, grad)
     sync_sequence_parallel_grads([g for g, p in optimizer.grads() if layout_of(p).summed_over_tp],
                                  mesh.group("tp"))
-
-
-def make_loss_fn(cfg: Config, mesh: Mesh) -> Callable[[Tensor, Tensor], Tensor]:
-    """Summed cross entropy over the target tokens: plain, or from vocab-sharded logits under tp."""
-    tp = mesh.size("tp")
-    if tp == 1:
-        return cross_entropy_sum
-    padded = padded_vocab_size(cfg.model.vocab_size, tp, cfg.parallel.vocab_pad_multiple)
-    start = mesh.local_rank("tp") * padded // tp
-    return lambda logits, targets: vocab_parallel_cross_entropy(
-        logits.float(), targets, mesh.group("tp"), vocab_start=start, vocab_size=cfg.model.vocab_size)
 
 
 def sequence_positions(cfg: Config, mesh: Mesh) -> Tensor:

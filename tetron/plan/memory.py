@@ -16,9 +16,10 @@ repeated before attention, fp32 gradient buckets even at dp 1), the term follows
 constants that describe short-lived tensors were fitted to tetron's measurements (noted where used).
 
 The peak is the largest of a few moments, each = what persists (parameters, gradients, optimizer
-state) + the activations of the micro-batches in flight + what that moment adds: the loss and its
-gradient over the logits, a decoder layer's backward (and its recomputed forward), or the optimizer
-step. The pipeline schedule (parallel/pipeline_schedules.py) says which micro-batches are in flight.
+state) + the activations of the micro-batches in flight + what that moment adds: the head and the loss
+over one chunk of logits, the head's backward, a decoder layer's backward (and its recomputed forward),
+or the optimizer step. The pipeline schedule (parallel/pipeline_schedules.py) says which micro-batches
+are in flight.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class MemoryEstimate:
     grads: int = 0  # fp32 gradient buckets (ZeRO-2/3: slices, plus the full buffers alive at the peak)
     optimizer: int = 0  # fp32 master weights that are not the parameters, AdamW's moments and step counters
     activations: int = 0  # saved for backward, every micro-batch in flight: layers, norms, RoPE, token ids
-    logits: int = 0  # the logits and the loss's fp32 copies of them (softmax, its gradient)
+    logits: int = 0  # the head and the loss: one chunk of fp32 logits, the two gradients the loss keeps for backward
     comm: int = 0  # P2P buffers of what crosses a stage boundary: in use, posted ahead, or not yet sent
     temporaries: int = 0  # short-lived tensors at the peak: a layer's recomputed forward, activation gradients
     moment: str = ""  # where in the step the peak falls ("": a lower bound, not a moment: floor())
@@ -86,21 +87,24 @@ class MemoryEstimate:
         return sorted(self.terms().items(), key=lambda kv: -kv[1])[:k]
 
 
-def _loss_moments(s: Sizes, *, pipelined: bool, bf16: bool) -> list[tuple[str, int, int]]:
-    """(moment, logits bytes, temporaries) of the loss on the last chunk, beyond its saved softmax (the
-    Ultra-Scale Playbook's point that the [tokens, vocab] logits, in fp32 for the loss, can outweigh a layer;
-    the vocabulary-parallel loss holds 1/tp of them, Megatron's cross entropy).
-    Forward: the logits and the copies the loss makes of them (bf16: an fp32 copy; tp: the masked and
-    shifted logits of the vocab-parallel softmax). Backward: the softmax's gradient and the logits'
-    (tp: the softmax's clone and the scaled result). Without pp the training loop still holds the
-    logits during the backward; a pipeline stage drops them once the loss is computed."""
-    v = s.n * s.vocab
-    logits = s.d * v
-    alive = 0 if pipelined else logits
-    copies = F32 * v if bf16 else 0
-    forward = logits + copies + (2 * F32 * v if s.tp > 1 else 0)
-    backward = alive + 2 * F32 * v
-    return [("loss forward", forward, 0), ("loss backward", backward, 0)]
+def loss_chunk(cfg: Config, s: Sizes) -> int:
+    """Tokens per chunk of the head and the loss (train.loss_chunk_tokens; 0 or more than a micro-batch: all)."""
+    chunk = cfg.train.loss_chunk_tokens
+    return s.n if chunk <= 0 else min(chunk, s.n)
+
+
+def _loss_moments(cfg: Config, s: Sizes) -> list[tuple[str, dict[str, int]]]:
+    """The head and the loss on the last chunk (models/loss.py), beyond the two gradients they keep for the
+    backward (Held.loss). The Ultra-Scale Playbook's point is that the [tokens, vocab] logits, in fp32 for
+    the loss, can outweigh a layer; tetron computes them `loss_chunk` tokens at a time (the vocabulary-
+    parallel loss: 1/tp of each chunk's columns), so a chunk's fp32 logits and their log-probabilities
+    (tp: their masked, shifted copy) are the most alive at once. The backward scales the two kept
+    gradients into new ones (bf16: the head's cast from its fp32 accumulator besides)."""
+    chunk, bf16 = loss_chunk(cfg, s), cfg.train.dtype == "bfloat16"
+    forward = 2 * F32 * chunk * s.vocab
+    cast = s.vocab * s.h * s.d if bf16 and chunk < s.n else 0
+    backward = s.n * s.h * s.d + F32 * s.vocab * s.h + cast
+    return [("loss forward", {"logits": forward}), ("head backward", {"temporaries": backward})]
 
 
 def _layer_backward(cfg: Config, s: Sizes) -> int:
@@ -234,21 +238,16 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
              attached: int) -> list[tuple[str, dict[str, int]]]:
     """The moments of one forward or backward of `chunk`, each with what it adds to (or, once the
     backward has released them, takes from) the bytes held for the backward pass."""
-    pipelined, bf16, backward = cfg.parallel.pp > 1, cfg.train.dtype == "bfloat16", action.backward
-    alive = s.d * s.n * s.vocab if chunk.last and not pipelined else 0  # the loop's logits (see _loss_moments)
-    head = norm_bytes(s, s.n_res) + s.n * s.d * s.h if chunk.last else 0  # final norm and head input, freed first
+    backward = action.backward
+    head = norm_bytes(s, s.n_res) if chunk.last else 0  # what the final norm saved, freed first
     found = []
     if chunk.last:
-        fwd, bwd = _loss_moments(s, pipelined=pipelined, bf16=bf16)
-        name, logits, temps = bwd if backward else fwd
-        found.append((name, 0, {"logits": logits, "temporaries": temps}))
-    if backward and chunk.last:  # the head's backward: the logits' fp32 gradient, its weight gradient
-        found.append(("head backward", 0, {"logits": alive + F32 * s.n * s.vocab - held.loss,
-                                           "temporaries": s.n * s.d * s.h + s.vocab * s.h * s.d}))
+        name, extra = _loss_moments(cfg, s)[backward]
+        found.append((name, 0, extra))
     # A layer's backward, the last layer first; later layers only matter where ZeRO-3's buffers grow.
     per_layer = layer_activations(s, cfg.train.recompute)
     for index in range(chunk.layers if backward and st.chunk_units else min(1, chunk.layers * backward)):
-        found.append(("layer backward", index, {"logits": alive - held.loss, "activations": -head - index * per_layer,
+        found.append(("layer backward", index, {"logits": -held.loss, "activations": -head - index * per_layer,
                                                 "temporaries": _layer_backward(cfg, s)}))
     if not backward:
         found.append(("forward", 0, {}))
