@@ -218,6 +218,14 @@ class ShardedAdamW:
             return parts[0][1]
         return self._assemble(param, parts)
 
+    def local_parts(self, param: nn.Parameter, kind: Kind) -> list[tuple[int, Tensor]]:
+        """This rank's pieces of the master weights or a moment of `param` (its tp part): (offset in its
+        flattened elements, values), without copying; checkpoints in the background copy them."""
+        pieces = self.piece_of.get(id(param), [])
+        if kind == "master":
+            return [(piece.start, piece.master.detach()) for piece in pieces]
+        return [(piece.start, self.inner.state[piece.master][kind]) for piece in pieces]
+
     def full_grad(self, param: nn.Parameter) -> Tensor:
         """The averaged gradient of `param` as a whole: without ZeRO the gradient itself, no copy."""
         pieces = self.piece_of.get(id(param), [])

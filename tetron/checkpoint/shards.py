@@ -1,0 +1,171 @@
+"""Who writes which tensor of a checkpoint, and the writing: every rank writes its share.
+
+Each tensor lives on one pipeline stage. It is gathered whole there (over dp*cp under ZeRO, over tp) and
+written by one rank of that stage, its writer. Writers are chosen by bytes: the largest tensor first, each
+to the least loaded rank of its stage (longest processing time first), so that no rank writes more than its
+stage's share plus one tensor. Every rank computes the same plan from the config and the layout alone: no
+message says who writes what, and rank 0 knows every file name before any is written. A writer streams its
+tensors, in the model's order, into shards of its own (`{prefix}-XXXXX-of-YYYYY.safetensors`, numbered over
+all writers); the index that maps each tensor to its file is written by rank 0 once all are done.
+
+Why whole tensors and not DCP's HuggingFaceStorageWriter: that writer saves each rank's local pieces into
+files of its own, which transformers cannot load until a consolidation pass reads every byte back and
+writes it again. Gathering each tensor to its writer costs the same traffic as the pieces' first write and
+leaves files transformers loads as they are, with no second pass.
+
+Each tensor's crc32 is computed from the bytes in memory as they are written (the file is never read back)
+and listed in trainer_state.json; the rank that reads a tensor whole checks it (load.TensorReader).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tetron.checkpoint.safetensors_stream import SafetensorsWriter
+from tetron.mesh import Mesh
+from tetron.models.spec import ParallelPlan, spec_of
+from tetron.parallel.comm import all_gather_dim
+from tetron.parallel.layout import layout_of
+
+Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
+
+
+def nbytes(spec: Spec) -> int:
+    return torch.Size(spec[3]).numel() * spec[2].itemsize
+
+
+def stage_of(name: str, layer_ranks: list[int], plan: ParallelPlan) -> int:
+    """The pipeline rank that holds parameter `name`: layers by `layer_ranks`, the embedding with the
+    first layer, the final norm and head with the last (under zbv both on rank 0)."""
+    part = plan.stage_part(name)
+    if part == "layer":
+        return layer_ranks[plan.layer_index(name)]
+    return layer_ranks[0] if part == "embedding" else layer_ranks[-1]
+
+
+def assign_writers(specs: list[Spec], stages: list[int], stage_ranks: list[list[int]]) -> list[int]:
+    """The writer (global rank) of each spec: `stages[i]` is the pipeline rank holding spec i, and
+    `stage_ranks[s]` the global ranks of stage s. Largest first to the least loaded rank of the stage
+    (ties: the lowest rank), so the most any rank writes is its stage's share plus one tensor."""
+    load = {r: 0 for ranks in stage_ranks for r in ranks}
+    owners = [0] * len(specs)
+    for i in sorted(range(len(specs)), key=lambda i: (-nbytes(specs[i]), i)):
+        owners[i] = min(stage_ranks[stages[i]], key=lambda r: (load[r], r))
+        load[owners[i]] += nbytes(specs[i])
+    return owners
+
+
+@dataclass
+class Shard:
+    """One safetensors file: its name, the rank that writes it, its tensors in order."""
+
+    file: str
+    writer: int
+    specs: list[Spec]
+
+
+def plan_files(prefix: str, specs: list[Spec], owners: list[int], shard_bytes: int, *,
+               single_file: bool = False) -> list[Shard]:
+    """Each writer's tensors (in spec order) grouped into shards of at most `shard_bytes` (a larger tensor
+    gets its own), numbered over all writers in rank order. With `single_file` and one shard in all:
+    `{prefix}.safetensors`, as transformers writes a small model."""
+    groups: list[tuple[int, list[Spec]]] = []
+    for writer in sorted(set(owners)):
+        size = 0
+        current: list[Spec] = []
+        for spec, owner in zip(specs, owners):
+            if owner != writer:
+                continue
+            if current and size + nbytes(spec) > shard_bytes:
+                groups.append((writer, current))
+                current, size = [], 0
+            current.append(spec)
+            size += nbytes(spec)
+        if current:
+            groups.append((writer, current))
+    if single_file and len(groups) == 1:
+        return [Shard(f"{prefix}.safetensors", groups[0][0], groups[0][1])]
+    return [Shard(f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.safetensors", w, s) for i, (w, s) in enumerate(groups)]
+
+
+def tensor_crc32(tensor: Tensor) -> int:
+    """The crc32 of a tensor's bytes as stored (any dtype: viewed as bytes)."""
+    data = tensor.detach().contiguous().cpu().reshape(-1)
+    return zlib.crc32(data.view(torch.uint8).numpy()) if data.numel() else 0
+
+
+def full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup) -> Tensor:
+    """The whole tensor of which `local` (the parameter or a state of the same shape) is this rank's part."""
+    shard = layout_of(param).tp
+    if shard is None:
+        return local
+    full = all_gather_dim(local, shard.dim, tp_group)
+    return full.narrow(shard.dim, 0, shard.logical_size or full.shape[shard.dim])
+
+
+@torch.no_grad()
+def gather_to_writers(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], owners: list[int], *,
+                      layer_ranks: list[int], local: Callable[[nn.Parameter, str], Tensor],
+                      tp_group: dist.ProcessGroup) -> Iterator[tuple[str, Tensor]]:
+    """Yield (key, whole tensor on the CPU) for every spec this rank writes, in order. Every rank of a
+    tensor's stage takes part in its gathers (`local(param, key)`: this rank's tp part, assembled over
+    dp*cp under ZeRO); a writer outside the stage (OUT/model's rank 0) gets it from the stage's first rank."""
+    pp_rank, plan = mesh.local_rank("pp"), spec_of(chunks[0].config).plan
+    mine = {name: p for chunk in chunks for name, p in chunk.named_parameters(remove_duplicate=False)}
+    device = next(iter(mine.values())).device
+    for (key, name, dtype, shape), owner in zip(specs, owners):
+        stage = stage_of(name, layer_ranks, plan)
+        sender = mesh.stage_rank(stage)
+        if stage == pp_rank:
+            param = mine[name]
+            whole = full_tensor(local(param, key), param, tp_group).contiguous()
+            if owner == mesh.rank:
+                yield key, whole.cpu()
+            elif mesh.rank == sender and not bool((mesh.grid[stage] == owner).any()):
+                dist.send(whole, dst=owner)
+        elif owner == mesh.rank:
+            whole = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(whole, src=sender)
+            yield key, whole.cpu()
+
+
+class ShardWriter:
+    """This rank's shards of one prefix, filled tensor by tensor from a stream in spec order. A failed write
+    (a full disk) is kept and the rest of the stream still consumed, so that this rank goes on taking part
+    in the gathers of the others; `error` is read once the stream ends."""
+
+    def __init__(self, folder: Path | None, shards: list[Shard], rank: int) -> None:
+        self.folder = folder
+        self.mine = [s for s in shards if s.writer == rank]
+        self.crc32: dict[str, int] = {}
+        self.error: BaseException | None = None
+
+    def consume(self, stream: Iterator[tuple[str, Tensor]]) -> None:
+        pending = iter(self.mine)
+        shard, writer, left = None, None, 0
+        for key, tensor in stream:
+            if self.error is not None:
+                continue
+            try:
+                if left == 0:
+                    shard = next(pending)
+                    left = len(shard.specs)
+                    if self.folder is not None:
+                        writer = SafetensorsWriter(self.folder / shard.file,
+                                                   [(k, dt, sh) for k, _, dt, sh in shard.specs],
+                                                   metadata={"format": "pt"})
+                self.crc32[key] = tensor_crc32(tensor)
+                if writer is not None:
+                    writer.write(key, tensor)
+                left -= 1
+                if left == 0 and writer is not None:
+                    writer.close()
+            except Exception as err:  # reported after the stream ends, on every rank at once
+                self.error = err
