@@ -119,6 +119,7 @@ RESHARD = {
                                   {"tp": 2, "sp": True}, {"tie_word_embeddings": True}),
     "tp2 vocab 257 -> pp2 tp2": ({"tp": 2}, {"pp": 2, "tp": 2}, {"vocab_size": 257}),
 }
+SAVED_IN_THE_BACKGROUND = {"dp2-tp2 -> pp2", "pp2-interleaved -> tp2-sp"}  # checkpoint.async_save
 
 
 @pytest.mark.parametrize("name", sorted(RESHARD))
@@ -133,7 +134,7 @@ def test_reshard_between_layouts(corpus, cache_dir, tmp_path, name):
         return tiny_config(corpus, cache_dir, tmp_path / out, model=model, parallel=parallel, train=train_cfg, **extra)
 
     reference = run(cfg("ref", {}, 8))
-    run(cfg("a", saved, 8, checkpoint={"save_every": 4}))
+    run(cfg("a", saved, 8, checkpoint={"save_every": 4, "async_save": name in SAVED_IN_THE_BACKGROUND}))
     after = run(cfg("b", loaded, 8, checkpoint={"resume": str(tmp_path / "a" / "checkpoints" / "step_4")}))
     torch.testing.assert_close(torch.tensor(after), torch.tensor(reference[4:]), rtol=LOSS_RTOL, atol=0)
 

@@ -122,7 +122,7 @@ def gather_to_writers(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], ow
     device = next(iter(mine.values())).device
     for (key, name, dtype, shape), owner in zip(specs, owners):
         stage = stage_of(name, layer_ranks, plan)
-        sender = mesh.stage_rank(stage)
+        sender = int(mesh.grid[stage].flatten()[0])  # the stage's first rank
         if stage == pp_rank:
             param = mine[name]
             whole = full_tensor(local(param, key), param, tp_group).contiguous()
