@@ -16,8 +16,8 @@ from safetensors import safe_open
 from tetron.checkpoint.check import inspect_checkpoint
 from tetron.checkpoint.convert import convert
 from tetron.checkpoint.load import TensorReader, load_model, read_header
-from tetron.checkpoint.save import optimizer_specs
 from tetron.checkpoint.safetensors_stream import SafetensorsWriter
+from tetron.checkpoint.save import optimizer_specs
 from tetron.config import from_dict
 from tetron.data.loader import prepare_data
 from tetron.fs import find_latest

@@ -446,8 +446,8 @@ def _steps(workdir: Path, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory, corpus, cache_dir) -> dict:
-    """Real launches of 2 ranks at once. `preempt`: SIGTERM to tetron once step 2 is logged, then
-    `--resume auto` to the end. `abort`: SIGINT twice. `stopped`: rank 1 gets SIGSTOP, timeout_s=5.
+    """Real launches of 2 ranks at once. `preempt` (saving in the background): SIGTERM to tetron once step 2
+    is logged, then `--resume auto` to the end. `abort`: SIGINT twice. `stopped`: rank 1 gets SIGSTOP, timeout_s=5.
     `killed`: tetron itself gets SIGKILL. `single`: one rank, SIGTERM. `torchrun`: one rank under torchrun
     (python -m tetron.launch), its agent gets SIGTERM. Each records its exit code, log, how long it took to
     end after the signal, and its ranks' pids."""
@@ -457,7 +457,7 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
     write_yaml(workdir / "tiny.yaml", raw)
     prepare_data(from_dict(raw))
     reference = run_training({**raw, "out": str(workdir / "reference")})
-    runs = {"preempt": _launch(workdir, "preempt"),
+    runs = {"preempt": _launch(workdir, "preempt", "--async-save"),  # the stop waits for the background write
             "abort": _launch(workdir, "abort", "--steps", 5000, "--save-every", 2),
             "stopped": _launch(workdir, "stopped", "--steps", 5000, "--parallel.timeout_s=5"),
             "killed": _launch(workdir, "killed", "--steps", 5000),

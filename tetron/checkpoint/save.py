@@ -313,9 +313,10 @@ class CheckpointWrite:
         for prefix, specs, owners, shards in self.parts:
             kind = (lambda key: "master") if prefix == "model" else (lambda key: key.rsplit(".", 1)[1])
             writer = ShardWriter(tmp, shards, mesh.rank)
+            writer.error = error  # after a failed write this rank writes nothing more, but still gathers
             writer.consume(gather_to_writers(self.chunks, mesh, specs, owners, layer_ranks=self.layer_ranks,
                                              local=lambda p, key, kind=kind: local(p, kind(key)), tp_group=comm.tp))
-            error, crc32 = error or writer.error, {**crc32, **writer.crc32}
+            error, crc32 = writer.error, {**crc32, **writer.crc32}
         # one all-reduce: which ranks failed, and every tensor's crc32 (each from its writer, zero elsewhere)
         summary = torch.zeros(mesh.world_size + len(self.keys), dtype=torch.int64)
         summary[mesh.rank] = error is not None

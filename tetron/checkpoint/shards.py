@@ -168,4 +168,6 @@ class ShardWriter:
                 if left == 0 and writer is not None:
                     writer.close()
             except Exception as err:  # reported after the stream ends, on every rank at once
+                if isinstance(err, OSError) and not err.filename and shard is not None and self.folder is not None:
+                    err.filename = str(self.folder / shard.file)  # a failed write() names no file
                 self.error = err
