@@ -15,7 +15,8 @@ it met (a full disk: the same one-line StorageError as a save in the foreground)
 from __future__ import annotations
 
 import threading
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -110,3 +111,21 @@ class BackgroundSaver:
             self.wait()
         elif self.thread is not None:
             self.thread.join()
+
+
+# The savers of callers that keep none of their own (bench/checkpoint.py), one per mesh, dropped with it.
+_SAVERS: weakref.WeakKeyDictionary[Any, BackgroundSaver] = weakref.WeakKeyDictionary()
+
+
+def saver_of(mesh: Any) -> BackgroundSaver:
+    """The background saver of `mesh`'s ranks, made on first use."""
+    if mesh not in _SAVERS:
+        _SAVERS[mesh] = BackgroundSaver()
+    return _SAVERS[mesh]
+
+
+def wait_for_save() -> None:
+    """Until every save that save_checkpoint started in the background without a saver of its caller's is
+    written; raises what one failed with."""
+    for saver in list(_SAVERS.values()):
+        saver.wait()

@@ -23,7 +23,6 @@ import hashlib
 import json
 import secrets
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -33,17 +32,20 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from tetron import device as dev
-from tetron.checkpoint.background import BackgroundSaver
+from tetron.checkpoint.background import BackgroundSaver, saver_of, wait_for_save  # noqa: F401  (its callers')
 from tetron.checkpoint.safetensors_stream import SafetensorsWriter  # noqa: F401  (tests slow or fail its writes)
 from tetron.checkpoint.shards import (
+    Comm,
     Shard,
     ShardWriter,
     Spec,
     assign_writers,
     full_tensor,
+    gather_rng,
     gather_to_writers,
     nbytes,
     plan_files,
+    send_line,
     stage_of,
     tensor_crc32,
 )
@@ -68,7 +70,6 @@ from tetron.models.spec import spec_of
 from tetron.parallel.zero import ShardedAdamW
 
 FORMAT = "tetron-checkpoint/1"
-LINE_BYTES = 2048  # the longest error line one rank hands the others
 
 
 def seal(state: dict[str, Any]) -> dict[str, Any]:
@@ -163,18 +164,6 @@ def write_tensors(folder: Path, prefix: str, specs: list[Spec], stream: Iterator
     return {shard.file: {key: writer.crc32[key] for key, *_ in shard.specs} for shard in shards}
 
 
-def _gather_rng(states: dict[str, Tensor], group: dist.ProcessGroup | None, device: torch.device,
-                world: int) -> dict[str, Tensor]:
-    """Every rank's generator states (CPU "rank_{i}", and "cuda_rank_{i}" on GPUs). All the same size, so a
-    tensor all-gather carries them (all_gather_object would pickle)."""
-    out: dict[str, Tensor] = {}
-    for prefix, state in states.items():
-        parts = [torch.empty_like(state, device=device) for _ in range(world)]
-        dist.all_gather(parts, state.to(device), group=group)
-        out.update({f"{prefix}_{i}": part.cpu() for i, part in enumerate(parts)})
-    return out
-
-
 def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, config: Any,
                        weights: Callable[[nn.Parameter], Tensor], dtype: torch.dtype, layer_ranks: list[int],
                        tokenizer: Tokenizer | None, shard_mb: int) -> None:
@@ -232,45 +221,31 @@ def clean_stale(out: Path) -> None:
 # --------------------------------------------------------------------------- checkpoints: every rank writes
 
 
-@dataclass
-class Comm:
-    """Where a save's collectives go: the training groups (a save in the foreground) or the checkpoint
-    groups (in the background, on CPU tensors). None: the default group."""
-
-    tp: dist.ProcessGroup | None
-    world: dist.ProcessGroup | None
-    device: torch.device
-
-
-def _send_line(line: str, src: int, comm: Comm) -> str:
-    """Rank `src`'s `line` on every rank (one tensor broadcast; an empty line says all went well)."""
-    buf = torch.zeros(LINE_BYTES, dtype=torch.uint8)
-    raw = line.encode()[:LINE_BYTES]
-    buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
-    buf = buf.to(comm.device)
-    dist.broadcast(buf, src=src, group=comm.world)  # the world's group ranks are the global ranks
-    return bytes(buf.cpu().numpy()).rstrip(b"\0").decode(errors="replace")
-
-
 class CheckpointWrite:
-    """One checkpoint, written by every rank: built in the training thread, `run` there or on a thread."""
+    """One checkpoint, written by every rank: built in the training thread, `run` there or on a thread
+    (which also plans who writes what: nothing of it holds training up)."""
 
     def __init__(self, final: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, state: dict[str, Any],
                  rng: dict[str, Tensor], layer_ranks: list[int], tokenizer: Tokenizer | None,
                  on_saved: Callable[[Path], None] | None) -> None:
         self.final, self.chunks, self.mesh, self.cfg, self.state, self.rng = final, chunks, mesh, cfg, state, rng
         self.layer_ranks, self.tokenizer, self.on_saved = layer_ranks, tokenizer, on_saved
-        specs = model_specs(cfg.model) + (optimizer_specs(cfg.model) if state["optimizer"]["present"] else [])
+        self.keys: list[str] = []
+        self.parts: list[tuple[str, list[Spec], list[int], list[Shard]]] = []
+
+    def _plan(self) -> None:
+        """Every tensor's writer and file, the same on every rank (shards.py)."""
+        cfg, mesh = self.cfg, self.mesh
+        model = model_specs(cfg.model)
+        specs = model + (optimizer_specs(cfg.model) if self.state["optimizer"]["present"] else [])
         plan = spec_of(cfg.model).plan
-        stages = [stage_of(name, layer_ranks, plan) for _, name, _, _ in specs]
+        stages = [stage_of(name, self.layer_ranks, plan) for _, name, _, _ in specs]
         owners = assign_writers(specs, stages, [mesh.grid[s].flatten().tolist() for s in range(mesh.size("pp"))])
-        self.keys = [key for key, *_ in specs]
-        n = len(model_specs(cfg.model))
-        shard_bytes = cfg.checkpoint.shard_mb << 20
-        self.parts = [("model", specs[:n], owners[:n], plan_files("model", specs[:n], owners[:n], shard_bytes))]
-        if len(specs) > n:
-            self.parts.append(("optimizer", specs[n:], owners[n:], plan_files("optimizer", specs[n:], owners[n:],
-                                                                               shard_bytes)))
+        self.keys, n, shard_bytes = [key for key, *_ in specs], len(model), cfg.checkpoint.shard_mb << 20
+        for prefix, part in (("model", slice(0, n)), ("optimizer", slice(n, None))):
+            if specs[part]:
+                self.parts.append((prefix, specs[part], owners[part],
+                                   plan_files(prefix, specs[part], owners[part], shard_bytes)))
 
     def _tmp(self, comm: Comm) -> tuple[Path, BaseException | None]:
         """The temporary folder, made by rank 0 and named to the others by a broadcast (which also says it
@@ -297,7 +272,7 @@ class CheckpointWrite:
         """Raise the same one line on every rank when any failed (that of the lowest failed rank)."""
         if not failed:
             return
-        line = _send_line(self._line(error, tmp) if error is not None else "", failed[0], comm)
+        line = send_line(self._line(error, tmp) if error is not None else "", failed[0], comm)
         if self.mesh.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None and self.mesh.rank == failed[0] and write_failure(error, tmp) is None:
@@ -307,7 +282,8 @@ class CheckpointWrite:
     def run(self, comm: Comm, local: Callable[[nn.Parameter, str], Tensor]) -> None:
         """Gather, write this rank's shards; agree; rank 0 writes the rest and renames. Every rank calls this."""
         mesh = self.mesh
-        rng = _gather_rng(self.rng, comm.world, comm.device, mesh.world_size)
+        self._plan()
+        rng = gather_rng(self.rng, comm.world, comm.device, mesh.world_size)
         tmp, error = self._tmp(comm)
         crc32: dict[str, int] = {}
         for prefix, specs, owners, shards in self.parts:
@@ -331,7 +307,7 @@ class CheckpointWrite:
                 self._finish(tmp, dict(zip(self.keys, summary[mesh.world_size:])), rng)
             except Exception as err:
                 error = err
-        self._agree(error, [0] if _send_line("x" if error else "", 0, comm) else [], tmp, comm)
+        self._agree(error, [0] if send_line("x" if error else "", 0, comm) else [], tmp, comm)
         if mesh.rank == 0 and self.on_saved is not None:
             self.on_saved(self.final)
 
@@ -367,9 +343,10 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
                     background: BackgroundSaver | None = None,
                     on_saved: Callable[[Path], None] | None = None) -> Path:
     """Write OUT/checkpoints/step_N (N = trainer_state["step"]) atomically, point `latest` at it and keep
-    the newest `cfg.checkpoint.keep`. Every rank calls this and writes its share. With `background`, the
-    state is copied and written on its thread (after the save before it): the folder is complete once
-    `background.wait()` returns. `on_saved(folder)` is called on rank 0 when the folder is complete."""
+    the newest `cfg.checkpoint.keep`. Every rank calls this and writes its share. With `background` (or
+    with cfg.checkpoint.async_save, the mesh's own saver: wait_for_save() waits for it), the state is copied
+    and written on its thread after the save before it: the folder is complete once `background.wait()`
+    returns. `on_saved(folder)` is called on rank 0 when the folder is complete."""
     final = checkpoints_dir(out) / f"step_{int(trainer_state['step'])}"
     device = next(chunks[0].parameters()).device
     rng = {"rank": torch.get_rng_state()}
@@ -379,6 +356,8 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
     state = {"format": FORMAT, **trainer_state, "optimizer": {"present": moments, "step": optimizer.steps}}
     job = CheckpointWrite(final, chunks, mesh, cfg=cfg, state=state, rng=rng, layer_ranks=layer_ranks,
                           tokenizer=tokenizer, on_saved=on_saved)
+    if background is None and cfg.checkpoint.async_save:
+        background = saver_of(mesh)
     if background is None:
         job.run(Comm(mesh.group("tp"), None, device), optimizer.full_tensor)
         return final

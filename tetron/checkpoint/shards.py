@@ -14,7 +14,9 @@ writes it again. Gathering each tensor to its writer costs the same traffic as t
 leaves files transformers loads as they are, with no second pass.
 
 Each tensor's crc32 is computed from the bytes in memory as they are written (the file is never read back)
-and listed in trainer_state.json; the rank that reads a tensor whole checks it (load.TensorReader).
+and listed in trainer_state.json; the rank that reads a tensor whole checks it (load.TensorReader). The
+few collectives of a save besides the gathers (the temporary folder's name, who failed, the crc32s, the
+generator states) are at the end.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tetron.parallel.comm import all_gather_dim
 from tetron.parallel.layout import layout_of
 
 Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
+LINE_BYTES = 2048  # the longest error line one rank hands the others
 
 
 def nbytes(spec: Spec) -> int:
@@ -171,3 +174,38 @@ class ShardWriter:
                 if isinstance(err, OSError) and not err.filename and shard is not None and self.folder is not None:
                     err.filename = str(self.folder / shard.file)  # a failed write() names no file
                 self.error = err
+
+
+# --------------------------------------------------------------------------- a save's own collectives
+
+
+@dataclass
+class Comm:
+    """Where a save's collectives go: the training groups (a save in the foreground) or the checkpoint
+    groups (in the background, on CPU tensors). None: the default group."""
+
+    tp: dist.ProcessGroup | None
+    world: dist.ProcessGroup | None
+    device: torch.device
+
+
+def send_line(line: str, src: int, comm: Comm) -> str:
+    """Rank `src`'s `line` on every rank (one tensor broadcast; an empty line says all went well)."""
+    buf = torch.zeros(LINE_BYTES, dtype=torch.uint8)
+    raw = line.encode()[:LINE_BYTES]
+    buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+    buf = buf.to(comm.device)
+    dist.broadcast(buf, src=src, group=comm.world)  # the world's group ranks are the global ranks
+    return bytes(buf.cpu().numpy()).rstrip(b"\0").decode(errors="replace")
+
+
+def gather_rng(states: dict[str, Tensor], group: dist.ProcessGroup | None, device: torch.device,
+               world: int) -> dict[str, Tensor]:
+    """Every rank's generator states (CPU "rank_{i}", and "cuda_rank_{i}" on GPUs). All the same size, so a
+    tensor all-gather carries them (all_gather_object would pickle)."""
+    out: dict[str, Tensor] = {}
+    for prefix, state in states.items():
+        parts = [torch.empty_like(state, device=device) for _ in range(world)]
+        dist.all_gather(parts, state.to(device), group=group)
+        out.update({f"{prefix}_{i}": part.cpu() for i, part in enumerate(parts)})
+    return out
