@@ -22,6 +22,7 @@ generator states) are at the end.
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -140,40 +141,53 @@ def gather_to_writers(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], ow
 
 
 class ShardWriter:
-    """This rank's shards of one prefix, filled tensor by tensor from a stream in spec order. A failed write
-    (a full disk) is kept and the rest of the stream still consumed, so that this rank goes on taking part
-    in the gathers of the others; `error` is read once the stream ends."""
+    """This rank's shards of one prefix, filled tensor by tensor from a stream in spec order. Each tensor is
+    summed and written on a thread of its own while the stream gathers the next one (at most one waits), so
+    the disk and the network work at once. A failed write (a full disk) is kept and the rest of the stream
+    still consumed, so that this rank goes on taking part in the gathers of the others; `error` is read once
+    the stream ends."""
 
     def __init__(self, folder: Path | None, shards: list[Shard], rank: int) -> None:
         self.folder = folder
-        self.mine = [s for s in shards if s.writer == rank]
+        self.pending = iter([s for s in shards if s.writer == rank])
+        self.shard: Shard | None = None
+        self.writer: SafetensorsWriter | None = None
+        self.left = 0
         self.crc32: dict[str, int] = {}
         self.error: BaseException | None = None
 
     def consume(self, stream: Iterator[tuple[str, Tensor]]) -> None:
-        pending = iter(self.mine)
-        shard, writer, left = None, None, 0
-        for key, tensor in stream:
-            if self.error is not None:
-                continue
-            try:
-                if left == 0:
-                    shard = next(pending)
-                    left = len(shard.specs)
-                    if self.folder is not None:
-                        writer = SafetensorsWriter(self.folder / shard.file,
-                                                   [(k, dt, sh) for k, _, dt, sh in shard.specs],
-                                                   metadata={"format": "pt"})
-                self.crc32[key] = tensor_crc32(tensor)
-                if writer is not None:
-                    writer.write(key, tensor)
-                left -= 1
-                if left == 0 and writer is not None:
-                    writer.close()
-            except Exception as err:  # reported after the stream ends, on every rank at once
-                if isinstance(err, OSError) and not err.filename and shard is not None and self.folder is not None:
-                    err.filename = str(self.folder / shard.file)  # a failed write() names no file
-                self.error = err
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tetron-write") as pool:
+            writing: Future | None = None
+            for key, tensor in stream:
+                if writing is not None:
+                    writing.result()  # one tensor in flight at most
+                writing = pool.submit(self._write, key, tensor) if self.error is None else None
+
+    def _write(self, key: str, tensor: Tensor) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.left == 0:
+                self.shard = next(self.pending)
+                self.left = len(self.shard.specs)
+                if self.folder is not None:
+                    self.writer = SafetensorsWriter(self.folder / self.shard.file,
+                                                    [(k, dt, sh) for k, _, dt, sh in self.shard.specs],
+                                                    metadata={"format": "pt"})
+            self.crc32[key] = tensor_crc32(tensor)
+            if self.writer is not None:
+                self.writer.write(key, tensor)
+            self.left -= 1
+            if self.left == 0 and self.writer is not None:
+                self.writer.close()
+                self.writer = None
+        except Exception as err:  # reported after the stream ends, on every rank at once
+            if isinstance(err, OSError) and not err.filename and self.shard is not None and self.folder is not None:
+                err.filename = str(self.folder / self.shard.file)  # a failed write() names no file
+            if self.writer is not None:
+                self.writer.file.close()  # the folder is removed; its descriptor must not outlive it
+            self.error = err
 
 
 # --------------------------------------------------------------------------- a save's own collectives
