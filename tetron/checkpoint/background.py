@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tetron.checkpoint.shards import Pieces
 from tetron.parallel.zero import ShardedAdamW
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -34,14 +35,14 @@ class Snapshot:
     def __init__(self) -> None:
         self.buffers: dict[tuple[int, str, int], Tensor] = {}
         self.parts: dict[tuple[int, str], list[tuple[int, Tensor]]] = {}
-        self.shards = 1
-        self.group: dist.ProcessGroup | None = None
+        self.ranges: dict[int, list[tuple[int, int, int]]] = {}
 
     @torch.no_grad()
     def take(self, optimizer: ShardedAdamW, params: list[nn.Parameter], *, moments: bool,
-             group: dist.ProcessGroup) -> None:
-        """Copy this rank's pieces now (the caller's step is done); `group`: dp*cp's checkpoint group."""
-        self.shards, self.group, self.parts = optimizer.shards, group, {}
+             group: dist.ProcessGroup) -> Pieces:
+        """Copy this rank's pieces now (the caller's step is done); the Pieces a save in the background
+        gathers from, over `group` (dp*cp's checkpoint group)."""
+        self.parts, self.ranges = {}, {id(p): optimizer.piece_ranges(p) for p in params}
         device = None
         for param in params:
             for kind in KINDS if moments else KINDS[:1]:
@@ -58,19 +59,8 @@ class Snapshot:
                 self.parts[(id(param), kind)] = copies
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)  # the copies are complete before training changes the values
-
-    def full(self, param: nn.Parameter, kind: str) -> Tensor:
-        """This rank's tp part of the master weights or a moment of `param`, whole over dp*cp: every rank
-        of dp*cp calls this for the same parameters in the same order (as ShardedAdamW.full_tensor)."""
-        parts = self.parts[(id(param), kind)]
-        if self.shards == 1 and len(parts) == 1 and parts[0][1].numel() == param.numel():
-            return parts[0][1].view(param.shape)
-        whole = torch.zeros(param.numel(), dtype=torch.float32)
-        for start, values in parts:
-            whole[start:start + values.numel()] = values.reshape(-1)
-        if self.shards > 1:
-            dist.all_reduce(whole, group=self.group)  # each element is nonzero on one rank at most: exact
-        return whole.view(param.shape)
+        return Pieces(parts=lambda param, kind: self.parts[(id(param), kind)], ranges=lambda p: self.ranges[id(p)],
+                      sharded=optimizer.shards > 1, group=group, device=torch.device("cpu"))
 
 
 class BackgroundSaver:

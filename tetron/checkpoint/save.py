@@ -36,6 +36,7 @@ from tetron.checkpoint.background import BackgroundSaver, saver_of, wait_for_sav
 from tetron.checkpoint.safetensors_stream import SafetensorsWriter  # noqa: F401  (tests slow or fail its writes)
 from tetron.checkpoint.shards import (
     Comm,
+    Pieces,
     Shard,
     ShardWriter,
     Spec,
@@ -178,7 +179,7 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
             tmp.mkdir(parents=True)
         specs = model_specs(config, dtype)
         stream = gather_to_writers(chunks, mesh, specs, [0] * len(specs), layer_ranks=layer_ranks,
-                                   local=lambda p, k: weights(p).to(dtype), tp_group=mesh.group("tp"))
+                                   local=lambda p, k, dst, me: weights(p).to(dtype), tp_group=mesh.group("tp"))
         if tmp is None:
             for _ in stream:  # the gathers this rank takes part in; rank 0 writes
                 pass
@@ -279,7 +280,7 @@ class CheckpointWrite:
             raise error  # not a failed write but a defect: its traceback
         raise StorageError(line)
 
-    def run(self, comm: Comm, local: Callable[[nn.Parameter, str], Tensor]) -> None:
+    def run(self, comm: Comm, pieces: Pieces) -> None:
         """Gather, write this rank's shards; agree; rank 0 writes the rest and renames. Every rank calls this."""
         mesh = self.mesh
         self._plan()
@@ -291,7 +292,8 @@ class CheckpointWrite:
             writer = ShardWriter(tmp, shards, mesh.rank)
             writer.error = error  # after a failed write this rank writes nothing more, but still gathers
             writer.consume(gather_to_writers(self.chunks, mesh, specs, owners, layer_ranks=self.layer_ranks,
-                                             local=lambda p, key, kind=kind: local(p, kind(key)), tp_group=comm.tp))
+                                             local=lambda p, key, dst, me, kind=kind:
+                                             pieces.gather(p, kind(key), dst=dst, me=me), tp_group=comm.tp))
             error, crc32 = writer.error, {**crc32, **writer.crc32}
         # one all-reduce: which ranks failed, and every tensor's crc32 (each from its writer, zero elsewhere)
         summary = torch.zeros(mesh.world_size + len(self.keys), dtype=torch.int64)
@@ -359,12 +361,12 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
     if background is None and cfg.checkpoint.async_save:
         background = saver_of(mesh)
     if background is None:
-        job.run(Comm(mesh.group("tp"), None, device), optimizer.full_tensor)
+        job.run(Comm(mesh.group("tp"), None, device), Pieces(optimizer.local_parts, optimizer.piece_ranges,
+                                                             optimizer.shards > 1, optimizer.group, device))
         return final
     background.wait()  # at most one save in flight; the one before raises its error here
     groups = mesh.checkpoint_groups()
     params = list({id(p): p for chunk in chunks for p in chunk.parameters()}.values())
-    background.snapshot.take(optimizer, params, moments=moments, group=groups["dp_cp"])
-    background.start(lambda: job.run(Comm(groups["tp"], groups["world"], torch.device("cpu")),
-                                     background.snapshot.full))
+    pieces = background.snapshot.take(optimizer, params, moments=moments, group=groups["dp_cp"])
+    background.start(lambda: job.run(Comm(groups["tp"], groups["world"], torch.device("cpu")), pieces))
     return final

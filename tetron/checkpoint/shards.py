@@ -114,22 +114,65 @@ def full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup)
     return full.narrow(shard.dim, 0, shard.logical_size or full.shape[shard.dim])
 
 
+@dataclass
+class Pieces:
+    """Where a save takes each tensor from: `parts(param, kind)`, this rank's pieces of it (offset in its
+    flattened elements, values; its tp part), and `ranges(param)`, every rank's (rank in dp*cp, offset,
+    length), over `group` when the pieces are ZeRO's (`sharded`); else each rank holds the whole tp part."""
+
+    parts: Callable[[nn.Parameter, str], list[tuple[int, Tensor]]]
+    ranges: Callable[[nn.Parameter], list[tuple[int, int, int]]]
+    sharded: bool
+    group: dist.ProcessGroup | None
+    device: torch.device
+
+    def gather(self, param: nn.Parameter, kind: str, *, dst: int, me: int) -> Tensor | None:
+        """The fp32 `param`-shaped tp part on rank `dst` of dp*cp (None elsewhere): each other rank sends
+        its piece there, the least traffic (an all-reduce would move twice the tensor through every rank)."""
+        parts = self.parts(param, kind)
+        if me != dst:
+            for _, values in parts if self.sharded else []:
+                dist.send(values.reshape(-1).contiguous(), group_dst=dst, group=self.group)
+            return None
+        if len(parts) == 1 and parts[0][1].numel() == param.numel():
+            return parts[0][1].view(param.shape)  # this rank holds it all: no copy
+        whole = torch.empty(param.numel(), dtype=torch.float32, device=self.device)
+        for start, values in parts:
+            whole[start:start + values.numel()].copy_(values.reshape(-1))
+        works = [dist.irecv(whole[start:start + n], group_src=q, group=self.group)
+                 for q, start, n in self.ranges(param) if q != me]
+        for work in works:
+            work.wait()
+        return whole.view(param.shape)
+
+
+def dp_cp_rank(mesh: Mesh, rank: int) -> int:
+    """Global `rank`'s rank in its dp*cp group (Mesh: the grid is arange(world) as [pp, dp, cp, tp])."""
+    cp, tp = mesh.size("cp"), mesh.size("tp")
+    return (rank // (cp * tp)) % mesh.size("dp") * cp + (rank // tp) % cp
+
+
 @torch.no_grad()
 def gather_to_writers(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], owners: list[int], *,
-                      layer_ranks: list[int], local: Callable[[nn.Parameter, str], Tensor],
+                      layer_ranks: list[int], local: Callable[[nn.Parameter, str, int, int], Tensor | None],
                       tp_group: dist.ProcessGroup) -> Iterator[tuple[str, Tensor]]:
     """Yield (key, whole tensor on the CPU) for every spec this rank writes, in order. Every rank of a
-    tensor's stage takes part in its gathers (`local(param, key)`: this rank's tp part, assembled over
-    dp*cp under ZeRO); a writer outside the stage (OUT/model's rank 0) gets it from the stage's first rank."""
+    tensor's stage calls `local(param, key, dst, me)`: its tp part on rank `dst` of dp*cp (the writer's),
+    None on the others (this rank is `me` there); the ranks that have it gather it over tp. A writer outside
+    the stage (OUT/model's rank 0) gets it from the stage's first rank."""
     pp_rank, plan = mesh.local_rank("pp"), spec_of(chunks[0].config).plan
     mine = {name: p for chunk in chunks for name, p in chunk.named_parameters(remove_duplicate=False)}
     device = next(iter(mine.values())).device
+    me = dp_cp_rank(mesh, mesh.rank)
     for (key, name, dtype, shape), owner in zip(specs, owners):
         stage = stage_of(name, layer_ranks, plan)
         sender = int(mesh.grid[stage].flatten()[0])  # the stage's first rank
         if stage == pp_rank:
             param = mine[name]
-            whole = full_tensor(local(param, key), param, tp_group).contiguous()
+            part = local(param, key, dp_cp_rank(mesh, owner), me)
+            if part is None:
+                continue
+            whole = full_tensor(part, param, tp_group).contiguous()
             if owner == mesh.rank:
                 yield key, whole.cpu()
             elif mesh.rank == sender and not bool((mesh.grid[stage] == owner).any()):
