@@ -137,10 +137,11 @@ def model_specs(config: Any, dtype: torch.dtype = torch.float32) -> list[Spec]:
             if name != tied_head]
 
 
-def optimizer_specs(config: Any) -> list[Spec]:
-    """AdamW's two moments of every stored parameter, full (unpadded) shapes, fp32."""
+def optimizer_specs(config: Any, model: list[Spec] | None = None) -> list[Spec]:
+    """AdamW's two moments of every stored parameter, full (unpadded) shapes, fp32 (`model`: model_specs'
+    answer, where already known: each builds the model on the meta device)."""
     return [(f"{name}.{kind}", name, torch.float32, shape)
-            for name, _, _, shape in model_specs(config) for kind in ("exp_avg", "exp_avg_sq")]
+            for name, _, _, shape in model or model_specs(config) for kind in ("exp_avg", "exp_avg_sq")]
 
 
 def write_index(folder: Path, prefix: str, shards: list[Shard]) -> None:
@@ -238,7 +239,7 @@ class CheckpointWrite:
         """Every tensor's writer and file, the same on every rank (shards.py)."""
         cfg, mesh = self.cfg, self.mesh
         model = model_specs(cfg.model)
-        specs = model + (optimizer_specs(cfg.model) if self.state["optimizer"]["present"] else [])
+        specs = model + (optimizer_specs(cfg.model, model) if self.state["optimizer"]["present"] else [])
         plan = spec_of(cfg.model).plan
         stages = [stage_of(name, self.layer_ranks, plan) for _, name, _, _ in specs]
         owners = assign_writers(specs, stages, [mesh.grid[s].flatten().tolist() for s in range(mesh.size("pp"))])
@@ -287,14 +288,18 @@ class CheckpointWrite:
         rng = gather_rng(self.rng, comm.world, comm.device, mesh.world_size)
         tmp, error = self._tmp(comm)
         crc32: dict[str, int] = {}
+        sends: list = []  # this rank's pieces on their way to their writers
         for prefix, specs, owners, shards in self.parts:
             kind = (lambda key: "master") if prefix == "model" else (lambda key: key.rsplit(".", 1)[1])
             writer = ShardWriter(tmp, shards, mesh.rank)
             writer.error = error  # after a failed write this rank writes nothing more, but still gathers
             writer.consume(gather_to_writers(self.chunks, mesh, specs, owners, layer_ranks=self.layer_ranks,
                                              local=lambda p, key, dst, me, kind=kind:
-                                             pieces.gather(p, kind(key), dst=dst, me=me), tp_group=comm.tp))
+                                             pieces.gather(p, kind(key), dst=dst, me=me, sends=sends),
+                                             tp_group=comm.tp))
             error, crc32 = writer.error, {**crc32, **writer.crc32}
+        for work in sends:
+            work.wait()
         # one all-reduce: which ranks failed, and every tensor's crc32 (each from its writer, zero elsewhere)
         summary = torch.zeros(mesh.world_size + len(self.keys), dtype=torch.int64)
         summary[mesh.rank] = error is not None

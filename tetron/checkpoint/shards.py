@@ -126,13 +126,15 @@ class Pieces:
     group: dist.ProcessGroup | None
     device: torch.device
 
-    def gather(self, param: nn.Parameter, kind: str, *, dst: int, me: int) -> Tensor | None:
+    def gather(self, param: nn.Parameter, kind: str, *, dst: int, me: int, sends: list) -> Tensor | None:
         """The fp32 `param`-shaped tp part on rank `dst` of dp*cp (None elsewhere): each other rank sends
-        its piece there, the least traffic (an all-reduce would move twice the tensor through every rank)."""
+        its piece there, the least traffic (an all-reduce would move twice the tensor through every rank).
+        The sends are not waited for (they go on while this rank gathers its own): `sends` collects them,
+        for the caller to wait on before the pieces change."""
         parts = self.parts(param, kind)
         if me != dst:
             for _, values in parts if self.sharded else []:
-                dist.send(values.reshape(-1).contiguous(), group_dst=dst, group=self.group)
+                sends.append(dist.isend(values.reshape(-1).contiguous(), group_dst=dst, group=self.group))
             return None
         if len(parts) == 1 and parts[0][1].numel() == param.numel():
             return parts[0][1].view(param.shape)  # this rank holds it all: no copy
