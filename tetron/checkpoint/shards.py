@@ -195,7 +195,7 @@ class ShardWriter:
     def __init__(self, folder: Path | None, shards: list[Shard], rank: int) -> None:
         self.folder = folder
         self.pending = iter([s for s in shards if s.writer == rank])
-        self.shard: Shard | None = None
+        self.current: Shard | None = None
         self.writer: SafetensorsWriter | None = None
         self.left = 0
         self.crc32: dict[str, int] = {}
@@ -214,11 +214,11 @@ class ShardWriter:
             return
         try:
             if self.left == 0:
-                self.shard = next(self.pending)
-                self.left = len(self.shard.specs)
+                self.current = next(self.pending)
+                self.left = len(self.current.specs)
                 if self.folder is not None:
-                    self.writer = SafetensorsWriter(self.folder / self.shard.file,
-                                                    [(k, dt, sh) for k, _, dt, sh in self.shard.specs],
+                    self.writer = SafetensorsWriter(self.folder / self.current.file,
+                                                    [(k, dt, sh) for k, _, dt, sh in self.current.specs],
                                                     metadata={"format": "pt"})
             self.crc32[key] = tensor_crc32(tensor)
             if self.writer is not None:
@@ -228,8 +228,8 @@ class ShardWriter:
                 self.writer.close()
                 self.writer = None
         except Exception as err:  # reported after the stream ends, on every rank at once
-            if isinstance(err, OSError) and not err.filename and self.shard is not None and self.folder is not None:
-                err.filename = str(self.folder / self.shard.file)  # a failed write() names no file
+            if isinstance(err, OSError) and not err.filename and self.current is not None and self.folder is not None:
+                err.filename = str(self.folder / self.current.file)  # a failed write() names no file
             if self.writer is not None:
                 self.writer.file.close()  # the folder is removed; its descriptor must not outlive it
             self.error = err
