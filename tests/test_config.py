@@ -144,6 +144,7 @@ SHORT_FLAG_CASES = {
     "save-every": ("5", lambda c: c.checkpoint.save_every, 5),
     "resume": ("auto", lambda c: c.checkpoint.resume, "auto"),
     "overwrite": ("true", lambda c: c.checkpoint.overwrite, True),
+    "async-save": ("true", lambda c: c.checkpoint.async_save, True),
     "init-from": ("org/name", lambda c: c.checkpoint.init_from, "org/name"),
     "max-restarts": ("2", lambda c: c.parallel.max_restarts, 2),
     "zero": ("2", lambda c: c.parallel.zero, 2),

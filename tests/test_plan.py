@@ -124,6 +124,25 @@ def test_bubble_comes_from_the_schedule():
         assert predicted == pytest.approx(expected, abs=0.03), schedule
 
 
+def test_a_save_blocks_each_step_for_its_share_of_save_every():
+    """A save's blocking time counts once per checkpoint.save_every steps: nothing without periodic saves,
+    its 1/world share written at the disk's speed in the foreground, only a copy to the host with
+    async_save; ZeRO's sharded copy is smaller still."""
+    hw = replace(gpu("H100"), latency_s=0.0, intra_gbs=1e12, inter_gbs=1e12, disk_gbs=1.0, host_gbs=10.0)
+    model = {**MODEL, "num_hidden_layers": 8}
+
+    def save_s(**checkpoint):
+        parallel = {"dp": 8, "zero": checkpoint.pop("zero", 0)}
+        return estimate(from_dict({"model": model, "parallel": parallel, "checkpoint": checkpoint}), hw,
+                        gpus_per_node=8).save_s
+
+    state = 12 * from_dict({"model": model}).model.num_params()
+    assert save_s() == 0.0
+    assert save_s(save_every=10) == pytest.approx(state / 1e9 / 10, rel=1e-6)  # 8 ranks writing 1/8 each, 1 GB/s
+    assert save_s(save_every=10, async_save=True) == pytest.approx(state / 10e9 / 10, rel=1e-6)
+    assert save_s(save_every=10, async_save=True, zero=1) == pytest.approx(state / 8 / 10e9 / 10, rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------ the search
 
 

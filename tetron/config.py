@@ -134,6 +134,7 @@ class CheckpointConfig:
     resume: str | None = None  # a checkpoint folder to continue from, or "auto": OUT's latest, if any
     init_from: str | None = None  # start from these weights: a Hugging Face model folder or hub name
     shard_mb: int = 2000  # largest safetensors shard in MB; a larger tensor gets a shard of its own
+    async_save: bool = False  # copy the state off the training tensors; a thread writes it while training goes on
     new_tokenizer: bool = False  # start from weights with another tokenizer than the one they ship (ids change meaning)
     new_model_settings: bool = False  # start from weights trained with another rope_theta, rope_scaling or
     # rms_norm_eps (e.g. to extend the context); otherwise such a difference is refused

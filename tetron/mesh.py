@@ -49,8 +49,19 @@ class Mesh:
         self.groups["dp_shard"], self.groups["dp_replicate"] = self._hsdp_groups()
         if pp > 1:
             self.groups["embed"] = self._embedding_group()
+        self._checkpoint_groups: dict[str, dist.ProcessGroup] | None = None
 
-    def _new_group_over(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
+    def checkpoint_groups(self) -> dict[str, dist.ProcessGroup]:
+        """"tp", "dp_cp" and "world" again, over the same ranks, on gloo: for checkpoints written by a
+        background thread, whose collectives must never interleave with the training thread's on one group
+        (and which work on CPU copies). Made on first use, which every rank reaches at the same save."""
+        if self._checkpoint_groups is None:
+            self._checkpoint_groups = {"tp": self._new_group_over(("tp",), "gloo"),
+                                       "dp_cp": self._new_group_over(("dp", "cp"), "gloo"),
+                                       "world": self._new_group_over(AXES, "gloo")}
+        return self._checkpoint_groups
+
+    def _new_group_over(self, axes: tuple[str, ...], backend: str | None = None) -> dist.ProcessGroup:
         """A group of the ranks that differ only along `axes`; every rank creates every such group, in order."""
         keep = [AXES.index(a) for a in axes]
         other = [i for i in range(len(AXES)) if i not in keep]
@@ -58,7 +69,7 @@ class Mesh:
         rows = self.grid.permute(*other, *keep).reshape(-1, math.prod(self.sizes[a] for a in axes))
         mine = None
         for row in rows.tolist():
-            group = dist.new_group(row, timeout=self.timeout)
+            group = dist.new_group(row, timeout=self.timeout, backend=backend)
             if self.rank in row:
                 mine = group
         assert mine is not None

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tetron import device as dev
+from tetron.checkpoint.background import BackgroundSaver
 from tetron.checkpoint.load import load_checkpoint, load_weights, resolve_init_from
 from tetron.checkpoint.save import clean_stale, save_checkpoint, write_model_folder
 from tetron.config import Config
@@ -80,6 +81,7 @@ class Run:
     pipeline: Pipeline | None  # the schedule runner under pp, else None
     layer_ranks: list[int]  # the pipeline rank of each decoder layer, for checkpoints
     stop: StopRequest | None = None  # set by a signal: finish the step, save, return
+    background: BackgroundSaver | None = None  # with checkpoint.async_save: the thread checkpoints are written on
     halted: Tensor | None = None  # on the device, under on_nonfinite=stop: 1 once a step was not finite
 
 
@@ -157,7 +159,8 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
               dtype=torch.bfloat16 if t.dtype == "bfloat16" else torch.float32,
               loss_fn=lambda summed: summed / local_tokens,
               positions=positions, device_positions=positions.to(device), pipeline=None,
-              layer_ranks=layer_ranks(cfg), stop=stop)
+              layer_ranks=layer_ranks(cfg), stop=stop,
+              background=BackgroundSaver() if cfg.checkpoint.async_save else None)
     restore(run)
     if mesh.rank == 0:
         describe(run)
@@ -279,19 +282,20 @@ def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigu
 
 def save(run: Run) -> None:
     """OUT/checkpoints/step_N for the steps taken (N is the loader's position: a checkpoint's name and
-    content always agree), streamed to rank 0; every rank calls this."""
-    cfg, mesh = run.cfg, run.mesh
-    step = run.loader.step
+    content always agree); every rank calls this and writes its share (with async_save, on run.background)."""
+    cfg, mesh, step = run.cfg, run.mesh, run.loader.step
     layout = {**{a: mesh.size(a) for a in ("dp", "tp", "pp", "cp")}, "pp_virtual": cfg.parallel.pp_virtual,
               "world_size": mesh.world_size}
     state = {"step": step, "tokens": step * cfg.global_batch * cfg.data.seq_len, "loader": run.loader.state_dict(),
              "config": cfg.to_dict(), "layout": layout}
     start = time.perf_counter()
-    folder = save_checkpoint(Path(cfg.out), run.model.chunks, mesh, cfg=cfg, optimizer=run.optimizer,
-                             trainer_state=state, layer_ranks=run.layer_ranks, tokenizer=run.tokenizer)
-    if mesh.rank == 0:
-        size = sum(f.stat().st_size for f in folder.iterdir())
-        say(f"saved {folder} ({size / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f} s)")
+
+    def saved(folder: Path) -> None:  # on rank 0, once the folder is complete (with async_save, on its thread)
+        mib = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
+        say(f"saved {folder} ({mib:,.1f} MiB, {time.perf_counter() - start:.1f} s)")
+
+    save_checkpoint(Path(cfg.out), run.model.chunks, mesh, cfg=cfg, optimizer=run.optimizer, trainer_state=state,
+                    layer_ranks=run.layer_ranks, tokenizer=run.tokenizer, background=run.background, on_saved=saved)
 
 
 def write_model(run: Run) -> None:
@@ -342,8 +346,16 @@ def report(run: Run, reporter: Reporter | None, result: TrainResult,
 def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace: bool = False,
           stop: StopRequest | None = None) -> TrainResult:
     """Train `cfg` on the ranks of `mesh`; every rank calls this. A `stop` request (a signal) makes every
-    rank save after the current step and return (result.stopped_at), without writing OUT/model."""
+    rank save after the current step and return (result.stopped_at), without writing OUT/model. With
+    checkpoint.async_save, the run ends once its last checkpoint is written."""
     run = build_run(cfg, mesh, device or torch.device("cpu"), trace=trace, stop=stop)
+    with run.background or contextlib.nullcontext():
+        return train_steps(run, trace=trace)
+
+
+def train_steps(run: Run, *, trace: bool) -> TrainResult:
+    """The loop of `train`, from the run's first step (a resumed run's next) to train.steps or a stop."""
+    cfg, mesh = run.cfg, run.mesh
     t, save_every = cfg.train, cfg.checkpoint.save_every
     first = run.loader.step
     if first > t.steps:  # validate refuses this before start; a checkpoint named step_{steps} must hold that step

@@ -92,6 +92,7 @@ class ShardedAdamW:
                                                                           piece.slice_offset + piece.master.numel()])
         # ZeRO-3: parameters sharded too, gathered unit by unit as the forward and backward passes need them
         self.sharding = ParameterSharding(dp_chunks, group) if zero == 3 and self.shards > 1 else None
+        self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.piece_of = {id(piece.param): [] for piece in self.pieces}
         for piece in self.pieces:
             self.piece_of[id(piece.param)].append(piece)
@@ -219,6 +220,24 @@ class ShardedAdamW:
         if self.plain:
             return parts[0][1]
         return self._assemble(param, parts)
+
+    def local_parts(self, param: nn.Parameter, kind: Kind) -> list[tuple[int, Tensor]]:
+        """This rank's pieces of the master weights or a moment of `param` (its tp part): (offset in its
+        flattened elements, values), without copying; checkpoints in the background copy them."""
+        pieces = self.piece_of.get(id(param), [])
+        if kind == "master":
+            return [(piece.start, piece.master.detach()) for piece in pieces]
+        return [(piece.start, self.inner.state[piece.master][kind]) for piece in pieces]
+
+    def piece_ranges(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
+        """(rank in dp*cp, offset, length) of each rank's piece of `param` (a parameter is contiguous in its
+        bucket, so one piece per rank at most): where a checkpoint gathers it from."""
+        if self.shards == 1:
+            return [(0, 0, param.numel())]
+        bucket = self.bucket_of[id(param)]
+        begin, size = bucket.offsets[param], bucket.slice_size
+        spans = [(q, max(begin, q * size), min(begin + param.numel(), (q + 1) * size)) for q in range(self.shards)]
+        return [(q, a - begin, b - a) for q, a, b in spans if a < b]
 
     def full_grad(self, param: nn.Parameter) -> Tensor:
         """The averaged gradient of `param` as a whole: without ZeRO the gradient itself, no copy."""

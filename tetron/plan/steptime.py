@@ -3,7 +3,8 @@
     step = pipeline span (every micro-batch's forward and backward, with the tp and cp collectives and
            the stage-to-stage P2P inside them, played through the schedule: pipeline_schedules.simulate,
            so the bubble comes from the schedule itself) + the data-parallel communication that the
-           backward pass does not hide + the optimizer step
+           backward pass does not hide + the optimizer step + a checkpoint save's blocking time over
+           checkpoint.save_every steps
 
 Compute is FLOPs at a device's efficiency figure (hardware.py): per token and layer 2 FLOPs per weight
 forward (4 backward), and causal attention's 2*s*hq forward (the usual 4*s*hq halved by the mask), the
@@ -43,6 +44,7 @@ class TimeEstimate:
     pp_s: float  # stage-to-stage P2P
     dp_s: float  # gradient reduction (and ZeRO's gathers) not hidden by the backward pass
     optimizer_s: float  # the optimizer step: its state streamed through memory once or twice
+    save_s: float  # a checkpoint save's blocking time, per step of its checkpoint.save_every
     tokens_per_s: float
     mfu: float  # model FLOPs (6N + 12*L*h*s per token) per second over the peak of all devices
 
@@ -165,6 +167,22 @@ def _data_parallel(cfg: Config, hw: Hardware, gpus_per_node: int, *, backward_s:
     return max(0.0, gathers - compute_s) + 2 * gather / len(buckets)
 
 
+def save_blocking(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> float:
+    """Seconds a checkpoint save holds training up. In the foreground: the rank's stage's state (fp32
+    weights and two moments) gathered whole (all-reduced over dp*cp under ZeRO, all-gathered over tp),
+    and its 1/world share written at its node's disk bandwidth. With async_save: this rank's own part of
+    that state copied to host memory; the rest happens while training goes on."""
+    p, params = cfg.parallel, cfg.model.num_params()
+    stage = 12 * params / p.pp  # bytes of this rank's stage's checkpoint
+    dp_cp = p.dp * p.cp
+    if cfg.checkpoint.async_save:
+        return stage / p.tp / (dp_cp if p.zero >= 1 else 1) / (hw.host_gbs * 1e9)
+    gather = _ring(hw, stage / p.tp, dp_cp, 2, _bandwidth(hw, dp_cp * p.tp, gpus_per_node)) if p.zero >= 1 else 0.0
+    gather += _ring(hw, stage, p.tp, 1, _bandwidth(hw, p.tp, gpus_per_node))
+    write = 12 * params / cfg.world_size * min(cfg.world_size, gpus_per_node) / (hw.disk_gbs * 1e9)
+    return gather + write
+
+
 def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     """The predicted step time of `cfg` on devices `hw`, `gpus_per_node` ranks to a node."""
     p, m = cfg.parallel, cfg.train.grad_acc
@@ -181,10 +199,12 @@ def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     owned = sum(b.slice_size for b in buckets)
     # AdamW reads and writes masters and both moments and reads the gradient: ~7 fp32 values an element
     optimizer = owned * 4 * 7 / (hw.hbm_gbs * 1e9)
-    step = span + dp_s + optimizer
+    every = cfg.checkpoint.save_every
+    save = save_blocking(cfg, hw, gpus_per_node=gpus_per_node) / every if every else 0.0
+    step = span + dp_s + optimizer + save
     tokens = cfg.global_batch * cfg.data.seq_len
     flops = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / step
     peak = hw.tflops * 1e12 / (1 if cfg.train.dtype == "bfloat16" or hw.cpu else hw.fp32_slowdown)
     return TimeEstimate(step_s=step, compute_s=compute, bubble=bubble, tp_s=tp_s, cp_s=cp_s, pp_s=pp_s,
-                        dp_s=dp_s, optimizer_s=optimizer, tokens_per_s=tokens / step,
+                        dp_s=dp_s, optimizer_s=optimizer, save_s=save, tokens_per_s=tokens / step,
                         mfu=flops / (peak * cfg.world_size))
