@@ -54,7 +54,7 @@ from tetron.models.llama import Llama, LlamaConfig
 from tetron.observe.memory import StateBytes, optimizer_tensors, state_bytes
 from tetron.parallel.grads import clip_grads_
 from tetron.parallel.init import init_weights_
-from tetron.parallel.parallelize import build_optimizer, finish_gradients, make_loss_fn, parallelize
+from tetron.parallel.parallelize import build_optimizer, finish_gradients, parallelize
 
 IMPLS = ("zero1", "zero2", "ddp", "zero3", "fsdp2")
 LABELS = {"zero1": "tetron ZeRO-1", "zero2": "tetron ZeRO-2", "ddp": "torch DDP + AdamW",
@@ -80,11 +80,10 @@ def tetron_step(args: argparse.Namespace, config: LlamaConfig, zero: int, mesh: 
     })
     model = parallelize(cfg, mesh, CPU)
     optimizer = build_optimizer(model, cfg, mesh)
-    token_loss = make_loss_fn(cfg, mesh)
     positions = torch.arange(args.seq)
 
     def step(inputs: Tensor, targets: Tensor, measure: bool) -> tuple[Tensor, StateBytes | None]:
-        loss = token_loss(model.dp_chunks[0](inputs, positions), targets) / inputs.numel()
+        loss = model.dp_chunks[0](inputs, positions, targets=targets) / inputs.numel()  # head and loss, chunked
         loss.backward()
         finish_gradients(model, mesh, optimizer)
         clip_grads_(optimizer.grads(), cfg.train.grad_clip, mesh, sharded_over_dp=zero >= 1)

@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -17,11 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_cli import user_env
 
+from tetron.checkpoint.check import verify_tensors
+from tetron.checkpoint.load import TensorReader
 from tetron.checkpoint.save import seal
+from tetron.checkpoint.shards import tensor_crc32
 from tetron.config import ConfigError, from_dict
+from tetron.errors import CheckpointError
 from tetron.fs import STATE_FILE, sha256, write_json
 from tetron.validate import validate
 
@@ -45,10 +51,18 @@ def hashes(root: Path) -> dict[str, str]:
 
 
 def reseal(folder: Path) -> None:
-    """Recompute the trainer state's file list and checksum: a checkpoint consistent with itself."""
+    """Recompute the trainer state's file list and checksums (each tensor's crc32, each small file's
+    sha256) and its own checksum: a checkpoint consistent with itself."""
     state = json.loads((folder / STATE_FILE).read_text())
-    state["files"] = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)}
-                      for f in sorted(folder.iterdir()) if f.name != STATE_FILE}
+    files = {}
+    for f in sorted(folder.iterdir()):
+        try:
+            with safe_open(str(f), "pt") as st:
+                files[f.name] = {"size": f.stat().st_size, "writer": 0,
+                                 "crc32": {k: tensor_crc32(st.get_tensor(k)) for k in st.keys()}}
+        except Exception:  # not (readable as) safetensors: a small file
+            files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
+    state["files"] = {name: meta for name, meta in files.items() if name != STATE_FILE}
     write_json(folder / STATE_FILE, seal(state))
 
 
@@ -100,9 +114,32 @@ def test_flipped_bytes_in_header(good, tmp_path):
     data = bytearray((folder / SHARD).read_bytes())
     data[9:13] = b"@@@@"
     (folder / SHARD).write_bytes(bytes(data))
-    expect_error(raw, tmp_path, f"{SHARD}: contents differ from the sha256 in trainer_state.json: corrupted")
-    reseal(folder)
     expect_error(raw, tmp_path, f"{SHARD}: the safetensors header is not valid JSON: corrupted")
+
+
+def test_a_flipped_tensor_byte_is_caught_when_read_and_by_tetron_check(good, tmp_path):
+    """Nothing reads the tensors before start (sizes, headers and the sealed state are checked): a byte
+    flipped inside one is caught by the rank that reads it whole, and by `tetron check`, naming both the
+    file and the tensor; an intact checkpoint checks clean."""
+    folder, raw = copy_of(good, tmp_path)
+    name = "model.layers.1.mlp.up_proj.weight"
+    with open(folder / SHARD, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        begin = json.loads(fh.read(n))[name]["data_offsets"][0]
+    data = bytearray((folder / SHARD).read_bytes())
+    data[8 + n + begin + 5] ^= 0x10
+    (folder / SHARD).write_bytes(bytes(data))
+    validate(from_dict(raw))  # passes: the launcher reads no tensor bytes
+    line = f"{folder / SHARD}: tensor {name}: its bytes differ from the crc32 in trainer_state.json: corrupted"
+    with TensorReader(folder, "model") as reader, pytest.raises(CheckpointError) as info:
+        reader.read(name)
+    assert str(info.value) == line
+    found = cli_in_process(["check", str(tmp_path)], tmp_path)  # a folder holding checkpoints
+    assert found.returncode == 2 and "no checkpoint there" in found.stderr
+    found = cli_in_process(["check", str(folder)], tmp_path)
+    assert found.returncode == 1 and found.stdout.splitlines() == [line], found
+    whole = cli_in_process(["check", str(good[0].parent.parent)], tmp_path)  # a run folder: each checkpoint
+    assert whole.returncode == 0 and whole.stdout.startswith(f"{good[0]}: ok ("), whole
 
 
 def test_missing_tensor(good, tmp_path):
@@ -247,7 +284,7 @@ def test_fuzz_corrupted_checkpoints_and_configs(good, tmp_path):
                 validate(from_dict(raw))
         except ConfigError as err:
             assert "\n" not in str(err) and str(err), (case, what, err)
-        else:
-            pytest.fail(f"case {case} ({what}): no error")
+        else:  # tensor bytes overwritten pass the start-up checks; reading them (tetron check too) catches them
+            assert what.startswith("overwrite") and verify_tensors(folder), f"case {case} ({what}): no error"
         assert hashes(where) == before, (case, what)
         shutil.rmtree(where)

@@ -6,6 +6,7 @@ same layout, within 1e-5 relative across layouts) or with transformers' model (l
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ from safetensors import safe_open
 
 from tetron.checkpoint.check import inspect_checkpoint
 from tetron.checkpoint.convert import convert
-from tetron.checkpoint.load import TensorReader, load_model
+from tetron.checkpoint.load import TensorReader, load_model, read_header
 from tetron.checkpoint.safetensors_stream import SafetensorsWriter
+from tetron.checkpoint.save import optimizer_specs
 from tetron.config import from_dict
 from tetron.data.loader import prepare_data
 from tetron.fs import find_latest
@@ -63,10 +65,21 @@ def test_safetensors_writer_streams_a_readable_file(tmp_path):
 # ----------------------------------------------------------------------------- format, atomic, exact resume
 
 
+def written_by_rank(folder: Path) -> dict[int, int]:
+    """The tensor bytes each rank wrote into a checkpoint, from the writers trainer_state.json names."""
+    written: dict[int, int] = {}
+    for name, meta in json.loads((folder / "trainer_state.json").read_text())["files"].items():
+        if "writer" in meta:
+            sizes = [math.prod(shape) * 4 for _, shape in read_header(folder / name).values()]
+            written[meta["writer"]] = written.get(meta["writer"], 0) + sum(sizes)
+    return written
+
+
 def test_exact_resume_on_2_ranks(corpus, cache_dir, tmp_path):
+    """Saved in the background (async_save), resumed from a save in the foreground: bit-identical."""
     train_cfg = {"steps": 10, "micro_batch": 1, "grad_acc": 2}
     full = tiny_config(corpus, cache_dir, tmp_path / "full", parallel={"dp": 2}, train=train_cfg,
-                       checkpoint={"save_every": 5, "keep": 2})
+                       checkpoint={"save_every": 5, "keep": 2, "async_save": True})
     losses = run(full)
     ckpts = tmp_path / "full" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_10", "step_5"]
@@ -74,10 +87,14 @@ def test_exact_resume_on_2_ranks(corpus, cache_dir, tmp_path):
     step5 = ckpts / "step_5"
     state = inspect_checkpoint(step5)
     assert state["step"] == 5 and state["loader"]["step"] == 5 and state["optimizer"]["present"]
-    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors", "rng.safetensors",
+    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors", "rng.safetensors",
             "optimizer.safetensors.index.json", "trainer_state.json"} <= {p.name for p in step5.iterdir()}
     with safe_open(str(step5 / "rng.safetensors"), "pt") as f:
         assert sorted(f.keys()) == ["rank_0", "rank_1"]
+    # every rank writes its share: none more than half the tensors' bytes plus the largest tensor
+    written = written_by_rank(step5)
+    largest = max(math.prod(shape) * 4 for *_, shape in optimizer_specs(from_dict(full).model))
+    assert sorted(written) == [0, 1] and max(written.values()) <= sum(written.values()) / 2 + largest, written
 
     # continue from step 5 (the learning-rate schedule is that of the 10-step run) in another folder
     resumed = tiny_config(corpus, cache_dir, tmp_path / "b", parallel={"dp": 2}, train=train_cfg,
@@ -102,6 +119,7 @@ RESHARD = {
                                   {"tp": 2, "sp": True}, {"tie_word_embeddings": True}),
     "tp2 vocab 257 -> pp2 tp2": ({"tp": 2}, {"pp": 2, "tp": 2}, {"vocab_size": 257}),
 }
+SAVED_IN_THE_BACKGROUND = {"dp2-tp2 -> pp2", "pp2-interleaved -> tp2-sp"}  # checkpoint.async_save
 
 
 @pytest.mark.parametrize("name", sorted(RESHARD))
@@ -116,7 +134,7 @@ def test_reshard_between_layouts(corpus, cache_dir, tmp_path, name):
         return tiny_config(corpus, cache_dir, tmp_path / out, model=model, parallel=parallel, train=train_cfg, **extra)
 
     reference = run(cfg("ref", {}, 8))
-    run(cfg("a", saved, 8, checkpoint={"save_every": 4}))
+    run(cfg("a", saved, 8, checkpoint={"save_every": 4, "async_save": name in SAVED_IN_THE_BACKGROUND}))
     after = run(cfg("b", loaded, 8, checkpoint={"resume": str(tmp_path / "a" / "checkpoints" / "step_4")}))
     torch.testing.assert_close(torch.tensor(after), torch.tensor(reference[4:]), rtol=LOSS_RTOL, atol=0)
 

@@ -71,11 +71,15 @@ def _slow_save_child(raw: dict) -> None:
     os._exit(0)
 
 
-def test_sigkill_during_checkpoint_write(corpus, cache_dir, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["foreground", "background"])
+def test_sigkill_during_checkpoint_write(corpus, cache_dir, tmp_path, async_save):
+    """Killed while step_4's tensors are written (in the background: by the writer thread, while training
+    goes on): step_2 stays whole and `latest`, and --resume auto ends where an uninterrupted run does."""
     steps = {"steps": 6}
     ref = tiny_config(corpus, cache_dir, tmp_path / "ref", train=steps)
     run(ref)
-    raw = tiny_config(corpus, cache_dir, tmp_path / "run", train=steps, checkpoint={"save_every": 2})
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", train=steps,
+                      checkpoint={"save_every": 2, "async_save": async_save})
     prepare_data(from_dict(raw))
     child = mp.get_context("fork").Process(target=_slow_save_child, args=(raw,))
     child.start()
@@ -87,15 +91,18 @@ def test_sigkill_during_checkpoint_write(corpus, cache_dir, tmp_path):
         assert list(root.glob("step_4.tmp-*")), "the save of step 4 never started"
         before = hashes(root / "step_2")
         time.sleep(0.5)  # well inside the write of step_4's tensors
+        logged = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.join()
     assert list(root.glob("step_4.tmp-*")) and not (root / "step_4").exists()
+    assert logged == (6 if async_save else 4)  # in the background, training went on to its end meanwhile
     assert hashes(root / "step_2") == before
     assert (root / "latest").read_text().strip() == "step_2"
     assert find_latest(tmp_path / "run") == root / "step_2"
     inspect_checkpoint(root / "step_2")
-    resumed = tiny_config(corpus, cache_dir, tmp_path / "run", train=steps, checkpoint={"resume": "auto"})
+    resumed = tiny_config(corpus, cache_dir, tmp_path / "run", train=steps,
+                          checkpoint={"resume": "auto", "async_save": async_save})
     assert len(run(resumed)) == 4  # steps 3..6
     assert not list(root.glob("*.tmp-*"))  # the killed save's folder was cleaned at start-up
     assert_same_model(tmp_path / "ref" / "model", tmp_path / "run" / "model")
@@ -222,19 +229,21 @@ def _nan_rank(raw: dict) -> list[float]:
     """Train with the loss of the third step made NaN."""
     import tetron.train as tt
 
-    make = tt.make_loss_fn
+    build = tt.build_run
     calls = [0]
 
-    def make_nan(cfg, mesh):
-        fn = make(cfg, mesh)
+    def build_nan(*args, **kwargs):
+        run = build(*args, **kwargs)
+        per_token = run.loss_fn
 
-        def loss(logits, targets):
+        def loss(summed):
             calls[0] += 1
-            value = fn(logits, targets)
+            value = per_token(summed)
             return value * float("nan") if calls[0] == 3 else value
-        return loss
+        run.loss_fn = loss
+        return run
 
-    tt.make_loss_fn = make_nan
+    tt.build_run = build_nan
     return train_rank_losses(raw)
 
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 import transformers
 
+from tetron.checkpoint.check import verify_tensors
+from tetron.checkpoint.load import load_model
 from tetron.config import from_dict
 from tetron.errors import ConfigError
 from tetron.models.moe import Experts, MoEBlock, sequence_balance_losses
@@ -19,7 +21,16 @@ from tetron.parallel.init import seeded_model
 from tetron.parallel.moe_balance import FIGURES, finish_moe_step
 from tetron.validate import validate
 
-from conftest import LOSS_RTOL, WEIGHT_ATOL, check_layout, layout_configs, reference_run, run_parallel, tiny_config
+from conftest import (
+    LOSS_RTOL,
+    STEPS,
+    WEIGHT_ATOL,
+    check_layout,
+    layout_configs,
+    reference_run,
+    run_parallel,
+    tiny_config,
+)
 from harness import run_ranks
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -244,6 +255,7 @@ EP_REFUSED = [  # (model, parallel, the start of the one-line error)
     ({**MOE, "num_experts": 6}, {"dp": 4, "ep": 4}, "parallel.ep=4 must divide model.num_experts=6"),
     (MOE, {"dp": 2, "ep": 2, "zero": 2}, "parallel.zero=2 with ep=2 is not supported yet"),
     (MOE, {"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "zbh1"}, "parallel.pp_schedule=zbh1 with ep=2 is not supported"),
+    (MOE, {"dp": 4, "ep": 2, "zero": 1, "dp_shard": 2}, "parallel.dp_shard=2 with ep=2 is not supported yet"),
 ]
 
 
@@ -278,10 +290,18 @@ def test_ep2_trains_like_one_process_and_resumes_in_one(corpus, cache_dir, tmp_p
 
 def test_ep2_zero1_on_4_ranks_trains_like_one_process(corpus, cache_dir, tmp_path):
     """dp4 ep2 ZeRO-1: the expert shards' gradients averaged (and their optimizer state sharded) over the 2 ranks
-    holding the same experts, the others' over all 4; the global norm clipping counts each element once."""
+    holding the same experts, the others' over all 4; the global norm clipping counts each element once. Its last
+    step's checkpoint, written in the background by all 4 ranks (each expert tensor's ZeRO pieces sent within
+    their edp group to the writer's ep group, gathered over ep on the checkpoint's own groups), holds the weights
+    of OUT/model exactly, with the checksums it lists."""
     _, written = check_layout(corpus, cache_dir, tmp_path, model=EP_MODEL, parallel={"dp": 4, "ep": 2, "zero": 1},
-                              train={"recompute": "full"})
+                              train={"recompute": "full"}, checkpoint={"save_every": STEPS, "async_save": True})
     assert all(m["grad_norm"] > 1.0 for m in written["metrics"])  # so train.grad_clip=1 clips every step
+    folder = tmp_path / "run" / "checkpoints" / f"step_{STEPS}"
+    assert verify_tensors(folder) == []
+    saved = load_model(folder).state_dict()
+    for name, value in written["model"].items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
 
 
 def test_ep2_pp2_interleaved_trains_like_one_process(corpus, cache_dir, tmp_path):

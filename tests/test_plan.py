@@ -42,7 +42,8 @@ TOLERANCE = 0.10  # predicted vs measured per-rank peak, relative (the issue's b
 # A 4-layer GQA model small enough that 15 layouts train a few steps each in well under a minute.
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 128}
-# Every axis, ZeRO stage and recomputation mode, bf16, each pipeline schedule; at most 4 ranks each.
+# Every axis, ZeRO stage (accumulating sharded and full, HSDP) and recomputation mode, bf16, each pipeline
+# schedule; at most 4 ranks each.
 # Not here: tp with recompute=selective, which leaks the row-parallel outputs it keeps (about 540 KB a step
 # for this model; see the report), so its memory grows step after step and no steady state exists.
 LAYOUTS = {
@@ -50,7 +51,7 @@ LAYOUTS = {
     "single bf16 selective": ({}, {"dtype": "bfloat16", "recompute": "selective"}),
     "dp2 zero0 full": ({"dp": 2}, {"recompute": "full"}),
     "dp2 zero1 bf16": ({"dp": 2, "zero": 1}, {"dtype": "bfloat16"}),
-    "dp2 zero2": ({"dp": 2, "zero": 2, "bucket_mb": 0.05}, {"grad_acc": 1}),
+    "dp2 zero2": ({"dp": 2, "zero": 2, "bucket_mb": 0.05}, {}),
     "dp2 zero3": ({"dp": 2, "zero": 3}, {}),
     "tp2 sp": ({"tp": 2, "sp": True}, {}),
     "tp2 full bf16": ({"tp": 2}, {"recompute": "full", "dtype": "bfloat16"}),
@@ -58,8 +59,9 @@ LAYOUTS = {
     "pp2 1f1b selective": ({"pp": 2}, {"recompute": "selective"}),
     "pp2 interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}, {}),
     "cp2 selective": ({"cp": 2}, {"recompute": "selective"}),
-    "dp2 cp2 zero1": ({"dp": 2, "cp": 2, "zero": 1}, {}),
-    "dp2 pp2 zero3 tied": ({"dp": 2, "pp": 2, "zero": 3}, {}, {"tie_word_embeddings": True}),
+    "dp2 cp2 zero1 hsdp2": ({"dp": 2, "cp": 2, "zero": 1, "dp_shard": 2}, {}),
+    "dp2 pp2 zero3 tied full": ({"dp": 2, "pp": 2, "zero": 3, "zero_accumulate": "full"}, {},
+                                {"tie_word_embeddings": True}),
     "tp2 sp pp2": ({"tp": 2, "sp": True, "pp": 2}, {}),
 }
 
@@ -122,6 +124,25 @@ def test_bubble_comes_from_the_schedule():
         assert predicted == pytest.approx(expected, abs=0.03), schedule
 
 
+def test_a_save_blocks_each_step_for_its_share_of_save_every():
+    """A save's blocking time counts once per checkpoint.save_every steps: nothing without periodic saves,
+    its 1/world share written at the disk's speed in the foreground, only a copy to the host with
+    async_save; ZeRO's sharded copy is smaller still."""
+    hw = replace(gpu("H100"), latency_s=0.0, intra_gbs=1e12, inter_gbs=1e12, disk_gbs=1.0, host_gbs=10.0)
+    model = {**MODEL, "num_hidden_layers": 8}
+
+    def save_s(**checkpoint):
+        parallel = {"dp": 8, "zero": checkpoint.pop("zero", 0)}
+        return estimate(from_dict({"model": model, "parallel": parallel, "checkpoint": checkpoint}), hw,
+                        gpus_per_node=8).save_s
+
+    state = 12 * from_dict({"model": model}).model.num_params()
+    assert save_s() == 0.0
+    assert save_s(save_every=10) == pytest.approx(state / 1e9 / 10, rel=1e-6)  # 8 ranks writing 1/8 each, 1 GB/s
+    assert save_s(save_every=10, async_save=True) == pytest.approx(state / 10e9 / 10, rel=1e-6)
+    assert save_s(save_every=10, async_save=True, zero=1) == pytest.approx(state / 8 / 10e9 / 10, rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------ the search
 
 
@@ -142,6 +163,30 @@ def test_search_ranks_valid_layouts_that_fit(tmp_path):
     pinned = search(base, gpu("H100"), nodes=1, gpus_per_node=8, batch=64, fixed={"tp": 2, "recompute": "full"})
     assert pinned and all(p.layout.tp == 2 and p.layout.recompute == "full" for p in pinned)
     assert len(rank(search(base, with_memory(gpu("H100"), 40), nodes=1, gpus_per_node=8, batch=64))) < len(fits)
+
+
+def test_search_chooses_sharded_or_full_accumulation(tmp_path):
+    """The issue's case, Llama-7B dp32 ZeRO-3 micro-batch 2 x 2 on 4 x 8 H100: full accumulation holds the whole
+    model's fp32 gradients through the step, sharded 1/32 of them plus the unit buffers in flight; full is
+    faster (one reduce-scatter a step), so the search takes it where it fits, sharded where only that
+    fits. HSDP's state is counted over dp_shard."""
+    base = load_config(None, ["--model", "llama-7b", "--seq-len", "4096", "--train.dtype=bfloat16",
+                              "--out", str(tmp_path / "run")])
+    fixed = {"dp": 32, "zero": 3, "micro_batch": 2, "recompute": "none"}
+    by = {acc: search(base, gpu("H100"), nodes=4, gpus_per_node=8, batch=128,
+                      fixed={**fixed, "zero_accumulate": acc})[0]
+          for acc in ("full", "sharded")}
+    assert by["full"].layout.label().split()[4] == "z3f" and by["sharded"].layout.label().split()[4] == "z3"
+    whole = 4 * base.model.num_params()
+    # sharded: the slices, and in flight the root unit's buffer (embedding, head) and two layers' (~9% of the model)
+    assert by["full"].memory.grads >= whole and whole / 32 < by["sharded"].memory.grads < 0.15 * whole
+    assert by["full"].time.step_s < by["sharded"].time.step_s
+    assert by["sharded"].memory.total < 60 * GiB < by["full"].memory.total <= by["full"].limit  # 52.9, 77.8 GiB
+    for memory_gb, chosen in ((80, "full"), (60, "sharded")):
+        (plan,) = search(base, with_memory(gpu("H100"), memory_gb), nodes=4, gpus_per_node=8, batch=128, fixed=fixed)
+        assert plan.fits and plan.layout.zero_accumulate == chosen and plan.config.parallel.zero_accumulate == chosen
+    hsdp = from_dict({"model": {**MODEL, "vocab_size": 256}, "parallel": {"dp": 4, "zero": 3, "dp_shard": 2}})
+    assert state(hsdp, 0).grads == pytest.approx(2 * hsdp.model.num_params(), rel=1e-3)  # 4 B / 2, not / 4
 
 
 # ------------------------------------------------------------------------------------ the CLI

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from tetron.config import from_dict
 from tetron.mesh import Mesh
 from tetron.models.llama import Llama, LlamaConfig
+from tetron.models.loss import head_cross_entropy
 from tetron.observe.memory import ActivationMeter
-from tetron.parallel.parallelize import make_loss_fn, parallelize
+from tetron.parallel.parallelize import parallelize
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
     padded_vocab_size,
@@ -106,38 +107,46 @@ def test_vocab_parallel_cross_entropy_equals_full_softmax(vocab, tp):
 # ----------------------------------------------------------------------------- memory of logits + loss
 
 
-def _head_and_loss_saved_bytes(raw: dict) -> int:
-    """Bytes autograd keeps for backward through lm_head and the loss (activations, not weights).
+def _head_and_loss_rank(raw: dict) -> dict:
+    """Bytes autograd keeps for backward through lm_head and the loss (activations, not weights), chunked;
+    and the chunked loss and gradients (hidden states, this rank's head shard) against one chunk's.
 
-    These stay alive from the forward to the backward pass, so they are the memory that the
-    logits and loss add to a training step's peak."""
+    What is kept stays alive from the forward to the backward pass: the memory that the head and the
+    loss add to a training step's peak."""
     cfg = from_dict(raw)
     mesh = Mesh(tp=cfg.parallel.tp)
     model = parallelize(cfg, mesh, torch.device("cpu")).chunks[0]
-    loss_fn = make_loss_fn(cfg, mesh)
     torch.manual_seed(0)
     ids = torch.randint(0, cfg.model.vocab_size, (4, cfg.data.seq_len))
-    hidden = model.model(ids, torch.arange(cfg.data.seq_len)[None]).detach().requires_grad_(True)
-    with saved_bytes(model) as saved:
-        loss = loss_fn(model.lm_head(hidden), ids)
-    loss.backward()
-    return sum(saved.values())
+    hidden = model.model(ids, torch.arange(cfg.data.seq_len)[None]).detach()
+    results = {}
+    for chunk_tokens in (cfg.train.loss_chunk_tokens, 0):
+        x = hidden.clone().requires_grad_(True)
+        model.lm_head.weight.grad = None
+        with saved_bytes(model) as saved:
+            loss = head_cross_entropy(model.lm_head, x, ids, chunk_tokens=chunk_tokens)
+        loss.backward()
+        results[chunk_tokens] = (loss.detach(), x.grad, model.lm_head.weight.grad, sum(saved.values()))
+    return {"chunked": results[cfg.train.loss_chunk_tokens], "whole": results[0],
+            "shapes": (ids.numel(), *model.lm_head.weight.shape)}
 
 
-def test_logits_and_loss_memory_shrinks_with_tp(corpus, cache_dir, tmp_path):
-    # A large vocabulary next to a small hidden size: the logits dominate, as in real models.
+def test_head_and_loss_memory_shrinks_with_tp_and_chunks_match(corpus, cache_dir, tmp_path):
+    # A large vocabulary next to a small hidden size: the logits would dominate, as in real models.
     model = {"vocab_size": 4096, **GQA4}
-    measured = {}
     for tp in (1, 2, 4):
         raw = tiny_config(corpus, cache_dir, tmp_path / f"m{tp}", model=model, parallel={"tp": tp})
-        measured[tp] = run_ranks(tp, _head_and_loss_saved_bytes, raw)
-    single = measured[1][0]
-    for tp in (2, 4):
-        for per_rank in measured[tp]:
-            # 1/tp of the logits, plus the replicated [tokens, hidden] input of lm_head (32/4096 of
-            # the logits here, under 1%) and the int64 target index: at most 1/tp + 2%.
-            assert per_rank / single <= 1 / tp + 0.02, (tp, per_rank, single)
-            assert per_rank / single >= 1 / tp - 0.02, (tp, per_rank, single)
+        assert from_dict(raw).train.loss_chunk_tokens < 4 * 32  # several chunks
+        for r in run_ranks(tp, _head_and_loss_rank, raw):
+            (loss, dx, dw, kept), (ref, ref_dx, ref_dw, _) = r["chunked"], r["whole"]
+            torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+            torch.testing.assert_close(dx, ref_dx, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(dw, ref_dw, rtol=1e-5, atol=1e-6)
+            # kept: the loss's gradients only, fp32: the hidden states' (replicated) and this rank's 1/tp
+            # of the head's, never logits ([tokens, vocab/tp] would be 4096/32 = 128x the hidden states')
+            tokens, vocab_shard, width = r["shapes"]
+            assert vocab_shard == 4096 // tp
+            assert kept == 4 * (tokens + vocab_shard) * width, (tp, kept)
 
 
 # ----------------------------------------------------------------------------- layers

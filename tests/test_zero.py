@@ -1,5 +1,6 @@
-"""ZeRO-1/2 and fp32 master weights: every layout against the single process, the sharding itself,
-gradient syncs per step, and checkpoints that any layout resumes."""
+"""ZeRO-1/2/3, HSDP and fp32 master weights: every layout against the single process (gradient
+accumulation 1, 2 and 4, sharded and full), the sharding itself, gradient syncs per step, the gradient
+bytes held through accumulation, and checkpoints that any layout resumes."""
 
 from __future__ import annotations
 
@@ -13,19 +14,23 @@ from tetron.mesh import Mesh
 from tetron.parallel.parallelize import build_optimizer, parallelize
 from tetron.train import build_run, train_step
 
-from conftest import LAYOUT_LR, LOSS_RTOL, WEIGHT_ATOL, check_layout, run_parallel, run_training, tiny_config
+from conftest import GQA, LAYOUT_LR, LOSS_RTOL, WEIGHT_ATOL, check_layout, run_parallel, run_training, tiny_config
 from harness import run_ranks
 
 # Small buckets (0.01 MB = 2621 fp32) cut this model into many buckets, so parameters straddle the
 # ranks' slices and the last bucket is padded: the cases a single bucket would not exercise.
 SMALL = 0.01
 
+# Gradient accumulation is 2 unless the train section says (1, 4); ZeRO-2/3 accumulate sharded unless "full".
+# HSDP: dp_shard 2 of dp 4, two replicas of each slice.
 LAYOUTS = {
     "dp2-zero1": ({"dp": 2, "zero": 1}, {}, {}),
-    "dp2-zero2": ({"dp": 2, "zero": 2}, {}, {}),
-    "dp2-zero3": ({"dp": 2, "zero": 3}, {}, {}),
-    "dp4-zero1": ({"dp": 4, "zero": 1}, {}, {}),
-    "dp4-zero2-one-bucket": ({"dp": 4, "zero": 2, "bucket_mb": 25.0}, {}, {}),
+    "dp2-zero2-acc4": ({"dp": 2, "zero": 2}, {}, {"grad_acc": 4}),
+    "dp2-zero2-acc4-full": ({"dp": 2, "zero": 2, "zero_accumulate": "full"}, {}, {"grad_acc": 4}),
+    "dp2-zero3-acc4": ({"dp": 2, "zero": 3}, {}, {"grad_acc": 4}),
+    "dp4-zero1-hsdp2": ({"dp": 4, "zero": 1, "dp_shard": 2}, {}, {}),
+    "dp4-zero2-hsdp2-one-bucket-acc1": ({"dp": 4, "zero": 2, "dp_shard": 2, "bucket_mb": 25.0}, {}, {"grad_acc": 1}),
+    "dp4-zero3-hsdp2": ({"dp": 4, "zero": 3, "dp_shard": 2}, {}, {}),
     "dp4-zero3-tied": ({"dp": 4, "zero": 3}, {"tie_word_embeddings": True}, {}),
     "dp2-tp2-sp-zero2": ({"dp": 2, "tp": 2, "sp": True, "zero": 2}, {"vocab_size": 257}, {}),
     "dp2-tp2-sp-zero3": ({"dp": 2, "tp": 2, "sp": True, "zero": 3}, {"vocab_size": 257}, {}),
@@ -37,7 +42,7 @@ LAYOUTS = {
     "cp2-zero2": ({"cp": 2, "zero": 2}, {}, {}),  # ZeRO shards over dp*cp: 2 ranks even at dp=1
     "tp2-zero3-nothing-to-shard": ({"tp": 2, "zero": 3}, {}, {}),  # dp*cp = 1: plain AdamW, whole parameters
     "cp2-zero3": ({"cp": 2, "zero": 3}, {}, {}),
-    "dp2-zero3-recompute-full": ({"dp": 2, "zero": 3}, {}, {"recompute": "full"}),
+    "dp2-zero3-recompute-full-acc-full": ({"dp": 2, "zero": 3, "zero_accumulate": "full"}, {}, {"recompute": "full"}),
     "dp2-tp2-zero3-recompute-selective": ({"dp": 2, "tp": 2, "zero": 3}, {}, {"recompute": "selective"}),
     "dp2-tp2-pp2-zero1": ({"dp": 2, "tp": 2, "pp": 2, "sp": True, "zero": 1}, {"tie_word_embeddings": True}, {}),
     "dp2-tp2-pp2-zero3": ({"dp": 2, "tp": 2, "pp": 2, "sp": True, "zero": 3}, {"tie_word_embeddings": True}, {}),
@@ -47,14 +52,25 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_zero_matches_single_process(corpus, cache_dir, tmp_path, name):
     parallel, model, train = LAYOUTS[name]
-    check_layout(corpus, cache_dir, tmp_path, parallel={"bucket_mb": SMALL, **parallel}, model=model, train=train)
+    results, _ = check_layout(corpus, cache_dir, tmp_path, parallel={"bucket_mb": SMALL, **parallel}, model=model,
+                              train=train)
+    if parallel["zero"] >= 2 and "tp" not in parallel and "pp" not in parallel:
+        # The gradient bytes held between micro-batches: ZeRO-2/3's slices, 1/dp_shard of the model's fp32
+        # gradients (within 1%: each bucket's padding), or under full accumulation the whole buffers besides
+        cfg = from_dict(tiny_config(corpus, cache_dir, tmp_path, model={**GQA, "num_hidden_layers": 4, **model}))
+        whole = 4 * cfg.model.num_params()
+        shards = parallel.get("dp_shard", parallel.get("dp", 1) * parallel.get("cp", 1))
+        full = parallel.get("zero_accumulate") == "full" and train.get("grad_acc", 2) > 1
+        expected = whole / shards + (whole if full else 0)
+        for r in results:
+            assert expected <= r["grad_bytes_held"] <= 1.01 * expected, (r["grad_bytes_held"], whole, shards)
 
 
 def _pieces_rank(raw: dict) -> dict:
     """What each rank's optimizer holds, before and after one step."""
     cfg = from_dict(raw)
     p = cfg.parallel
-    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, dp_shard=p.dp_shard)
     model = parallelize(cfg, mesh, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg, mesh)
     buckets = [(b.padded, b.slice_size, sum(q.numel() for q in b.params)) for b in optimizer.buckets]
@@ -129,15 +145,18 @@ def test_zero3_gathers_reuse_their_memory(corpus, cache_dir, tmp_path):
         assert r["addresses"][1] == r["addresses"][2] and r["addresses"][1] <= r["addresses"][0], r
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-def test_gradient_accumulation_reduces_once_per_step(corpus, cache_dir, tmp_path, zero):
+@pytest.mark.parametrize("zero, accumulate", [(1, "sharded"), (2, "full"), (2, "sharded")])
+def test_gradient_accumulation_reduces_once_per_step(corpus, cache_dir, tmp_path, zero, accumulate):
+    """One reduce-scatter per bucket per step; under ZeRO-2/3's sharded accumulation one per micro-batch
+    (ZeRO-1 keeps whole buffers whatever zero_accumulate says)."""
     counts = {}
     for grad_acc in (1, 4):
         raw = tiny_config(corpus, cache_dir, tmp_path / f"acc{grad_acc}",
-                          parallel={"dp": 2, "zero": zero, "bucket_mb": SMALL},
-                          train={"micro_batch": 1, "grad_acc": grad_acc, "steps": 3})
+                          parallel={"dp": 2, "zero": zero, "bucket_mb": SMALL, "zero_accumulate": accumulate},
+                          train={"micro_batch": 1, "grad_acc": grad_acc, "steps": 2})
         counts[grad_acc] = [r["collectives"] for r in run_parallel(raw, trace=True)[0]]
-    assert counts[4] == counts[1] and counts[1][0] > 3  # one reduce-scatter per bucket per step
+    per_micro_batch = zero >= 2 and accumulate == "sharded"
+    assert counts[4] == [4 * c if per_micro_batch else c for c in counts[1]] and counts[1][0] > 3
 
 
 def _cfg(corpus, cache_dir, tmp_path, out, parallel, *, steps=8, **extra):
@@ -149,14 +168,15 @@ def _cfg(corpus, cache_dir, tmp_path, out, parallel, *, steps=8, **extra):
 
 
 @pytest.mark.parametrize("saved, loaded", [({"dp": 4, "zero": 3}, {"tp": 2}), ({"tp": 2}, {"dp": 4, "zero": 3}),
-                                           ({"dp": 2, "zero": 1}, {"dp": 4, "zero": 2}),
+                                           ({"dp": 4, "zero": 2, "dp_shard": 2}, {"dp": 2, "zero": 1}),
                                            ({"dp": 2, "pp": 2, "zero": 3}, {"dp": 2, "zero": 2})],
-                         ids=["zero3-dp4 -> tp2", "tp2 -> zero3-dp4", "zero1-dp2 -> zero2-dp4",
+                         ids=["zero3-dp4 -> tp2", "tp2 -> zero3-dp4", "zero2-dp4-hsdp2 -> zero1-dp2",
                               "zero3-dp2-pp2 -> zero2-dp2"])
 def test_zero_checkpoints_resume_in_any_layout(corpus, cache_dir, tmp_path, saved, loaded):
     """Checkpoints hold full tensors by name whatever the ZeRO stage, so they reshard like any other."""
     reference = run_training(_cfg(corpus, cache_dir, tmp_path, "ref", {}))
-    run_training(_cfg(corpus, cache_dir, tmp_path, "a", saved, checkpoint={"save_every": 4}))
+    background = saved.get("pp", 1) > 1  # one case saves with checkpoint.async_save
+    run_training(_cfg(corpus, cache_dir, tmp_path, "a", saved, checkpoint={"save_every": 4, "async_save": background}))
     step4 = str(tmp_path / "a" / "checkpoints" / "step_4")
     after = run_training(_cfg(corpus, cache_dir, tmp_path, "b", loaded, checkpoint={"resume": step4}))
     torch.testing.assert_close(torch.tensor(after), torch.tensor(reference[4:]), rtol=LOSS_RTOL, atol=0)
@@ -168,9 +188,11 @@ def test_zero_checkpoints_resume_in_any_layout(corpus, cache_dir, tmp_path, save
 @pytest.mark.parametrize("parallel, dtype", [({"dp": 2, "zero": 2}, "float32"), ({"dp": 2, "zero": 1}, "bfloat16"),
                                              ({"dp": 2}, "bfloat16"), ({"dp": 2, "zero": 3}, "bfloat16")])
 def test_same_layout_resume_is_exact(corpus, cache_dir, tmp_path, parallel, dtype):
-    """Sharded moments and fp32 master weights come back bit for bit: the resumed losses are the same."""
+    """Sharded moments and fp32 master weights come back bit for bit: the resumed losses are the same,
+    whether saved in the foreground or (ZeRO-2 and 3) in the background from a copy of this rank's slices."""
+    background = parallel.get("zero", 0) >= 2
     full = run_training(_cfg(corpus, cache_dir, tmp_path, "full", parallel, train={"dtype": dtype},
-                             checkpoint={"save_every": 4}))
+                             checkpoint={"save_every": 4, "async_save": background}))
     step4 = str(tmp_path / "full" / "checkpoints" / "step_4")
     resumed = run_training(_cfg(corpus, cache_dir, tmp_path, "b", parallel, train={"dtype": dtype},
                                 checkpoint={"resume": step4}))

@@ -49,6 +49,7 @@ USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] 
                    (tetron plan --help: rank the layouts that fit, predicted memory and step time)
        tetron slurm CONFIG --nodes N --gpus-per-node G [--partition P --time T --account A] [--submit]
        tetron convert SRC DST   (a checkpoint to a Hugging Face folder, or a HF folder to a checkpoint)
+       tetron check RUN_OR_CHECKPOINT   (every byte of a run's checkpoints against their checksums)
        tetron tokenize SOURCE --tokenizer T --out STORE [--workers N] [--shard-mb M]   (a token store)
        tetron generate RUN [--prompt TEXT] [--max-new-tokens N] [--temperature X] [--top-k N] [--seed N]
        tetron report RUN [RUN ...] [--out FILE.png] [--x step|tokens]   (curves and a summary of runs)
@@ -242,6 +243,12 @@ def _generate_args(args: list[str]) -> argparse.Namespace:
     return ns
 
 
+def check_command(args: list[str]) -> int:
+    from tetron.checkpoint.check import check_command as run
+
+    return run(args)
+
+
 def generate_command(args: list[str]) -> int:
     from tetron.observe.generate import sample_from_run
 
@@ -320,8 +327,8 @@ def print_config(config_path: str | None, args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"plan": plan_command, "slurm": slurm_command, "convert": convert_command, "generate": generate_command,
-            "tokenize": tokenize_command, "report": report_command}  # besides train
+COMMANDS = {"plan": plan_command, "slurm": slurm_command, "convert": convert_command, "check": check_command,
+            "generate": generate_command, "tokenize": tokenize_command, "report": report_command}  # besides train
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,10 +34,10 @@ CpLayout = Literal["zigzag", "contiguous"]
 CpImpl = Literal["ring", "ulysses"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["float32", "bfloat16"]
+ZeroAccumulate = Literal["sharded", "full"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["cosine", "wsd", "constant"]
-OnNonfinite = Literal["stop", "skip"]
-OnBadRecord = Literal["stop", "skip"]
+OnNonfinite = OnBadRecord = Literal["stop", "skip"]
 
 INT_LIMIT = 2**63  # every integer field fits int64, as the tensors and files that hold them do
 MAX_TEXT = 4096  # characters of a text field (PATH_MAX): a longer one is refused before any message quotes it
@@ -63,6 +63,10 @@ class ParallelConfig:
     bucket_mb: float = 25.0  # gradient bucket size for dp_impl=bucket, in MB of fp32
     zero: int = 0  # ZeRO stage over dp*cp: 1 shards optimizer state, 2 also gradients, 3 also parameters
     reduce_dtype: Dtype = "float32"  # dtype gradients are averaged in over dp*cp (bfloat16 halves the traffic)
+    zero_accumulate: ZeroAccumulate = "sharded"  # ZeRO-2/3 with grad_acc > 1: "sharded" reduce-scatters every
+    # micro-batch into this rank's slice (gradients 1/dp_shard), "full" keeps whole buffers and reduces once a
+    # step (fewer collectives, more memory); ZeRO-0/1 always keep whole buffers (ignored there)
+    dp_shard: int | None = None  # HSDP: ZeRO's shard group, a divisor of dp*cp (replicated across groups); null: dp*cp
     device: DeviceKind = "auto"  # "cpu", "cuda" or "auto" (cuda when available)
     timeout_s: float = 600.0  # a collective that takes longer fails the run with an error
     max_restarts: int = 0  # the launcher restarts all ranks this many times after a failure (they resume "auto")
@@ -114,6 +118,8 @@ class TrainConfig:
     seed: int = 0  # seeds the weights, the data order and the sampler
     dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads)
     recompute: Recompute = "none"  # activation recomputation per decoder layer: "none", "selective" or "full"
+    loss_chunk_tokens: int = 1024  # the head's matmul and the loss run over this many tokens at a time: only one
+    # chunk's fp32 logits [chunk, vocab/tp] ever exist (1024 x 49152: 192 MiB); 0: all of a micro-batch's at once
     compile: bool = False  # torch.compile each decoder layer (regional compilation): faster steps on GPUs, a
     # slower start (a minute or so per distinct layer shape); off by default
     on_nonfinite: OnNonfinite = "stop"  # a NaN/inf loss: "stop" the run naming the step, or "skip" the step's update
@@ -128,6 +134,7 @@ class CheckpointConfig:
     resume: str | None = None  # a checkpoint folder to continue from, or "auto": OUT's latest, if any
     init_from: str | None = None  # start from these weights: a Hugging Face model folder or hub name
     shard_mb: int = 2000  # largest safetensors shard in MB; a larger tensor gets a shard of its own
+    async_save: bool = False  # copy the state off the training tensors; a thread writes it while training goes on
     new_tokenizer: bool = False  # start from weights with another tokenizer than the one they ship (ids change meaning)
     new_model_settings: bool = False  # start from weights trained with another rope_theta, rope_scaling or
     # rms_norm_eps (e.g. to extend the context); otherwise such a difference is refused
@@ -165,8 +172,7 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        p = self.parallel
-        return p.dp * p.tp * p.pp * p.cp
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp * self.parallel.cp
 
     @property
     def global_batch(self) -> int:
@@ -326,9 +332,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
     unknown = sorted(set(raw) - known, key=str)
     if unknown:
         raise ConfigError(f"{quoted_key(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
-    sections = {"parallel": ParallelConfig, "data": DataConfig, "train": TrainConfig, "logging": LoggingConfig,
-                "checkpoint": CheckpointConfig}
-    kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name) for name, cls in sections.items()}
+    kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name)
+                              for name, cls in SECTIONS.items() if name != "model"}
     kwargs["data"] = _source_numbers(kwargs["data"])
     ck = kwargs["checkpoint"]
     # Without a model section, the model is the one a checkpoint or model folder to start from holds.
@@ -366,10 +371,8 @@ def field_docs(cls: type) -> list[tuple[str, str, str, str]]:
     out = []
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        if typing.get_origin(hint) is Literal:
-            kind = "|".join(typing.get_args(hint))
-        else:
-            kind = re.sub(r"typing\.|<class '(\w+)'>", r"\1", str(hint))
+        kind = ("|".join(typing.get_args(hint)) if typing.get_origin(hint) is Literal
+                else re.sub(r"typing\.|<class '(\w+)'>", r"\1", str(hint)))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         out.append((f.name, kind, repr(default), docs.get(f.name, "")))
     return out

@@ -196,7 +196,7 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
         dev.map_large_allocations()  # a resident set that follows the live tensors, step after step
     init_process_group(device, timeout_s=cfg.parallel.timeout_s, restart=restart)
     p = cfg.parallel
-    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, device_type=device.type,
+    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_shard=p.dp_shard, device_type=device.type,
                 timeout=timedelta(seconds=p.timeout_s))
     result = train(cfg, mesh, device=device, stop=stop)
     if result.stopped_at is not None:

@@ -1,8 +1,13 @@
 """The process layout: one object over DeviceMesh with this rank's coordinates, groups and neighbours.
 
 Axes are ordered (pp, dp, cp, tp): tp innermost so tensor-parallel ranks are neighbours
-(same node, fastest links), pp outermost. Every group (each axis, dp*cp over which gradients
-are averaged, the tied-embedding pairs) is built explicitly from the rank grid with `new_group`
+(same node, fastest links), pp outermost. HSDP (`dp_shard` < dp*cp) cuts each dp*cp group into
+shard groups of `dp_shard` consecutive ranks (ZeRO's slices; the nearest ranks, so its gathers and
+reduce-scatters stay on the fastest links) and replicate groups across them (the same slice on each).
+Expert parallelism (`ep` > 1) cuts each dp*cp group the same way: `ep` groups of ep consecutive ranks (which
+hold an MoE layer's experts between them) and `edp` groups across them (the ranks holding the same experts).
+Every group (each axis, dp*cp over which gradients are averaged, ZeRO's shards and replicas, the
+tied-embedding pairs) is built explicitly from the rank grid with `new_group`
 and the run's timeout, and the DeviceMesh is assembled from the axis groups
 (`DeviceMesh.from_group`): groups that init_device_mesh or new_group create on their own wait
 torch's default 30 minutes, not `parallel.timeout_s`.
@@ -25,9 +30,11 @@ class Mesh:
 
     `timeout`: how long any collective of its groups may wait (parallel.timeout_s); None: torch's default."""
 
-    def __init__(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, device_type: str = "cpu",
-                 timeout: timedelta | None = None, ep: int = 1) -> None:
+    def __init__(self, *, pp: int = 1, dp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int | None = None,
+                 ep: int = 1, device_type: str = "cpu", timeout: timedelta | None = None) -> None:
         self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        self.dp_shard = dp * cp if dp_shard is None else dp_shard
+        self.ep = ep
         self.world_size = pp * dp * cp * tp
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"world size {dist.get_world_size()} != pp*dp*cp*tp = {self.world_size}")
@@ -42,13 +49,28 @@ class Mesh:
         self.device_mesh = DeviceMesh.from_group([self.groups[a] for a in AXES], device_type, mesh=self.grid,
                                                  mesh_dim_names=AXES)
         self.groups["dp_cp"] = self._new_group_over(("dp", "cp"))
+        hsdp = self.dp_shard < self.size("dp_cp")
+        self.groups["dp_shard"], self.groups["dp_replicate"] = (self._split_dp_cp(self.dp_shard) if hsdp
+                                                                else (self.groups["dp_cp"], None))
+        self.groups["ep"], self.groups["edp"] = self._split_dp_cp(ep) if ep > 1 else (None, self.groups["dp_cp"])
         if pp > 1:
             self.groups["embed"] = self._embedding_group()
-        self.ep = ep
-        if ep > 1:
-            self.groups["ep"], self.groups["edp"] = self._expert_groups(ep)
+        self._checkpoint_groups: dict[str, dist.ProcessGroup] | None = None
 
-    def _new_group_over(self, axes: tuple[str, ...]) -> dist.ProcessGroup:
+    def checkpoint_groups(self) -> dict[str, dist.ProcessGroup]:
+        """"tp", "dp_cp", "world" and (expert parallelism) "ep" again, over the same ranks, on gloo: for
+        checkpoints written by a background thread, whose collectives must never interleave with the training
+        thread's on one group (and which work on CPU copies). Made on first use, which every rank reaches at
+        the same save."""
+        if self._checkpoint_groups is None:
+            self._checkpoint_groups = {"tp": self._new_group_over(("tp",), "gloo"),
+                                       "dp_cp": self._new_group_over(("dp", "cp"), "gloo"),
+                                       "world": self._new_group_over(AXES, "gloo")}
+            if self.ep > 1:
+                self._checkpoint_groups["ep"] = self._split_dp_cp(self.ep, "gloo", across=False)[0]
+        return self._checkpoint_groups
+
+    def _new_group_over(self, axes: tuple[str, ...], backend: str | None = None) -> dist.ProcessGroup:
         """A group of the ranks that differ only along `axes`; every rank creates every such group, in order."""
         keep = [AXES.index(a) for a in axes]
         other = [i for i in range(len(AXES)) if i not in keep]
@@ -56,11 +78,28 @@ class Mesh:
         rows = self.grid.permute(*other, *keep).reshape(-1, math.prod(self.sizes[a] for a in axes))
         mine = None
         for row in rows.tolist():
-            group = dist.new_group(row, timeout=self.timeout)
+            group = dist.new_group(row, timeout=self.timeout, backend=backend)
             if self.rank in row:
                 mine = group
         assert mine is not None
         return mine
+
+    def _split_dp_cp(self, inner: int, backend: str | None = None, *,
+                     across: bool = True) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+        """(inner, across): each dp*cp row [R * S] cut into R inner groups of S = `inner` consecutive ranks
+        (HSDP's shards, ep's experts) and S groups across them of every S-th (HSDP's replicas, edp), the latter
+        only with `across`. Every rank creates all of them, in order."""
+        n = self.size("dp_cp")
+        rows = self.grid.permute(0, 3, 1, 2).reshape(-1, n // inner, inner)  # [pp*tp, R, S]
+        mine: dict[str, dist.ProcessGroup | None] = {"inner": None, "across": None}
+        cuts = {"inner": rows.reshape(-1, inner), "across": rows.transpose(1, 2).reshape(-1, n // inner)}
+        for kind, groups in cuts.items() if across else list(cuts.items())[:1]:
+            for row in groups.tolist():
+                group = dist.new_group(row, timeout=self.timeout, backend=backend)
+                if self.rank in row:
+                    mine[kind] = group
+        assert mine["inner"] is not None
+        return mine["inner"], mine["across"]
 
     def _embedding_group(self) -> dist.ProcessGroup | None:
         """The first and the last pipeline stage of this rank's (dp, cp, tp) column: with tied embeddings
@@ -73,42 +112,28 @@ class Mesh:
                 mine = group
         return mine
 
-    def _expert_groups(self, ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """Expert parallelism, carved out of dp*cp: the `ep` group (ep consecutive ranks of this rank's dp*cp
-        group, which hold the experts between them) and the `edp` group (the dp*cp/ep ranks of this rank's
-        dp*cp group that hold the same experts). Every rank creates every such group, in order."""
-        columns = self.grid.permute(0, 3, 1, 2).reshape(-1, self.size("dp_cp"))  # [pp*tp, dp*cp]
-        experts = columns.reshape(-1, self.size("dp_cp") // ep, ep)  # [pp*tp, edp, ep]
-        mine: list[dist.ProcessGroup] = []
-        for rows in (experts.reshape(-1, ep), experts.transpose(1, 2).reshape(-1, self.size("dp_cp") // ep)):
-            for row in rows.tolist():
-                group = dist.new_group(row, timeout=self.timeout)
-                if self.rank in row:
-                    mine.append(group)
-        return mine[0], mine[1]
-
     def size(self, axis: str) -> int:
-        """Number of ranks along `axis` ("pp", "dp", "cp", "tp", "dp_cp", "ep" or "edp")."""
-        if axis in ("dp_cp", "ep", "edp"):
-            dp_cp = self.sizes["dp"] * self.sizes["cp"]
-            return {"dp_cp": dp_cp, "ep": self.ep, "edp": dp_cp // self.ep}[axis]
+        """Number of ranks along `axis` ("pp", "dp", "cp", "tp", "dp_cp", "dp_shard", "dp_replicate", "ep"
+        or "edp")."""
+        if axis in ("dp_cp", "dp_shard", "dp_replicate", "ep", "edp"):
+            n = self.sizes["dp"] * self.sizes["cp"]
+            return {"dp_cp": n, "dp_shard": self.dp_shard, "dp_replicate": n // self.dp_shard, "ep": self.ep,
+                    "edp": n // self.ep}[axis]
         return self.sizes[axis]
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along `axis`."""
-        if axis in ("dp_cp", "ep", "edp"):
-            dp_cp = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
-            return {"dp_cp": dp_cp, "ep": dp_cp % self.ep, "edp": dp_cp // self.ep}[axis]
+        if axis in ("dp_cp", "dp_shard", "dp_replicate", "ep", "edp"):
+            index = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
+            return {"dp_cp": index, "dp_shard": index % self.dp_shard, "dp_replicate": index // self.dp_shard,
+                    "ep": index % self.ep, "edp": index // self.ep}[axis]
         return self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """The group of `axis` (or "dp_cp"); "embed": first + last pipeline stage, None elsewhere or without pp;
-        "ep": None without expert parallelism; "edp": dp*cp's group then."""
-        if axis == "embed":
-            return self.groups.get(axis)
-        if axis in ("ep", "edp") and self.ep == 1:
-            return None if axis == "ep" else self.groups["dp_cp"]
-        return self.groups[axis]
+        """The group of `axis` (or "dp_cp", "dp_shard"); "embed": first + last pipeline stage, None elsewhere or
+        without pp; "dp_replicate": HSDP's replicas of this rank's ZeRO slices, None without HSDP; "ep": this
+        rank's expert-parallel group, None without; "edp": the ranks holding its experts (dp*cp without ep)."""
+        return self.groups.get(axis) if axis in ("embed", "dp_replicate", "ep") else self.groups[axis]
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage `stage` in this rank's (dp, cp, tp) column."""

@@ -37,6 +37,7 @@ SHORT_FLAGS = {
     "save-every": "checkpoint.save_every",
     "resume": "checkpoint.resume",
     "overwrite": "checkpoint.overwrite",
+    "async-save": "checkpoint.async_save",
     "init-from": "checkpoint.init_from",
     "max-restarts": "parallel.max_restarts",
     "zero": "parallel.zero",
@@ -44,8 +45,8 @@ SHORT_FLAGS = {
     "force": "parallel.ignore_memory_limit",
     "profile": "logging.profile",
 }
-# Flags that may stand alone, meaning true: `--sp`, `--force`, `--overwrite`.
-BOOL_FLAGS = {"sp", "force", "overwrite"}
+# Flags that may stand alone, meaning true: `--sp`, `--force`, `--overwrite`, `--async-save`.
+BOOL_FLAGS = {"sp", "force", "overwrite", "async-save"}
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

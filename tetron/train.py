@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tetron import device as dev
+from tetron.checkpoint.background import BackgroundSaver
 from tetron.checkpoint.load import load_checkpoint, load_weights, resolve_init_from
 from tetron.checkpoint.save import clean_stale, save_checkpoint, write_model_folder
 from tetron.config import Config
@@ -51,7 +52,6 @@ from tetron.parallel.parallelize import (
     ParallelModel,
     build_optimizer,
     finish_gradients,
-    make_loss_fn,
     parallelize,
     sequence_positions,
 )
@@ -75,12 +75,13 @@ class Run:
     model: ParallelModel  # this rank's chunks, bare and wrapped for data parallelism
     optimizer: ShardedAdamW  # AdamW over the fp32 master weights (this rank's pieces under ZeRO)
     dtype: torch.dtype  # the parameters' and activations' dtype
-    loss_fn: Callable[[Tensor, Tensor], Tensor]  # summed over tokens, divided by this rank's tokens per step
+    loss_fn: Callable[[Tensor], Tensor]  # the loss summed over tokens (the last chunk's output) -> per token
     positions: Tensor  # [T/cp] the positions of each sequence this rank holds (indexes the loader's CPU batches)
     device_positions: Tensor  # the same on the device: the RoPE position ids
     pipeline: Pipeline | None  # the schedule runner under pp, else None
     layer_ranks: list[int]  # the pipeline rank of each decoder layer, for checkpoints
     stop: StopRequest | None = None  # set by a signal: finish the step, save, return
+    background: BackgroundSaver | None = None  # with checkpoint.async_save: the thread checkpoints are written on
     halted: Tensor | None = None  # on the device, under on_nonfinite=stop: 1 once a step was not finite
 
 
@@ -132,8 +133,8 @@ def describe(run: Run) -> None:
     """Rank 0's opening lines: the model's size and this rank's part of it, the data and the plan."""
     cfg, t = run.cfg, run.cfg.train
     total, mine = cfg.model.num_params(), sum(p.numel() for p in run.model.params)
-    dp_cp = run.mesh.size("dp_cp")
-    sharded = f" (ZeRO-3: a 1/{dp_cp} slice of it between uses)" if cfg.parallel.zero == 3 and dp_cp > 1 else ""
+    shards = run.mesh.size("dp_shard")
+    sharded = f" (ZeRO-3: a 1/{shards} slice of it between uses)" if cfg.parallel.zero == 3 and shards > 1 else ""
     say(f"model: {total:,} parameters, {mine:,} on rank 0{sharded}")
     tokens_per_step = cfg.global_batch * cfg.data.seq_len
     windows = sum(run.loader.num_windows) if cfg.data.sources else run.loader.sampler.num_windows
@@ -152,14 +153,14 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
     # Sum over tokens, divided by this rank's tokens per step: after averaging over dp*cp the
     # gradient is that of the mean over every target token of the global batch.
     local_tokens = t.micro_batch * t.grad_acc * cfg.data.seq_len // mesh.size("cp")
-    token_loss = make_loss_fn(cfg, mesh)
     positions = sequence_positions(cfg, mesh)
     run = Run(cfg=cfg, mesh=mesh, device=device, tokenizer=tokenizer, loader=loader, model=model,
               optimizer=build_optimizer(model, cfg, mesh),
               dtype=torch.bfloat16 if t.dtype == "bfloat16" else torch.float32,
-              loss_fn=lambda logits, targets: token_loss(logits, targets) / local_tokens,
+              loss_fn=lambda summed: summed / local_tokens,
               positions=positions, device_positions=positions.to(device), pipeline=None,
-              layer_ranks=layer_ranks(cfg), stop=stop)
+              layer_ranks=layer_ranks(cfg), stop=stop,
+              background=BackgroundSaver() if cfg.checkpoint.async_save else None)
     restore(run)
     if mesh.rank == 0:
         describe(run)
@@ -187,8 +188,7 @@ def forward_backward(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
     for k, mb in enumerate(micro_batches):  # on the device already (next_batch)
         last = k == len(micro_batches) - 1
         with contextlib.nullcontext() if last else wrapped.no_sync():
-            logits = wrapped(mb.inputs, mb.positions, mb.docs)  # [B, T/cp, vocab(/tp)]
-            loss = run.loss_fn(logits, mb.targets)
+            loss = run.loss_fn(wrapped(mb.inputs, mb.positions, mb.docs, targets=mb.targets))  # head and loss, chunked
             loss.backward()
         loss_sum += loss.detach()
     return loss_sum
@@ -282,19 +282,20 @@ def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigu
 
 def save(run: Run) -> None:
     """OUT/checkpoints/step_N for the steps taken (N is the loader's position: a checkpoint's name and
-    content always agree), streamed to rank 0; every rank calls this."""
-    cfg, mesh = run.cfg, run.mesh
-    step = run.loader.step
+    content always agree); every rank calls this and writes its share (with async_save, on run.background)."""
+    cfg, mesh, step = run.cfg, run.mesh, run.loader.step
     layout = {**{a: mesh.size(a) for a in ("dp", "tp", "pp", "cp")}, "pp_virtual": cfg.parallel.pp_virtual,
               "world_size": mesh.world_size}
     state = {"step": step, "tokens": step * cfg.global_batch * cfg.data.seq_len, "loader": run.loader.state_dict(),
              "config": cfg.to_dict(), "layout": layout}
     start = time.perf_counter()
-    folder = save_checkpoint(Path(cfg.out), run.model.chunks, mesh, cfg=cfg, optimizer=run.optimizer,
-                             trainer_state=state, layer_ranks=run.layer_ranks, tokenizer=run.tokenizer)
-    if mesh.rank == 0:
-        size = sum(f.stat().st_size for f in folder.iterdir())
-        say(f"saved {folder} ({size / 2**20:,.1f} MiB, {time.perf_counter() - start:.1f} s)")
+
+    def saved(folder: Path) -> None:  # on rank 0, once the folder is complete (with async_save, on its thread)
+        mib = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
+        say(f"saved {folder} ({mib:,.1f} MiB, {time.perf_counter() - start:.1f} s)")
+
+    save_checkpoint(Path(cfg.out), run.model.chunks, mesh, cfg=cfg, optimizer=run.optimizer, trainer_state=state,
+                    layer_ranks=run.layer_ranks, tokenizer=run.tokenizer, background=run.background, on_saved=saved)
 
 
 def write_model(run: Run) -> None:
@@ -314,6 +315,7 @@ class TrainResult:
     chunks: list[Llama] = field(default_factory=list)  # this rank's bare chunks, virtual-stage order
     pipeline_trace: PipelineTrace | None = None  # with trace under pp: this rank's actions, last step
     dp_collectives: int | None = None  # with trace: gradient all-reduces issued by data parallelism
+    grad_bytes_held: int = 0  # the most gradient bytes this rank held between micro-batches (bucket buffers, slices)
     stopped_at: int | None = None  # the step saved when a stop request ended the run early, else None
     timings: list[dict[str, float]] = field(default_factory=list)  # with logging.timers: this rank's seconds
     # per category of each step, and the step's own step_time_s
@@ -344,8 +346,16 @@ def report(run: Run, reporter: Reporter | None, result: TrainResult,
 def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace: bool = False,
           stop: StopRequest | None = None) -> TrainResult:
     """Train `cfg` on the ranks of `mesh`; every rank calls this. A `stop` request (a signal) makes every
-    rank save after the current step and return (result.stopped_at), without writing OUT/model."""
+    rank save after the current step and return (result.stopped_at), without writing OUT/model. With
+    checkpoint.async_save, the run ends once its last checkpoint is written."""
     run = build_run(cfg, mesh, device or torch.device("cpu"), trace=trace, stop=stop)
+    with run.background or contextlib.nullcontext():
+        return train_steps(run, trace=trace)
+
+
+def train_steps(run: Run, *, trace: bool) -> TrainResult:
+    """The loop of `train`, from the run's first step (a resumed run's next) to train.steps or a stop."""
+    cfg, mesh = run.cfg, run.mesh
     t, save_every = cfg.train, cfg.checkpoint.save_every
     first = run.loader.step
     if first > t.steps:  # validate refuses this before start; a checkpoint named step_{steps} must hold that step
@@ -383,6 +393,7 @@ def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace:
             batch = next_batch(run)
     if reporter:
         reporter.close()
+    result.grad_bytes_held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)
     if trace:
         result.dp_collectives = sum(chunk.num_collectives for chunk in run.model.dp_chunks)
         result.pipeline_trace = run.pipeline.trace if run.pipeline is not None else None

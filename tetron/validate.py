@@ -83,6 +83,12 @@ def _validate_memory(cfg: Config) -> None:
                         (t.dtype == "bfloat16", "train.dtype=bfloat16 (gradients accumulate in its fp32 buckets)"),
                         (p.reduce_dtype == "bfloat16", "parallel.reduce_dtype=bfloat16 (it reduces the buckets)")):
         _check(not needs or p.dp_impl == "bucket", f"{what} needs parallel.dp_impl=bucket, not {p.dp_impl}")
+    n = p.dp * p.cp
+    _check(p.dp_shard is None or (p.dp_shard >= 1 and n % p.dp_shard == 0),
+           f"parallel.dp_shard={p.dp_shard} must divide dp*cp={n}: ZeRO shards over groups of dp_shard ranks "
+           f"and replicates across them (null: all {n})")
+    _check(p.dp_shard in (None, n) or p.zero >= 1,
+           f"parallel.dp_shard={p.dp_shard} needs parallel.zero >= 1: without ZeRO nothing is sharded")
 
 
 def _validate_checkpoint(cfg: Config) -> None:
@@ -246,6 +252,8 @@ def _validate_train(cfg: Config) -> None:
     _check(0 < t.decay_fraction <= 1, f"train.decay_fraction={t.decay_fraction} must be in (0, 1]")
     _check(t.weight_decay >= 0, f"train.weight_decay={t.weight_decay} must be >= 0")
     _check(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1/beta2 must be in [0, 1)")
+    _check(t.loss_chunk_tokens >= 0,
+           f"train.loss_chunk_tokens={t.loss_chunk_tokens} must be >= 0 (0: the loss over all tokens at once)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
     _check(p.max_restarts >= 0, f"parallel.max_restarts={p.max_restarts} must be >= 0")
     problem = compile_problem(p.device) if t.compile else None
@@ -318,6 +326,8 @@ def _validate_experts(cfg: Config) -> None:
                         f"expert shards over their own group); use zero=0 or 1")
     _check(p.pp_schedule not in ("zbh1", "zbv"), f"parallel.pp_schedule={p.pp_schedule} with ep={p.ep} is not "
                                                  f"supported yet; use 1f1b, afab or interleaved")
+    _check(p.dp_shard in (None, p.dp * p.cp), f"parallel.dp_shard={p.dp_shard} with ep={p.ep} is not supported yet "
+                                              f"(HSDP does not cut the expert shards' edp group); use dp_shard=null")
 
 
 def _validate_out(cfg: Config) -> None:

@@ -1,20 +1,27 @@
-"""Checkpoints and model folders checked before any process starts, without loading them: the trainer
-state (its checksum, every listed file's size and hash), the side files (tokenizer, generation config),
-and every tensor the model needs with its shape from the safetensors headers (checkpoint_load.py reads
-them); a problem is one CheckpointError naming the file."""
+"""Checkpoints and model folders checked before any process starts, without reading their tensors: the
+trainer state (its checksum, every listed file's size, the small files' sha256), the side files
+(tokenizer, generation config), and every tensor the model needs with its shape from the safetensors
+headers (load.py reads them); a problem is one CheckpointError naming the file. The tensors' bytes are
+checked where they are read (each tensor's crc32, by load.TensorReader), and all of them on demand by
+`tetron check` (verify_tensors, in parallel)."""
 
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from tetron.checkpoint.load import FLOAT_DTYPES, TensorReader, read_header
 from tetron.checkpoint.save import FORMAT, model_specs, optimizer_specs, seal
 from tetron.data.tokenizer import load_tokenizer
-from tetron.errors import CheckpointError, DataError, check
-from tetron.fs import STATE_FILE, STEP_DIR, read_json, sha256
+from tetron.errors import CheckpointError, DataError, check, failed
+from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
 from tetron.models.spec import config_from_hf, stored_as_of
 
 # the family and the shapes: always the same
@@ -25,6 +32,7 @@ MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", 
 SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
 
 _need = functools.partial(check, error=CheckpointError)
+BLOCK = 16 << 20  # bytes read at a time by `tetron check`
 
 
 def read_model_config(folder: Path) -> Any:
@@ -71,16 +79,21 @@ def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
     _need(isinstance(opt, dict) and type(opt.get("present")) is bool and type(opt.get("step")) in (int, float),
           f"{path}: optimizer must be {{present: bool, step: number}}")
     files = s.get("files")
-    _need(isinstance(files, dict) and files, f"{path}: files must list every file with its size and sha256")
+    _need(isinstance(files, dict) and files, f"{path}: files must list every file with its size and checksums")
     for name, meta in files.items():
         f = folder / name
         _need(Path(name).name == name and name not in (".", ".."), f"{path}: bad file name {name!r}")
-        _need(isinstance(meta, dict) and type(meta.get("size")) is int and isinstance(meta.get("sha256"), str),
+        crc32 = meta.get("crc32") if isinstance(meta, dict) else None
+        _need(isinstance(meta, dict) and type(meta.get("size")) is int and (isinstance(meta.get("sha256"), str) or (
+              isinstance(crc32, dict) and all(type(v) is int for v in crc32.values()))),
               f"{path}: bad entry for {name}")
         _need(f.is_file(), f"{f}: missing (listed in {STATE_FILE})")
         _need(f.stat().st_size == meta["size"],
               f"{f}: {f.stat().st_size} bytes, {STATE_FILE} says {meta['size']}: truncated or replaced")
-        _need(not verify_data or sha256(f) == meta["sha256"],
+        # the small files' sha256 only: tensor bytes are checked where they are read (a checkpoint written
+        # before tensors had a crc32 lists a sha256 for its safetensors files too: `tetron check` reads them)
+        small = "sha256" in meta and not name.endswith(".safetensors")
+        _need(not verify_data or not small or sha256(f) == meta["sha256"],
               f"{f}: contents differ from the sha256 in {STATE_FILE}: corrupted")
     if layout is not None:
         _need("rng.safetensors" in files, f"{path}: rng.safetensors is not listed")
@@ -139,3 +152,82 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
         for i in range(state["layout"]["world_size"]):
             _need(f"rank_{i}" in rng and rng[f"rank_{i}"][0] == "U8", f"{folder / 'rng.safetensors'}: no rank_{i}")
     return state
+
+
+# --------------------------------------------------------------------------- every byte, on demand (tetron check)
+
+
+def _data_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """{tensor: (first byte, end)} in the file, for a safetensors file whose header read_header accepted."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    return {name: (8 + n + entry["data_offsets"][0], 8 + n + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def _crc32_of(path: Path, begin: int, end: int) -> int:
+    """The crc32 of bytes [begin, end) of a file, read in blocks (both the read and the sum let other
+    threads run)."""
+    crc, fd = 0, os.open(path, os.O_RDONLY)
+    try:
+        for pos in range(begin, end, BLOCK):
+            crc = zlib.crc32(os.pread(fd, min(BLOCK, end - pos), pos), crc)
+    finally:
+        os.close(fd)
+    return crc
+
+
+def _verify(folder: Path, name: str, tensor: str | None, want: int | str, span: tuple[int, int] | None) -> str | None:
+    """One problem line for a tensor (or a small file, `tensor` None) whose bytes differ, else None."""
+    path = folder / name
+    if tensor is None:
+        return None if sha256(path) == want else f"{path}: contents differ from the sha256 in {STATE_FILE}: corrupted"
+    if span is None:
+        return f"{path}: tensor {tensor} (listed in {STATE_FILE}) is missing"
+    if _crc32_of(path, *span) != want:
+        return f"{path}: tensor {tensor}: its bytes differ from the crc32 in {STATE_FILE}: corrupted"
+    return None
+
+
+def verify_tensors(folder: Path, *, workers: int = 8) -> list[str]:
+    """Every byte of a checkpoint (checked first with inspect_checkpoint) against its checksums: each
+    tensor's crc32, each small file's sha256, read by `workers` threads. One line per problem, naming the
+    file and the tensor; an empty list when all is whole."""
+    files = read_json(folder / STATE_FILE)["files"]
+    jobs: list[tuple[str, str | None, int | str, tuple[int, int] | None]] = []
+    for name, meta in files.items():
+        if "crc32" in meta:
+            spans = _data_ranges(folder / name)
+            jobs += [(name, tensor, crc, spans.get(tensor)) for tensor, crc in meta["crc32"].items()]
+        else:
+            jobs.append((name, None, meta["sha256"], None))
+    jobs.sort(key=lambda job: -(job[3][1] - job[3][0]) if job[3] else 0)  # the largest first: the pool ends together
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        found = pool.map(lambda job: _verify(folder, *job), jobs)
+        return sorted(line for line in found if line is not None)
+
+
+def check_command(args: list[str]) -> int:
+    """`tetron check RUN_OR_CHECKPOINT`: every checkpoint of a run folder (or the one given) checked as a
+    resume checks it, then every byte against its checksums. Prints one line per problem; exit 1 if any."""
+    if len(args) != 1 or args[0].startswith("-"):
+        return failed("usage: tetron check RUN_OR_CHECKPOINT (a run folder: each of its checkpoints)")
+    path = Path(args[0]).expanduser()
+    folders = [path] if (path / STATE_FILE).is_file() else complete_checkpoints(path)
+    if not folders:
+        return failed(f"{path}: no checkpoint there (no {STATE_FILE}, no checkpoints/step_N)")
+    bad = 0
+    for folder in folders:
+        try:
+            inspect_checkpoint(folder, verify_data=False)
+            problems = verify_tensors(folder)
+        except CheckpointError as err:
+            problems = [str(err)]
+        for line in problems:
+            print(line, flush=True)
+        bad += len(problems)
+        if not problems:
+            size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+            print(f"{folder}: ok ({size / 2**20:,.1f} MiB checked)", flush=True)
+    return 1 if bad else 0

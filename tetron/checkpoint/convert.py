@@ -89,10 +89,11 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
         specs = model_specs(config)
         with TensorReader(src, "model", stored_as=stored_as_of(config)) as reader:
             stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
-            write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20)
+            crc32 = write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20)
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         copy_tokenizer(src, tmp)
-        files = {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}
+        files = {f.name: ({"size": f.stat().st_size, "writer": 0, "crc32": crc32[f.name]} if f.name in crc32
+                          else {"size": f.stat().st_size, "sha256": sha256(f)}) for f in sorted(tmp.iterdir())}
         write_json(tmp / STATE_FILE, seal({"format": FORMAT, "step": 0, "tokens": 0, "loader": None, "config": None,
                                       "layout": None, "optimizer": {"present": False, "step": 0.0},
                                       "files": files, "converted_from": str(src)}))

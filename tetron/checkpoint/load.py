@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from tetron import device as dev
 from tetron.checkpoint.safetensors_stream import DTYPES
+from tetron.checkpoint.shards import tensor_crc32
 from tetron.data.hub import hub_problem
 from tetron.errors import CheckpointError, check
 from tetron.fs import STATE_FILE, read_json
@@ -90,9 +91,20 @@ def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+def tensor_checksums(folder: Path) -> dict[str, dict[str, int]]:
+    """{file: {tensor: crc32}} from a checkpoint's trainer_state.json ({} for a plain model folder, or a
+    checkpoint written before tensors had checksums)."""
+    if not (Path(folder) / STATE_FILE).is_file():
+        return {}
+    files = read_json(Path(folder) / STATE_FILE).get("files")
+    return {name: meta["crc32"] for name, meta in (files.items() if isinstance(files, dict) else [])
+            if isinstance(meta, dict) and isinstance(meta.get("crc32"), dict)}
+
+
 class TensorReader:
     """Tensors of `{prefix}.safetensors` or `{prefix}-*.safetensors` + `{prefix}.safetensors.index.json`
-    in `folder`, read whole or one slice at a time; every header is checked on opening."""
+    in `folder`, read whole or one slice at a time; every header is checked on opening. A tensor read
+    whole is checked against its crc32 in the checkpoint's trainer_state.json, where one is listed."""
 
     def __init__(self, folder: Path, prefix: str = "model", *,
                  stored_as: Callable[[str], str | list[list[str]] | None] | None = None) -> None:
@@ -126,6 +138,7 @@ class TensorReader:
                     self.file_of[name] = f
         for name, f in (wmap or {}).items():
             _need(name in self.headers[f], f"{self.folder / f}: tensor {name} (listed in {index.name}) is missing")
+        self.crc32 = tensor_checksums(self.folder)
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
 
@@ -178,11 +191,15 @@ class TensorReader:
             index = [slice(None)] * len(self.headers[f][name][1])
             if dim is not None:
                 index[dim] = slice(start, stop)
-            return piece[tuple(index)] if index else self._handles[f].get_tensor(name)
+            tensor = piece[tuple(index)] if index else self._handles[f].get_tensor(name)
         except CheckpointError:
             raise
         except Exception as err:  # safetensors' own errors: the file changed or is damaged
             raise CheckpointError(f"{self.folder / f}: cannot read tensor {name} ({err})") from None
+        expected = self.crc32.get(f, {}).get(name) if dim is None else None
+        _need(expected is None or tensor_crc32(tensor) == expected,
+              f"{self.folder / f}: tensor {name}: its bytes differ from the crc32 in {STATE_FILE}: corrupted")
+        return tensor
 
 
 def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:

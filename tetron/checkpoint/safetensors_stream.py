@@ -56,7 +56,7 @@ class SafetensorsWriter:
         data = tensor.detach().contiguous().cpu()
         # bytes of any dtype (numpy has no bfloat16): view the storage as uint8
         try:
-            self.file.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            self.file.write(data.reshape(-1).view(torch.uint8).numpy().data if data.numel() else b"")  # no copy
         except OSError as err:  # a full disk: name the file (a failed write() names none)
             err.filename = err.filename or str(self.path)
             raise

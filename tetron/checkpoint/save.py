@@ -4,20 +4,24 @@
         config.json, model-XXXXX-of-YYYYY.safetensors, model.safetensors.index.json   (transformers loads this)
         optimizer-XXXXX-of-YYYYY.safetensors, optimizer.safetensors.index.json   ("{name}.exp_avg", "{name}.exp_avg_sq")
         rng.safetensors ("rank_{i}": every rank's CPU generator state), tokenizer files
-        trainer_state.json   (step, tokens, loader position, config, layout, sha256 of every other file; written last)
+        trainer_state.json   (step, tokens, loader position, config, layout; every file's size and who wrote
+                              it, each tensor's crc32, each small file's sha256; written last)
     OUT/checkpoints/latest   ("step_N", replaced after the folder is complete)
 
-Every tensor is gathered whole (over tp, padding cut) on its pipeline stage and sent to rank 0, which
-streams it into the current shard: no rank holds more than one full tensor. The folder is written as
-`step_N.tmp-<random>`, synced, renamed; `latest` is updated last, so a run killed at any moment leaves the
-previous checkpoint whole. No pickle: safetensors and JSON only, nothing here can run code when read.
-Reading is in checkpoint_load.py, checking before start-up in checkpoint_check.py.
+Every rank writes its share: each tensor is gathered whole on its pipeline stage and written by one rank
+of that stage into shards of its own (shards.py says who and why). Rank 0 then writes the indexes, the
+small files and trainer_state.json last. The folder is written as `step_N.tmp-<random>`, synced, renamed;
+`latest` is updated last, so a run killed at any moment leaves the previous checkpoint whole. With
+checkpoint.async_save the same writing runs on a background thread from a copy of the state
+(background.py). No pickle: safetensors and JSON only, nothing here can run code when read. Reading is in
+load.py, checking before start-up in check.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,7 +32,24 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from tetron import device as dev
-from tetron.checkpoint.safetensors_stream import SafetensorsWriter
+from tetron.checkpoint.background import BackgroundSaver, saver_of, wait_for_save  # noqa: F401  (its callers')
+from tetron.checkpoint.safetensors_stream import SafetensorsWriter  # noqa: F401  (tests slow or fail its writes)
+from tetron.checkpoint.shards import (
+    Comm,
+    Pieces,
+    Shard,
+    ShardWriter,
+    Spec,
+    assign_writers,
+    full_tensor,
+    gather_rng,
+    gather_to_writers,
+    nbytes,
+    plan_files,
+    send_line,
+    stage_of,
+    tensor_crc32,
+)
 from tetron.data.tokenizer import Tokenizer
 from tetron.errors import StorageError
 from tetron.fs import (
@@ -46,13 +67,10 @@ from tetron.fs import (
     write_text,
 )
 from tetron.mesh import Mesh
-from tetron.models.spec import ParallelPlan, spec_of
-from tetron.parallel.comm import all_gather_dim
-from tetron.parallel.layout import layout_of
+from tetron.models.spec import spec_of
 from tetron.parallel.zero import ShardedAdamW
 
 FORMAT = "tetron-checkpoint/1"
-Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
 
 
 def seal(state: dict[str, Any]) -> dict[str, Any]:
@@ -99,20 +117,7 @@ def save_state(state: dict[str, Tensor], config: Any, folder: Path, *,
     replace_folder(tmp, folder)
 
 
-# --------------------------------------------------------------------------- gathering, one tensor at a time
-
-
-def _full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup,
-                 ep_group: dist.ProcessGroup | None = None) -> Tensor:
-    """The whole tensor of which `local` (the parameter or a state of the same shape) is this rank's part
-    (an expert shard's experts gathered over `ep_group`, every rank of it joining)."""
-    if layout_of(param).ep is not None:
-        return all_gather_dim(local, layout_of(param).ep.dim, ep_group)
-    shard = layout_of(param).tp
-    if shard is None:
-        return local
-    full = all_gather_dim(local, shard.dim, tp_group)
-    return full.narrow(shard.dim, 0, shard.logical_size or full.shape[shard.dim])
+# --------------------------------------------------------------------------- tensors and their writers
 
 
 @torch.no_grad()
@@ -120,17 +125,8 @@ def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup,
                       ep_group: dist.ProcessGroup | None = None) -> dict[str, Tensor]:
     """The whole tensors of a tensor- or expert-parallel model (every tp and ep rank gets them); for tests and
     small models."""
-    return {name: _full_tensor(p.detach(), p, tp_group, ep_group).cpu()
+    return {name: full_tensor(p.detach(), p, tp_group, ep_group).cpu()
             for name, p in model.named_parameters(remove_duplicate=False)}
-
-
-def stage_of(name: str, layer_ranks: list[int], plan: ParallelPlan) -> int:
-    """The pipeline rank that holds parameter `name`: layers by `layer_ranks`, the embedding with the
-    first layer, the final norm and head with the last (under zbv both on rank 0)."""
-    part = plan.stage_part(name)
-    if part == "layer":
-        return layer_ranks[plan.layer_index(name)]
-    return layer_ranks[0] if part == "embedding" else layer_ranks[-1]
 
 
 def model_specs(config: Any, dtype: torch.dtype = torch.float32, *, buffers: bool = True) -> list[Spec]:
@@ -146,100 +142,33 @@ def model_specs(config: Any, dtype: torch.dtype = torch.float32, *, buffers: boo
                                      if buffers and name in stored]
 
 
-def optimizer_specs(config: Any) -> list[Spec]:
-    """AdamW's two moments of every stored parameter, full (unpadded) shapes, fp32."""
-    return [(f"{name}.{kind}", name, torch.float32, shape)
-            for name, _, _, shape in model_specs(config, buffers=False) for kind in ("exp_avg", "exp_avg_sq")]
+def optimizer_specs(config: Any, params: list[Spec] | None = None) -> list[Spec]:
+    """AdamW's two moments of every stored parameter, full (unpadded) shapes, fp32 (`params`: model_specs'
+    answer without buffers, where already known: each builds the model on the meta device)."""
+    return [(f"{name}.{kind}", name, torch.float32, shape) for name, _, _, shape in
+            params or model_specs(config, buffers=False) for kind in ("exp_avg", "exp_avg_sq")]
 
 
-@torch.no_grad()
-def gather_tensors(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], *, layer_ranks: list[int],
-                   local: Callable[[nn.Parameter, str], Tensor]) -> Iterator[tuple[str, Tensor | None]]:
-    """Yield (key, whole tensor) on global rank 0 for every spec, in order; (key, None) on the other ranks,
-    which take part in the tp all-gathers of their stage, and, on the owning stage's (dp=0, cp=0, tp=0)
-    rank, send the tensor to rank 0. `local(param, key)` is this rank's part of the tensor; a buffer (the same
-    on every rank of a stage) is sent as it is."""
-    pp_rank, plan = mesh.local_rank("pp"), spec_of(chunks[0].config).plan
-    in_column = all(mesh.local_rank(axis) == 0 for axis in ("dp", "cp", "tp"))
-    mine = {name: p for chunk in chunks for name, p in chunk.named_parameters(remove_duplicate=False)}
-    buffers = {name: b for chunk in chunks for name, b in chunk.named_buffers()}  # whole on every rank
-    device = next(iter(mine.values())).device
-    for key, name, dtype, shape in specs:
-        owner = stage_of(name, layer_ranks, plan)
-        if owner == pp_rank:
-            if name in buffers:
-                full = buffers[name].to(dtype).contiguous()
-            else:
-                param = mine[name]
-                # all tp ranks join, and for an expert shard all ep ranks
-                full = _full_tensor(local(param, key), param, mesh.group("tp"), mesh.group("ep")).contiguous()
-            if mesh.rank == 0:
-                yield key, full.cpu()
-                continue
-            if in_column:
-                dist.send(full, dst=0)
-        elif mesh.rank == 0:
-            full = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(full, src=mesh.stage_rank(owner))
-            yield key, full.cpu()
-            continue
-        yield key, None
+def write_index(folder: Path, prefix: str, shards: list[Shard]) -> None:
+    """`{prefix}.safetensors.index.json`: every tensor's file, as transformers reads it."""
+    weight_map = {key: shard.file for shard in shards for key, *_ in shard.specs}
+    total = sum(nbytes(spec) for shard in shards for spec in shard.specs)
+    write_json(folder / f"{prefix}.safetensors.index.json",
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def plan_shards(specs: list[Spec], shard_bytes: int) -> list[list[Spec]]:
-    """Consecutive specs grouped into shards of at most `shard_bytes` (a larger tensor gets its own)."""
-    shards: list[list[Spec]] = [[]]
-    size = 0
-    for spec in specs:
-        nbytes = torch.Size(spec[3]).numel() * torch.empty((), dtype=spec[2]).element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += nbytes
-    return shards
-
-
-def write_tensors(folder: Path | None, prefix: str, specs: list[Spec], stream: Iterator[tuple[str, Tensor | None]],
-                  *, shard_bytes: int, single_file: bool = False) -> None:
-    """Consume `stream` (from gather_tensors) on every rank; rank 0 (folder not None) writes the shards
-    `{prefix}-XXXXX-of-YYYYY.safetensors` and `{prefix}.safetensors.index.json` (or, with `single_file`
-    and one shard, `{prefix}.safetensors` alone, as transformers writes small models)."""
-    plan = plan_shards(specs, shard_bytes)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, shard in enumerate(plan):
-        fname = (f"{prefix}.safetensors" if single_file and len(plan) == 1
-                 else f"{prefix}-{i + 1:05d}-of-{len(plan):05d}.safetensors")
-        writer = (SafetensorsWriter(folder / fname, [(k, dt, sh) for k, _, dt, sh in shard],
-                                    metadata={"format": "pt"}) if folder is not None else None)
-        for key, _, _, _ in shard:
-            got, tensor = next(stream)
-            assert got == key  # the stream follows the same specs
-            if writer is not None:
-                writer.write(key, tensor)
-                total += tensor.numel() * tensor.element_size()
-            weight_map[key] = fname
-        if writer is not None:
-            writer.close()
-    if folder is not None and not (single_file and len(plan) == 1):
-        write_json(folder / f"{prefix}.safetensors.index.json",
-                   {"metadata": {"total_size": total}, "weight_map": weight_map})
-
-
-def _gather_rng(mesh: Mesh, device: torch.device) -> dict[str, Tensor]:
-    """Every rank's generator states on rank 0: CPU ("rank_{i}"), and CUDA ("cuda_rank_{i}") on GPUs.
-    All the same size, so a tensor all-gather carries them (all_gather_object would pickle)."""
-    states = {"rank": torch.get_rng_state()}
-    device_state = dev.rng_state(device)
-    if device_state is not None:
-        states["cuda_rank"] = device_state
-    out: dict[str, Tensor] = {}
-    for prefix, state in states.items():
-        parts = [torch.empty_like(state, device=device) for _ in range(mesh.world_size)]
-        dist.all_gather(parts, state.to(device))
-        out.update({f"{prefix}_{i}": part.cpu() for i, part in enumerate(parts)})
-    return out
+def write_tensors(folder: Path, prefix: str, specs: list[Spec], stream: Iterator[tuple[str, Tensor]], *,
+                  shard_bytes: int, single_file: bool = False) -> dict[str, dict[str, int]]:
+    """All of `stream` (whole tensors in spec order) written by this one process: the shards and, unless
+    one `{prefix}.safetensors` (`single_file`), the index. Returns each file's tensors' crc32."""
+    shards = plan_files(prefix, specs, [0] * len(specs), shard_bytes, single_file=single_file)
+    writer = ShardWriter(folder, shards, 0)
+    writer.consume(stream)
+    if writer.error is not None:
+        raise writer.error
+    if len(shards) > 1 or not single_file:
+        write_index(folder, prefix, shards)
+    return {shard.file: {key: writer.crc32[key] for key, *_ in shard.specs} for shard in shards}
 
 
 def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, config: Any,
@@ -247,7 +176,7 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
                        tokenizer: Tokenizer | None, shard_mb: int) -> None:
     """OUT/model: the model as a HF folder in `dtype` (model.safetensors when it fits one shard), replaced
     atomically. `weights(param)` is this rank's fp32 part of a parameter (its master weights). Every
-    rank calls this; rank 0 writes."""
+    rank calls this; rank 0 writes (one file, as transformers writes a small model)."""
     tmp = None
     try:
         if mesh.rank == 0:
@@ -255,9 +184,15 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
             tmp = temp_name(folder)
             tmp.mkdir(parents=True)
         specs = model_specs(config, dtype)
-        stream = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks, local=lambda p, k: weights(p).to(dtype))
-        write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True)
-        if tmp is not None:
+        stream = gather_to_writers(chunks, mesh, specs, [0] * len(specs), layer_ranks=layer_ranks,
+                                   buffers={name: b for chunk in chunks for name, b in chunk.named_buffers()},
+                                   local=lambda p, k, dst, me: weights(p).to(dtype), tp_group=mesh.group("tp"),
+                                   ep_group=mesh.group("ep"))
+        if tmp is None:
+            for _ in stream:  # the gathers this rank takes part in; rank 0 writes
+                pass
+        else:
+            write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True)
             write_configs(tmp, config, tokenizer, dtype=str(dtype).removeprefix("torch."))
             replace_folder(tmp, folder)
     except Exception as err:  # one line naming the file; the checkpoint just saved holds the same weights
@@ -292,65 +227,163 @@ def clean_stale(out: Path) -> None:
     recover_temps(checkpoints_dir(out))
 
 
-def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, optimizer: ShardedAdamW,
-                    trainer_state: dict[str, Any], layer_ranks: list[int], tokenizer: Tokenizer | None) -> Path:
-    """Write OUT/checkpoints/step_N (N = trainer_state["step"]) atomically, point `latest` at it and keep
-    the newest `cfg.checkpoint.keep`. Every rank calls this; rank 0 writes."""
-    step, rank0 = int(trainer_state["step"]), mesh.rank == 0
-    root = checkpoints_dir(out)
-    final = root / f"step_{step}"
-    tmp = temp_name(final) if rank0 else None
-    try:
-        if tmp is not None:
-            tmp.mkdir(parents=True)
-        _write_checkpoint(tmp, final, chunks, mesh, cfg=cfg, optimizer=optimizer, trainer_state=trainer_state,
-                          layer_ranks=layer_ranks, tokenizer=tokenizer)
-    except Exception as err:  # a full disk, a folder made read-only: one line; the previous checkpoint stays
-        if tmp is None:
-            raise
-        latest = find_latest(out)
+# --------------------------------------------------------------------------- checkpoints: every rank writes
+
+
+class CheckpointWrite:
+    """One checkpoint, written by every rank: built in the training thread, `run` there or on a thread
+    (which also plans who writes what: nothing of it holds training up)."""
+
+    def __init__(self, final: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, state: dict[str, Any],
+                 rng: dict[str, Tensor], layer_ranks: list[int], tokenizer: Tokenizer | None,
+                 on_saved: Callable[[Path], None] | None) -> None:
+        self.final, self.chunks, self.mesh, self.cfg, self.state, self.rng = final, chunks, mesh, cfg, state, rng
+        # the state that is no parameter (an MoE routing bias, small), as it is now: a background write
+        # must not see the steps after
+        self.buffers = {name: b.detach().to("cpu", copy=True) for chunk in chunks for name, b in chunk.named_buffers()}
+        self.layer_ranks, self.tokenizer, self.on_saved = layer_ranks, tokenizer, on_saved
+        self.keys: list[str] = []
+        self.parts: list[tuple[str, list[Spec], list[int], list[Shard]]] = []
+
+    def _plan(self) -> None:
+        """Every tensor's writer and file, the same on every rank (shards.py)."""
+        cfg, mesh = self.cfg, self.mesh
+        model, params = model_specs(cfg.model), model_specs(cfg.model, buffers=False)
+        specs = model + (optimizer_specs(cfg.model, params) if self.state["optimizer"]["present"] else [])
+        plan = spec_of(cfg.model).plan
+        stages = [stage_of(name, self.layer_ranks, plan) for _, name, _, _ in specs]
+        owners = assign_writers(specs, stages, [mesh.grid[s].flatten().tolist() for s in range(mesh.size("pp"))])
+        self.keys, n, shard_bytes = [key for key, *_ in specs], len(model), cfg.checkpoint.shard_mb << 20
+        for prefix, part in (("model", slice(0, n)), ("optimizer", slice(n, None))):
+            if specs[part]:
+                self.parts.append((prefix, specs[part], owners[part],
+                                   plan_files(prefix, specs[part], owners[part], shard_bytes)))
+
+    def _tmp(self, comm: Comm) -> tuple[Path, BaseException | None]:
+        """The temporary folder, made by rank 0 and named to the others by a broadcast (which also says it
+        exists)."""
+        token = torch.tensor([secrets.randbits(48) if self.mesh.rank == 0 else 0], device=comm.device)
+        error = None
+        if self.mesh.rank == 0:
+            try:
+                self.final.parent.mkdir(parents=True, exist_ok=True)
+                self.final.with_name(f"{self.final.name}.tmp-{int(token):012x}").mkdir()
+            except OSError as err:
+                error = err
+        dist.broadcast(token, src=0, group=comm.world)
+        return self.final.with_name(f"{self.final.name}.tmp-{int(token):012x}"), error
+
+    def _line(self, err: BaseException, tmp: Path) -> str:
+        latest = find_latest(self.final.parent.parent)
         kept = f"{latest.name} is intact" if latest else "no earlier checkpoint"
-        error = storage_error(err, tmp, what=f"checkpoint {final.name} ({kept}); free space or fix it, then "
-                                             f"--resume auto", needed=checkpoint_bytes(cfg.model))
-        shutil.rmtree(tmp, ignore_errors=True)
-        if error is None:
-            raise
-        raise error from None
-    if tmp is not None:
-        for stale in complete_checkpoints(out)[:-cfg.checkpoint.keep]:
-            if stale != final:
-                shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
-    return final
+        error = storage_error(err, tmp, what=f"checkpoint {self.final.name} ({kept}); free space or fix it, then "
+                                             f"--resume auto", needed=checkpoint_bytes(self.cfg.model))
+        return str(error) if error is not None else f"{type(err).__name__}: {err}".splitlines()[0]
 
+    def _agree(self, error: BaseException | None, failed: list[int], tmp: Path, comm: Comm) -> None:
+        """Raise the same one line on every rank when any failed (that of the lowest failed rank)."""
+        if not failed:
+            return
+        line = send_line(self._line(error, tmp) if error is not None else "", failed[0], comm)
+        if self.mesh.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None and self.mesh.rank == failed[0] and write_failure(error, tmp) is None:
+            raise error  # not a failed write but a defect: its traceback
+        raise StorageError(line)
 
-def _write_checkpoint(tmp: Path | None, final: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
-                      optimizer: ShardedAdamW, trainer_state: dict[str, Any], layer_ranks: list[int],
-                      tokenizer: Tokenizer | None) -> None:
-    """The checkpoint's files, streamed into `tmp` on rank 0 (None elsewhere), then renamed to `final` and
-    named by `latest`."""
-    device = next(chunks[0].parameters()).device
-    rng = _gather_rng(mesh, device)
-    shard_bytes = cfg.checkpoint.shard_mb << 20
-    specs = model_specs(cfg.model)
-    # The fp32 master weights (the parameters themselves in fp32 without ZeRO), so resuming is exact.
-    masters = gather_tensors(chunks, mesh, specs, layer_ranks=layer_ranks,
-                             local=lambda p, k: optimizer.full_tensor(p, "master"))
-    write_tensors(tmp, "model", specs, masters, shard_bytes=shard_bytes)
-    has_moments = optimizer.has_state()  # a fresh optimizer has no state to save
-    if has_moments:
-        ospecs = optimizer_specs(cfg.model)
-        local = lambda p, key: optimizer.full_tensor(p, key.rsplit(".", 1)[1])  # noqa: E731
-        write_tensors(tmp, "optimizer", ospecs, gather_tensors(chunks, mesh, ospecs, layer_ranks=layer_ranks,
-                                                               local=local), shard_bytes=shard_bytes)
-    if tmp is not None:
+    def run(self, comm: Comm, pieces: Pieces) -> None:
+        """Gather, write this rank's shards; agree; rank 0 writes the rest and renames. Every rank calls this."""
+        mesh = self.mesh
+        self._plan()
+        rng = gather_rng(self.rng, comm.world, comm.device, mesh.world_size)
+        tmp, error = self._tmp(comm)
+        crc32: dict[str, int] = {}
+        sends: list = []  # this rank's pieces on their way to their writers
+        for prefix, specs, owners, shards in self.parts:
+            kind = (lambda key: "master") if prefix == "model" else (lambda key: key.rsplit(".", 1)[1])
+            writer = ShardWriter(tmp, shards, mesh.rank)
+            writer.error = error  # after a failed write this rank writes nothing more, but still gathers
+            writer.consume(gather_to_writers(self.chunks, mesh, specs, owners, layer_ranks=self.layer_ranks,
+                                             buffers=self.buffers,
+                                             local=lambda p, key, dst, me, kind=kind:
+                                             pieces.gather(p, kind(key), dst=dst, me=me, sends=sends),
+                                             tp_group=comm.tp, ep_group=comm.ep))
+            error, crc32 = writer.error, {**crc32, **writer.crc32}
+        for work in sends:
+            work.wait()
+        # one all-reduce: which ranks failed, and every tensor's crc32 (each from its writer, zero elsewhere)
+        summary = torch.zeros(mesh.world_size + len(self.keys), dtype=torch.int64)
+        summary[mesh.rank] = error is not None
+        for i, key in enumerate(self.keys):
+            summary[mesh.world_size + i] = crc32.get(key, 0)
+        summary = summary.to(comm.device)
+        dist.all_reduce(summary, group=comm.world)
+        summary = summary.cpu().tolist()
+        self._agree(error, [r for r in range(mesh.world_size) if summary[r]], tmp, comm)
+        if mesh.rank == 0:
+            try:
+                self._finish(tmp, dict(zip(self.keys, summary[mesh.world_size:])), rng)
+            except Exception as err:
+                error = err
+        self._agree(error, [0] if send_line("x" if error else "", 0, comm) else [], tmp, comm)
+        if mesh.rank == 0 and self.on_saved is not None:
+            self.on_saved(self.final)
+
+    def _finish(self, tmp: Path, crc32: dict[str, int], rng: dict[str, Tensor]) -> None:
+        """Rank 0, once every shard is written: indexes, rng, configs, trainer_state.json last; rename, point
+        `latest` at it, prune."""
+        files: dict[str, dict[str, Any]] = {}
+        for prefix, _, _, shards in self.parts:
+            write_index(tmp, prefix, shards)
+            for shard in shards:
+                files[shard.file] = {"size": (tmp / shard.file).stat().st_size, "writer": shard.writer,
+                                     "crc32": {key: crc32[key] for key, *_ in shard.specs}}
         save_file(rng, tmp / "rng.safetensors")
-        write_configs(tmp, cfg.model, tokenizer)
-        state = {"format": FORMAT, **trainer_state,
-                 "optimizer": {"present": has_moments, "step": optimizer.steps},
-                 "files": {f.name: {"size": f.stat().st_size, "sha256": sha256(f)} for f in sorted(tmp.iterdir())}}
-        write_json(tmp / STATE_FILE, seal(state))  # last: its presence marks the folder complete
+        files["rng.safetensors"] = {"size": (tmp / "rng.safetensors").stat().st_size, "writer": 0,
+                                    "crc32": {key: tensor_crc32(v) for key, v in rng.items()}}
+        write_configs(tmp, self.cfg.model, self.tokenizer)
+        for f in sorted(tmp.iterdir()):  # the small files: config, indexes, tokenizer
+            if f.name not in files:
+                files[f.name] = {"size": f.stat().st_size, "sha256": sha256(f)}
+        write_json(tmp / STATE_FILE, seal({**self.state, "files": dict(sorted(files.items()))}))  # last: complete
         # The same step saved again (a resumed run ending where it began) replaces the old folder.
-        replace_folder(tmp, final)
-        write_text(final.parent / "latest", final.name + "\n")
-        fsync_dir(final.parent)
+        replace_folder(tmp, self.final)
+        write_text(self.final.parent / "latest", self.final.name + "\n")
+        fsync_dir(self.final.parent)
+        out = self.final.parent.parent
+        for stale in complete_checkpoints(out)[:-self.cfg.checkpoint.keep]:
+            if stale != self.final:
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, optimizer: ShardedAdamW,
+                    trainer_state: dict[str, Any], layer_ranks: list[int], tokenizer: Tokenizer | None,
+                    background: BackgroundSaver | None = None,
+                    on_saved: Callable[[Path], None] | None = None) -> Path:
+    """Write OUT/checkpoints/step_N (N = trainer_state["step"]) atomically, point `latest` at it and keep
+    the newest `cfg.checkpoint.keep`. Every rank calls this and writes its share. With `background` (or
+    with cfg.checkpoint.async_save, the mesh's own saver: wait_for_save() waits for it), the state is copied
+    and written on its thread after the save before it: the folder is complete once `background.wait()`
+    returns. `on_saved(folder)` is called on rank 0 when the folder is complete."""
+    final = checkpoints_dir(out) / f"step_{int(trainer_state['step'])}"
+    device = next(chunks[0].parameters()).device
+    rng = {"rank": torch.get_rng_state()}
+    if dev.rng_state(device) is not None:
+        rng["cuda_rank"] = dev.rng_state(device)
+    moments = optimizer.has_state()  # a fresh optimizer has no state to save
+    state = {"format": FORMAT, **trainer_state, "optimizer": {"present": moments, "step": optimizer.steps}}
+    job = CheckpointWrite(final, chunks, mesh, cfg=cfg, state=state, rng=rng, layer_ranks=layer_ranks,
+                          tokenizer=tokenizer, on_saved=on_saved)
+    if background is None and cfg.checkpoint.async_save:
+        background = saver_of(mesh)
+    if background is None:
+        job.run(Comm(mesh.group("tp"), None, device, mesh.group("ep")),
+                Pieces(optimizer.local_parts, optimizer.piece_ranges, optimizer.shards > 1, optimizer.group, device))
+        return final
+    background.wait()  # at most one save in flight; the one before raises its error here
+    groups = mesh.checkpoint_groups()
+    params = list({id(p): p for chunk in chunks for p in chunk.parameters()}.values())
+    pieces = background.snapshot.take(optimizer, params, moments=moments, group=groups["dp_cp"])
+    comm = Comm(groups["tp"], groups["world"], torch.device("cpu"), groups.get("ep"))
+    background.start(lambda: job.run(comm, pieces))
+    return final

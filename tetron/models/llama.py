@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tetron.models.attention import Documents, sdpa_attention
+from tetron.models.loss import head_cross_entropy
 from tetron.models.spec import Block, ModelSpec, ParallelPlan, read_hf_config, register
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
@@ -360,6 +361,7 @@ class Llama(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.loss_chunk_tokens = 0  # tokens per chunk of the loss with targets (0: one chunk); set by the trainer
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -370,15 +372,22 @@ class Llama(nn.Module):
         if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None,
+                targets: Tensor | None = None) -> Tensor:
         """Logits [B, T, vocab] for input_ids [B, T]; position_ids [B, T] or [T], default 0..T-1; `docs`
-        [B, T] keeps attention within each document of a packed row (models/attention.py)."""
+        [B, T] keeps attention within each document of a packed row (models/attention.py). With `targets`
+        [B, T]: the cross entropy summed over them instead, the head and the loss computed
+        `loss_chunk_tokens` tokens at a time (models/loss.py), so the logits never exist whole."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)  # [1, T], broadcast over the batch
         h = self.model(input_ids, position_ids, docs)  # [B, T, hidden]
-        return self.lm_head(h) if self.lm_head is not None else h  # [B, T, vocab]
+        if self.lm_head is None:
+            return h
+        if targets is None:
+            return self.lm_head(h)  # [B, T, vocab]
+        return head_cross_entropy(self.lm_head, h, targets, chunk_tokens=self.loss_chunk_tokens)
 
 
 LLAMA = register(ModelSpec(

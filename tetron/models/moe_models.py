@@ -157,8 +157,9 @@ class MoeForCausalLM(Llama):
         for block in blocks:  # one forward's objective: the per-sequence sums averaged over the MoE layers
             block.loss_scale = 1.0 / len(blocks)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None) -> Tensor:
-        out = super().forward(input_ids, position_ids, docs)
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None,
+                targets: Tensor | None = None) -> Tensor:
+        out = super().forward(input_ids, position_ids, docs, targets)  # logits, or with targets the summed loss
         if self.config.moe_aux_loss == "batch":
             out = add_batch_balance_loss(out, moe_blocks(self))
         return out

@@ -36,7 +36,6 @@ from tetron.data.loader import default_cache_dir, load_tokens, micro_batches, op
 from tetron.data.token_store import is_store
 from tetron.data.tokenizer import Tokenizer
 from tetron.mesh import Mesh
-from tetron.parallel.parallelize import make_loss_fn
 from tetron.parallel.pipeline_parallel import activation_shape
 from tetron.parallel.pipeline_schedules import rank_of, stage_of, style_of
 
@@ -123,7 +122,6 @@ class Evaluator:
         self.mine = positions  # [T/cp] the positions of each window this rank holds
         self.positions = positions.to(device)  # the same on the device: RoPE positions
         self.batches = rank_batches(val_tokens, cfg, dp_rank=mesh.local_rank("dp"))
-        self.token_loss = make_loss_fn(cfg, mesh)  # summed over tokens (whole, from vocabulary shards under tp)
         self.tokens = len(eval_windows(val_tokens, cfg)) * cfg.data.seq_len  # target tokens in all
 
     @torch.no_grad()
@@ -149,8 +147,8 @@ class Evaluator:
     def _local(self, batch: Batch) -> Tensor:
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb in map(self._cut, batch):
-            logits = self.chunks[0](mb.inputs, mb.positions, mb.docs)  # [B, T/cp, vocab(/tp)]
-            loss += self.token_loss(logits, mb.targets).double()
+            # summed over tokens (whole over the vocabulary, from its shards under tp), chunk by chunk
+            loss += self.chunks[0](mb.inputs, mb.positions, mb.docs, targets=mb.targets).double()
         return loss
 
     def _cut(self, mb: MicroBatch) -> MicroBatch:
@@ -176,10 +174,11 @@ class Evaluator:
                 else:
                     x = torch.empty(shape, dtype=self.dtype, device=self.device)  # [B, T', hidden]
                     dist.recv(x, mesh.stage_rank(rank_of(s - 1, pp=p, style=style)), group=group)
-                out = chunk(x, mb.positions, mb.docs)
                 if s == last:
-                    loss += self.token_loss(out, mb.targets).double()
-                elif rank_of(s + 1, pp=p, style=style) == rank:
+                    loss += chunk(x, mb.positions, mb.docs, targets=mb.targets).double()
+                    continue
+                out = chunk(x, mb.positions, mb.docs)
+                if rank_of(s + 1, pp=p, style=style) == rank:
                     handed = out
                 else:
                     out = out.contiguous()

@@ -9,11 +9,19 @@ Two implementations of the same contract:
   communication overlaps the rest of the backward pass; all are awaited at the end of backward.
 
 Both skip communication inside `no_sync()`, so with gradient accumulation the micro-batches
-before the last only accumulate locally and the sync happens once per optimizer step.
+before the last only accumulate locally and the sync happens once per optimizer step. Except under
+ZeRO-2/3 with `parallel.zero_accumulate: sharded` (the default): there every micro-batch's buckets are
+reduce-scattered as its backward goes, each added into this rank's fp32 slice, and the full buffers
+are released in between, so what persists through accumulation is 1/N of the gradients (FSDP2's and
+DeepSpeed's default), for N-1 more reduce-scatters a step than `full` (one reduction from whole buffers).
+(Averages add up: the sum over micro-batches of each one's average over the ranks is the average of sums.)
+
+HSDP (`parallel.dp_shard` < dp*cp): the reduce-scatter runs within the shard group, and the last
+micro-batch's reduced slices (1/dp_shard of the data) are then averaged across the replicate group.
 
 Under expert parallelism (expert_parallel.py) the expert shards' gradients are averaged over
-`expert_group` (the edp ranks holding the same experts) instead: in buckets of their own, each bucket
-knowing its group.
+`expert_group` (the edp ranks holding the same experts) instead, and sharded over it under ZeRO-1: in
+buckets of their own, each bucket knowing its group (HSDP does not apply to them: validate.py refuses both).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tetron.config import DpImpl
+from tetron.config import DpImpl, ZeroAccumulate
 from tetron.parallel.comm import reduce_scatter_flat
 from tetron.parallel.layout import layout_of
 from tetron.parallel.timers import timer
@@ -96,13 +104,14 @@ class _Bucket:
     The buffer is padded to a multiple of `shards`; with more than one shard (ZeRO), rank r's
     reduced gradients are its slice r, received by an in-place reduce-scatter, and kept in a
     `shard_grad` of their own when the full buffer is released after the reduction (ZeRO-2/3). A
-    bucket made from a unit (ZeRO-3: a decoder layer, or the rest of the chunk) knows its `module`."""
+    bucket made from a unit (ZeRO-3: a decoder layer, or the rest of the chunk) knows its `module`. It is
+    averaged (and sharded) over `group`, then under HSDP averaged over `replicate`."""
 
     def __init__(self, params: list[nn.Parameter], device: torch.device, *, shards: int, rank: int = 0,
                  separate_shard: bool = False, module: nn.Module | None = None, allocate: bool = True,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, replicate: dist.ProcessGroup | None = None) -> None:
         self.params, self.module = params, module
-        self.group = group  # over which it is averaged (and sharded under ZeRO)
+        self.group, self.replicate = group, replicate
         self.world = dist.get_world_size(group) if group is not None else 1
         self.offsets: dict[nn.Parameter, int] = {}  # where each parameter starts in the buffer
         numel = 0
@@ -117,8 +126,10 @@ class _Bucket:
                                             if allocate else None)
         self.shard_grad = (torch.zeros(self.slice_size, dtype=torch.float32, device=device)
                            if shards > 1 and separate_shard else None)
-        self.sharded = shards > 1
+        self.shards, self.sharded = shards, shards > 1
         self.pending: set[nn.Parameter] = set(params)
+        self.fresh = True  # no reduction yet this step: the next one writes the slice, later ones add to it
+        self.reducing = False  # a reduction started and not yet completed
         self.handle: dist.Work | None = None
         self.after_wait: Callable[[], None] | None = None  # copies a lower-precision reduction back
 
@@ -136,20 +147,32 @@ class DataParallelBucket(DataParallel):
     the averaged gradients, for the sharded optimizer in zero.py); `zero` >= 2 also releases each full
     buffer once reduced, and allocates it again when its first gradient of the next step arrives.
     `units` (ZeRO-3) makes one bucket per (module, parameters) pair, whose buffer is allocated only
-    when its backward begins (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32)."""
+    when its backward begins (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32).
+    `accumulate` (ZeRO-2/3): "sharded" reduces every micro-batch into the slices, "full" once a step.
+    `shard_group` (HSDP; default `group`): the ranks ZeRO shards over; `replicate_group`: their replicas.
+    `expert_group`: where expert-parallel shards are averaged (and sharded under ZeRO-1), in buckets of their own."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32,
                  units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                 count_collectives: bool = False, expert_group: dist.ProcessGroup | None = None) -> None:
+                 count_collectives: bool = False, accumulate: ZeroAccumulate = "sharded",
+                 shard_group: dist.ProcessGroup | None = None,
+                 replicate_group: dist.ProcessGroup | None = None,
+                 expert_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(module, group, count_collectives=count_collectives, expert_group=expert_group)
         params = self._params()
         device = params[0].device
-        self.shards = self.world if zero >= 1 else 1
-        self.free_after_reduce = zero >= 2 and self.world > 1
-        shard = {"shards": self.shards, "rank": dist.get_rank(group) if self.shards > 1 else 0,
-                 "separate_shard": self.free_after_reduce, "group": group}
-        # expert shards: averaged (and sharded under ZeRO) over the ranks holding the same experts
+        self.shard_group = group if shard_group is None else shard_group
+        self.shards = dist.get_world_size(self.shard_group) if zero >= 1 else 1
+        self.free_after_reduce = zero >= 2 and self.shards > 1
+        self.reduce_every_micro_batch = self.free_after_reduce and accumulate == "sharded"
+        # HSDP: the slices' average over the shard group is averaged again over the replicas, once a step
+        self.replicate = replicate_group if self.shards > 1 else None
+        self._replica_works: list[dist.Work] = []
+        self.max_held_grad_bytes = 0  # the most gradient bytes alive at a forward's start: what accumulation holds
+        shard = {"shards": self.shards, "rank": dist.get_rank(self.shard_group) if self.shards > 1 else 0,
+                 "separate_shard": self.free_after_reduce, "replicate": self.replicate,
+                 "group": self.shard_group if self.shards > 1 else group}
         expert_shards = dist.get_world_size(self.expert_group) if zero >= 1 else 1
         expert_shard = {"shards": expert_shards, "rank": dist.get_rank(self.expert_group) if expert_shards > 1 else 0,
                         "separate_shard": self.free_after_reduce, "group": self.expert_group}
@@ -187,11 +210,16 @@ class DataParallelBucket(DataParallel):
         for p in reversed(params):
             group_params.append(p)
             if sum(q.numel() for q in group_params) >= limit:
-                buckets.append(_Bucket(group_params, device, **shard))
+                buckets.append(_Bucket(group_params, device, allocate=not self.lazy, **shard))
                 group_params = []
         if group_params:
-            buckets.append(_Bucket(group_params, device, **shard))
+            buckets.append(_Bucket(group_params, device, allocate=not self.lazy, **shard))
         return buckets
+
+    def forward(self, *args, **kwargs):
+        held = [t for b in self.buckets for t in (b.buffer, b.shard_grad) if t is not None]
+        self.max_held_grad_bytes = max(self.max_held_grad_bytes, sum(t.numel() * t.element_size() for t in held))
+        return self.module(*args, **kwargs)
 
     def attach(self, bucket: _Bucket) -> None:
         """Give `bucket` a zeroed buffer if it has none, and point its parameters' gradients into it."""
@@ -221,6 +249,7 @@ class DataParallelBucket(DataParallel):
                 bucket.buffer.zero_()
                 self.attach(bucket)
             bucket.pending = set(bucket.params)
+            bucket.fresh = True
 
     def _hook(self, param: nn.Parameter) -> None:
         if param not in self.main_grads:  # the bucket's first gradient of the step (ZeRO-2): its buffer now
@@ -233,7 +262,7 @@ class DataParallelBucket(DataParallel):
             # fp32 buffer by hand, then point fp32 parameters back at their view.
             main_grad.add_(param.grad)
             param.grad = main_grad if param.dtype == torch.float32 else None
-        if not self.require_sync or self.world == 1:
+        if not (self.require_sync or self.reduce_every_micro_batch) or self.world == 1:
             return
         if not self._callback_queued:
             # Runs once the whole backward pass has finished: wait for every bucket there.
@@ -250,16 +279,18 @@ class DataParallelBucket(DataParallel):
             self._in_flight = bucket
 
     def _reduce(self, bucket: _Bucket, *, async_op: bool) -> dist.Work | None:
-        """Average the bucket over the group: all-reduce in place, or reduce-scatter into its slice."""
+        """Average the bucket over its group: all-reduce in place, or reduce-scatter into its slice."""
         if bucket.buffer is None:  # a lazily allocated bucket whose parameters got no gradient
             self.attach(bucket)
+        bucket.reducing = True
         if bucket.world == 1:  # expert shards held by this rank alone: nothing to average
             bucket.handle = bucket.after_wait = None
+            self._complete(bucket)
             return None
         if self.num_collectives is not None:
             self.num_collectives += 1
         wire = bucket.buffer if self.reduce_dtype == torch.float32 else bucket.buffer.to(self.reduce_dtype)
-        if self.shards == 1:
+        if not bucket.sharded:
             work = dist.all_reduce(wire, op=AVG, group=bucket.group, async_op=async_op)
             target = bucket.buffer
         else:
@@ -267,15 +298,20 @@ class DataParallelBucket(DataParallel):
             target, full = bucket.reduced_grad(), wire
             wire = full[bucket.mine]
             work = reduce_scatter_flat(wire, full, op=AVG, group=bucket.group, async_op=async_op)
-        same = wire.data_ptr() == target.data_ptr()
-        bucket.after_wait = None if same else (lambda: target.copy_(wire))
+        if wire.data_ptr() == target.data_ptr():
+            bucket.after_wait = None
+        else:  # the step's first reduction writes the slice; under sharded accumulation later ones add to it
+            bucket.after_wait = (lambda: target.copy_(wire)) if bucket.fresh else (lambda: target.add_(wire))
         bucket.handle = work if async_op else None
         if not async_op:
             self._complete(bucket)
         return work
 
     def _complete(self, bucket: _Bucket) -> None:
-        """Wait for the bucket's reduction, finish it, and under ZeRO-2/3 release its full buffer."""
+        """Wait for the bucket's reduction, finish it (HSDP, the step's last: start the slice's average over
+        the replicas), and under ZeRO-2/3 release its full buffer."""
+        if not bucket.reducing:
+            return
         if bucket.handle is not None:
             with timer("dp"):
                 bucket.handle.wait()
@@ -283,6 +319,12 @@ class DataParallelBucket(DataParallel):
         if bucket.after_wait is not None:
             bucket.after_wait()
             bucket.after_wait = None
+        bucket.reducing, bucket.fresh = False, False
+        if bucket.replicate is not None and self.require_sync:
+            if self.num_collectives is not None:
+                self.num_collectives += 1
+            self._replica_works.append(dist.all_reduce(bucket.reduced_grad(), op=AVG, group=bucket.replicate,
+                                                       async_op=True))
         if self.free_after_reduce and bucket.buffer is not None:
             self._release(bucket)
 
@@ -295,17 +337,22 @@ class DataParallelBucket(DataParallel):
             else:
                 self._complete(bucket)
             bucket.pending = set(bucket.params)
+        if self._replica_works:
+            with timer("dp"):
+                for work in self._replica_works:
+                    work.wait()
+            self._replica_works = []
         self._callback_queued = False
         self._in_flight = None
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, *, impl: DpImpl = "bucket",
-                        bucket_mb: float = 25.0, zero: int = 0, reduce_dtype: torch.dtype = torch.float32,
-                        units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                        count_collectives: bool = False, expert_group: dist.ProcessGroup | None = None) -> DataParallel:
-    """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket"; ZeRO needs buckets), those of
-    expert-parallel shards over `expert_group` (default: `group`)."""
+                        count_collectives: bool = False, expert_group: dist.ProcessGroup | None = None,
+                        **bucket_options) -> DataParallel:
+    """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket"; ZeRO needs buckets, and
+    `bucket_options` are DataParallelBucket's), those of expert-parallel shards over `expert_group` (default:
+    `group`)."""
     if impl == "naive":
         return DataParallelNaive(model, group, count_collectives=count_collectives, expert_group=expert_group)
-    return DataParallelBucket(model, group, bucket_mb=bucket_mb, zero=zero, reduce_dtype=reduce_dtype,
-                              units=units, count_collectives=count_collectives, expert_group=expert_group)
+    return DataParallelBucket(model, group, count_collectives=count_collectives, expert_group=expert_group,
+                              **bucket_options)

@@ -27,9 +27,9 @@ def clip_grads_(grads: list[tuple[Tensor, nn.Parameter]], max_norm: float, mesh:
     tp, replicated tensors are taken as they are, stages are summed over pp, and the last stage's
     copy of a tied embedding (layout `tied_copy`) is left out of the sum (the first stage counts it).
     With ZeRO each rank holds different pieces of every gradient (`sharded_over_dp`): the sums of
-    both kinds are also summed over dp*cp. Expert-parallel shards (layout `ep`) are summed over ep; with
-    ZeRO each of their elements is on one rank of dp*cp (ep groups of edp slices), so the dp*cp sum counts
-    them once too."""
+    both kinds are also summed over the shard group (dp*cp, or HSDP's dp_shard: its replicas hold the same).
+    Expert-parallel shards (layout `ep`) are summed over ep; with ZeRO each of their elements is on one rank of
+    dp*cp (ep groups of edp slices; validate.py refuses HSDP with ep), so the dp*cp sum counts them once too."""
     device = grads[0][0].device if grads else torch.device("cpu")
     replicated, sharded, experts = [], [], []
     for g, p in grads:
@@ -38,8 +38,8 @@ def clip_grads_(grads: list[tuple[Tensor, nn.Parameter]], max_norm: float, mesh:
             (experts if layout.ep is not None else sharded if layout.tp is not None else replicated).append(g)
     sums = torch.stack([_sum_of_squares(replicated, device), _sum_of_squares(sharded, device),
                         _sum_of_squares(experts, device)])
-    if sharded_over_dp and mesh.size("dp_cp") > 1:
-        dist.all_reduce(sums, group=mesh.group("dp_cp"))
+    if sharded_over_dp and mesh.size("dp_shard") > 1:
+        dist.all_reduce(sums, group=mesh.group("dp_shard"))
     elif mesh.size("ep") > 1:
         dist.all_reduce(sums[2:], group=mesh.group("ep"))
     if mesh.size("tp") > 1:

@@ -17,7 +17,6 @@ wraps the finished chunk to average its gradients, its hooks outside the compile
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,6 @@ from torch import Tensor, nn
 
 from tetron.config import Config
 from tetron.mesh import Mesh
-from tetron.models.loss import cross_entropy_sum
 from tetron.models.moe import moe_blocks
 from tetron.models.spec import spec_of
 from tetron.parallel.compile import apply_compile
@@ -40,9 +38,7 @@ from tetron.parallel.pipeline_schedules import splits_backward
 from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
-    padded_vocab_size,
     sync_sequence_parallel_grads,
-    vocab_parallel_cross_entropy,
 )
 from tetron.parallel.timers import timer
 from tetron.parallel.zero import ShardedAdamW, units_of
@@ -89,21 +85,25 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         # zbh1/zbv split each backward into B and W: a recomputed layer must then split too
         apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
         apply_compile(chunk, cfg.train.compile)
+        chunk.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # the head and the loss, chunked (models/loss.py)
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
+    # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
-                                     count_collectives=count_collectives, expert_group=mesh.group("edp"))
+                                     count_collectives=count_collectives, accumulate=p.zero_accumulate,
+                                     shard_group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"),
+                                     expert_group=mesh.group("edp"))
                  for chunk in chunks]
     return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
 
 
 def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedAdamW:
-    """AdamW over fp32 master weights, sharded over dp*cp under ZeRO (zero.py); it also casts the
+    """AdamW over fp32 master weights, sharded over dp_shard (dp*cp) under ZeRO (zero.py); it also casts the
     parameters to the compute dtype, so it comes after data parallelism has laid out the buckets."""
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     return ShardedAdamW(model.params, model.dp_chunks, cfg.train, zero=cfg.parallel.zero, dtype=dtype,
-                        group=mesh.group("dp_cp"))
+                        group=mesh.group("dp_shard"))
 
 
 @torch.no_grad()
@@ -123,17 +123,6 @@ def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedAdamW) 
             optimizer.set_full_grad(copy, grad)
     sync_sequence_parallel_grads([g for g, p in optimizer.grads() if layout_of(p).summed_over_tp],
                                  mesh.group("tp"))
-
-
-def make_loss_fn(cfg: Config, mesh: Mesh) -> Callable[[Tensor, Tensor], Tensor]:
-    """Summed cross entropy over the target tokens: plain, or from vocab-sharded logits under tp."""
-    tp = mesh.size("tp")
-    if tp == 1:
-        return cross_entropy_sum
-    padded = padded_vocab_size(cfg.model.vocab_size, tp, cfg.parallel.vocab_pad_multiple)
-    start = mesh.local_rank("tp") * padded // tp
-    return lambda logits, targets: vocab_parallel_cross_entropy(
-        logits.float(), targets, mesh.group("tp"), vocab_start=start, vocab_size=cfg.model.vocab_size)
 
 
 def sequence_positions(cfg: Config, mesh: Mesh) -> Tensor:

@@ -170,7 +170,7 @@ class Pipeline:
     parallelism (then its gradients are synchronised during its last backward, or W, of the step)."""
 
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, schedule_name: str, micro_batches: int,
-                 shape: tuple[int, ...], loss_fn: Callable[[Tensor, Tensor], Tensor],
+                 shape: tuple[int, ...], loss_fn: Callable[[Tensor], Tensor],
                  positions: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                  trace: bool = False) -> None:
         self.chunks, self.mesh = chunks, mesh
@@ -271,12 +271,12 @@ class Pipeline:
         else:
             x = received.requires_grad_()  # [B, T', hidden], a leaf: its gradient is what goes back
         positions = self.positions if mb.positions is None else mb.positions
-        out = self.chunks[action.chunk](x, positions, mb.docs)  # [B, T', hidden], or [B, T', vocab] logits
-        if s == self.stages - 1:
-            loss = self.loss_fn(out, mb.targets.to(self.device))
+        if s == self.stages - 1:  # the head and the loss, chunked: the logits never exist whole
+            loss = self.loss_fn(self.chunks[action.chunk](x, positions, mb.docs, targets=mb.targets.to(self.device)))
             self.loss += loss.detach()
             self.stored[(action.chunk, action.micro)] = (x, loss)
             return None
+        out = self.chunks[action.chunk](x, positions, mb.docs)  # [B, T', hidden]
         self.stored[(action.chunk, action.micro)] = (None if s == 0 else x, out)
         message, dst = sends(action, pp=self.p, virtual=self.v, rank=self.rank, style=self.style)
         return out, message, dst

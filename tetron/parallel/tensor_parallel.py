@@ -9,7 +9,8 @@ pre-hook), so the gradients of q, k and v (or gate and up) are summed locally fi
 in one all-reduce. See comm.py for f and g.
 
 The embedding is split by vocabulary rows, the head by vocabulary columns, and the loss is computed
-from vocab-sharded logits: no rank ever holds `[tokens, vocab]`. The vocabulary is padded to a
+from vocab-sharded logits, a chunk of tokens at a time (VocabParallelHead): no rank ever holds more
+than `[chunk, vocab/tp]` of them. The vocabulary is padded to a
 multiple of tp (times `vocab_pad_multiple`); padded rows start at zero, are masked out of the
 softmax, so receive no gradient, and are dropped on export.
 
@@ -22,11 +23,14 @@ rank but each rank's gradient holding only its own heads' share; summed, they st
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tetron.models.loss import linear_cross_entropy
 from tetron.models.spec import ParallelPlan, spec_of
 from tetron.parallel.comm import (
     copy_to_group,
@@ -126,50 +130,77 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_group(partial, self.group)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross entropy from logits split by vocabulary columns over `group`.
+def _vocab_parallel_chunk(logits: Tensor, targets: Tensor, with_grad: bool, *, start: int, vocab_size: int,
+                          group: dist.ProcessGroup) -> tuple[Tensor, Tensor | None]:
+    """Summed cross entropy from fp32 logits [n, V/t] holding vocabulary columns [start, start + V/t) of
+    every rank's, targets [n] global ids; and its gradient on this rank's columns, softmax minus one-hot.
+    The max, then the sum of exponentials and the target's logit (one all-reduce) are reduced over `group`."""
+    cols = torch.arange(start, start + logits.shape[1], device=logits.device)
+    logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # padding gets no probability
+    row_max = logits.max(dim=1).values
+    with timer(group):
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits.sub_(row_max.unsqueeze(1))
+    local_target = targets - start
+    mine = (local_target >= 0) & (local_target < logits.shape[1])
+    index = local_target.clamp(0, logits.shape[1] - 1).unsqueeze(1)
+    target_logit = shifted.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
+    exp = shifted.exp_()
+    sums = torch.stack([exp.sum(dim=1), target_logit])  # [2, n]: one all-reduce for both
+    with timer(group):
+        dist.all_reduce(sums, group=group)
+    sum_exp, target_logit = sums
+    loss = (sum_exp.log() - target_logit).sum()
+    if not with_grad:
+        return loss, None
+    grad = exp.div_(sum_exp.unsqueeze(1))  # the softmax, in the logits' buffer
+    grad.scatter_add_(1, index, -mine.to(grad.dtype).unsqueeze(1))
+    return loss, grad
 
-    forward: max, sum of exponentials and the target's logit are each all-reduced over the group;
-    backward: softmax minus one-hot, on this rank's columns only."""
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross entropy from whole logits split by vocabulary columns over `group` (Megatron's)."""
 
     @staticmethod
     def forward(ctx, logits, targets, start, vocab_size, group):
-        # logits [N, V/t] fp32 of columns [start, start + V/t); targets [N] global ids
-        logits = logits.float()
-        cols = torch.arange(start, start + logits.shape[1], device=logits.device)
-        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # padding gets no probability
-        row_max = logits.max(dim=1).values
-        with timer(group):
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=1)
-        with timer(group):
-            dist.all_reduce(sum_exp, group=group)
-        local_target = targets - start
-        mine = (local_target >= 0) & (local_target < logits.shape[1])
-        index = local_target.clamp(0, logits.shape[1] - 1).unsqueeze(1)
-        target_logit = shifted.gather(1, index).squeeze(1).masked_fill(~mine, 0.0)
-        with timer(group):
-            dist.all_reduce(target_logit, group=group)
-        loss = (sum_exp.log() - target_logit).sum()
-        softmax = exp.div_(sum_exp.unsqueeze(1))  # reuse the buffer: [N, V/t]
-        ctx.save_for_backward(softmax, index, mine)
+        loss, grad = _vocab_parallel_chunk(logits.float(), targets, True, start=start, vocab_size=vocab_size,
+                                           group=group)
+        ctx.save_for_backward(grad)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, index, mine = ctx.saved_tensors
-        grad = softmax.clone()
-        grad.scatter_add_(1, index, -mine.to(grad.dtype).unsqueeze(1))
+        (grad,) = ctx.saved_tensors
         return grad * grad_loss, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: dist.ProcessGroup, *,
                                  vocab_start: int, vocab_size: int) -> Tensor:
-    """Sum over tokens of -log p(target) from logits [..., V/t] holding columns from `vocab_start`."""
+    """Sum over tokens of -log p(target) from logits [..., V/t] holding columns from `vocab_start` (whole
+    logits that exist anyway: tests, benchmarks; training goes through VocabParallelHead's, chunked)."""
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), vocab_start, vocab_size,
                                             group)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The head: column-parallel over the (padded) vocabulary, and the loss from its vocabulary shard,
+    chunk by chunk (models/loss.py): no rank ever holds more than [chunk, V/t] of the logits."""
+
+    def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, *, input_mode: str, padded_out: int) -> None:
+        super().__init__(linear, group, input_mode=input_mode, padded_out=padded_out)
+        self.vocab_size = linear.weight.shape[0]
+        self.vocab_start = dist.get_rank(group) * (padded_out // dist.get_world_size(group))
+
+    def cross_entropy(self, x: Tensor, targets: Tensor, *, chunk_tokens: int) -> Tensor:
+        """Summed cross entropy of this head's logits for x [B, T(/t), H] against targets [B, T] (whole
+        over the vocabulary: every tp rank gets the same sum)."""
+        if self.input_mode == "copy":
+            x = copy_to_group(x, self.group)  # f: the hidden states' gradient is summed over the shards
+        elif self.input_mode == "gather":
+            x = gather_from_sequence(x, self.group)
+        chunk_loss = functools.partial(_vocab_parallel_chunk, start=self.vocab_start, vocab_size=self.vocab_size,
+                                       group=self.group)
+        return linear_cross_entropy(x, self.weight, targets, chunk_tokens=chunk_tokens, chunk_loss=chunk_loss)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
@@ -210,8 +241,8 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
     if final_norm is not None and sp:
         set_layout(final_norm.weight, summed_over_tp=True)
     if head is not None:
-        plan.set_part(model, plan.head, ColumnParallelLinear(head, group, input_mode="gather" if sp else "copy",
-                                                             padded_out=padded))
+        plan.set_part(model, plan.head, VocabParallelHead(head, group, input_mode="gather" if sp else "copy",
+                                                          padded_out=padded))
     model.tie_weights()
     return model
 

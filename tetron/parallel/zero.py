@@ -1,4 +1,5 @@
-"""ZeRO and mixed precision: AdamW over fp32 master weights, sharded over the dp*cp group.
+"""ZeRO and mixed precision: AdamW over fp32 master weights, sharded over the dp*cp group (or, under
+HSDP, over the `dp_shard` group it is given: the replicas across groups hold the same slices).
 
 Megatron's distributed optimizer in ordinary PyTorch, on top of the gradient buckets of
 data_parallel.py (every gradient lives in an fp32 bucket buffer, padded to a multiple of N = dp*cp).
@@ -68,12 +69,10 @@ class ShardedAdamW:
                  zero: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
         self.zero, self.group = zero, group
         self.shards = dist.get_world_size(group) if zero >= 1 else 1
-        self.rank = dist.get_rank(group) if zero >= 1 else 0
         # fp32 with nothing to shard (no ZeRO, or dp*cp = 1): the masters are the parameters themselves
         self.plain = self.shards == 1 and dtype == torch.float32
         self.masters_in_slices = dtype == torch.float32 and self.shards > 1  # ... or views of their slices
         self.buckets: list[_Bucket] = []
-        self.group_of: dict[int, dist.ProcessGroup] = {}  # each parameter's bucket's group
         if self.plain:
             self.pieces = [Piece(p, 0, None, 0, p) for p in params]
         else:
@@ -81,7 +80,6 @@ class ShardedAdamW:
                 if not isinstance(chunk, DataParallelBucket):
                     raise ValueError("fp32 master weights and ZeRO need parallel.dp_impl=bucket")
                 self.buckets += chunk.buckets
-            self.group_of = {id(p): bucket.group for bucket in self.buckets for p in bucket.params}
             self.pieces = [piece for bucket in self.buckets for piece in self._pieces(bucket)]
             self._to_compute_dtype(dtype)
             for chunk in dp_chunks:
@@ -93,6 +91,7 @@ class ShardedAdamW:
                                                                           piece.slice_offset + piece.master.numel()])
         # ZeRO-3: parameters sharded too, gathered unit by unit as the forward and backward passes need them
         self.sharding = ParameterSharding(dp_chunks, group) if zero == 3 and self.shards > 1 else None
+        self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.piece_of = {id(piece.param): [] for piece in self.pieces}
         for piece in self.pieces:
             self.piece_of[id(piece.param)].append(piece)
@@ -119,9 +118,8 @@ class ShardedAdamW:
         return self.calls - float(self.skipped)
 
     def _pieces(self, bucket: _Bucket) -> list[Piece]:
-        """This rank's pieces of the bucket's parameters: their overlap with its slice of the bucket (over dp*cp,
-        or for expert-parallel shards over the ranks holding the same experts)."""
-        lo, hi = (bucket.mine.start, bucket.mine.stop) if self.shards > 1 else (0, bucket.slice_size)
+        """This rank's pieces of the bucket's parameters: their overlap with its slice (over the bucket's group)."""
+        lo, hi = bucket.mine.start, bucket.mine.stop
         pieces = []
         for p in bucket.params:
             begin, end = bucket.offsets[p], bucket.offsets[p] + p.numel()
@@ -190,9 +188,8 @@ class ShardedAdamW:
         if self.sharding is not None:
             return  # ZeRO-3: each unit's forward gathers the slices it needs
         with timer("dp"):
-            for bucket in self.buckets:
-                if bucket.world > 1:  # expert shards held by this rank alone are updated in place
-                    all_gather_flat(bucket.params_flat, bucket.params_slice, group=bucket.group)
+            for bucket in (b for b in self.buckets if b.world > 1):  # expert shards on one rank: in place
+                all_gather_flat(bucket.params_flat, bucket.params_slice, group=bucket.group)
 
     def grads(self) -> list[tuple[Tensor, nn.Parameter]]:
         """Every averaged gradient this rank holds, with its parameter: whole parameters' without ZeRO,
@@ -206,9 +203,9 @@ class ShardedAdamW:
         full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         for piece, values in parts:
             full[piece.start:piece.start + values.numel()] = values.reshape(-1)
-        group = self.group_of.get(id(param), self.group)  # expert shards: over the ranks holding the same experts
-        if self.shards > 1 and dist.get_world_size(group) > 1:
-            dist.all_reduce(full, group=group)  # each element is nonzero on one rank at most: exact
+        bucket = self.bucket_of.get(id(param))  # over its group: dp*cp (dp_shard), or edp for expert shards
+        if self.shards > 1 and bucket is not None and bucket.world > 1:
+            dist.all_reduce(full, group=bucket.group)  # each element is nonzero on one rank at most: exact
         return full.view_as(param)
 
     def full_tensor(self, param: nn.Parameter, kind: Kind) -> Tensor:
@@ -223,6 +220,24 @@ class ShardedAdamW:
         if self.plain:
             return parts[0][1]
         return self._assemble(param, parts)
+
+    def local_parts(self, param: nn.Parameter, kind: Kind) -> list[tuple[int, Tensor]]:
+        """This rank's pieces of the master weights or a moment of `param` (its tp part): (offset in its
+        flattened elements, values), without copying; checkpoints in the background copy them."""
+        pieces = self.piece_of.get(id(param), [])
+        if kind == "master":
+            return [(piece.start, piece.master.detach()) for piece in pieces]
+        return [(piece.start, self.inner.state[piece.master][kind]) for piece in pieces]
+
+    def piece_ranges(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
+        """(rank in its bucket's group: dp*cp, or edp for an expert shard; offset, length) of each rank's piece
+        of `param` (contiguous in its bucket, so one piece per rank at most): where a checkpoint gathers it."""
+        if self.shards == 1:
+            return [(0, 0, param.numel())]
+        bucket = self.bucket_of[id(param)]
+        begin, size = bucket.offsets[param], bucket.slice_size
+        spans = [(q, max(begin, q * size), min(begin + param.numel(), (q + 1) * size)) for q in range(bucket.shards)]
+        return [(q, a - begin, b - a) for q, a, b in spans if a < b]
 
     def full_grad(self, param: nn.Parameter) -> Tensor:
         """The averaged gradient of `param` as a whole: without ZeRO the gradient itself, no copy."""

@@ -1,6 +1,6 @@
 """What a micro-batch leaves saved between its forward and backward pass, for the memory model
 (plan/memory.py): per decoder layer under each recompute mode, and per chunk (RoPE tables, the document
-mask, the head's input and the loss's softmax)."""
+mask, the final norm's input and the loss's gradients)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def layer_activations(s: Sizes, mode: str) -> int:
 
 @dataclass(frozen=True)
 class Held:
-    """Bytes one micro-batch leaves on a chunk until its backward: activations, and the loss's saved softmax."""
+    """Bytes one micro-batch leaves on a chunk until its backward: activations, and the loss's gradients."""
 
     activations: int
     loss: int
@@ -85,7 +85,7 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
     """One micro-batch's saved tensors on one chunk: its layers, the RoPE tables the layers share (cos and
     sin for this rank's positions, per row when they restart per document), the document mask, the
     embedding's indices under tp (ids local to the shard and the mask of ids outside it), the final norm
-    and the head's input, and the loss's softmax (fp32)."""
+    and the loss's gradients (of the head's input and weight: the head saves nothing else)."""
     mode = cfg.train.recompute
     acts = chunk.layers * layer_activations(s, mode) + 2 * s.rope_rows * s.seq * s.hd * s.d + s.doc_mask
     if chunk.first and s.tp > 1:
@@ -94,7 +94,9 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
         acts += s.n_res * s.d * s.h  # the received bf16 input, besides the first norm's fp32 copy of it
     loss = 0
     if chunk.last:
-        acts += norm_bytes(s, s.n_res) + s.n * s.d * s.h
-        # tp 1: log_softmax's output; tp > 1: the vocab-parallel softmax, the target index and its mask
-        loss = s.n * s.vocab * F32 + (s.n * (I64 + 1) if s.tp > 1 else 0)
+        acts += norm_bytes(s, s.n_res)
+        # the loss's gradients, computed chunk by chunk in the forward (models/loss.py): the hidden states'
+        # and the head's (its shard under tp), fp32 across chunks, in the head's dtype when there is one chunk
+        one_chunk = cfg.train.loss_chunk_tokens <= 0 or cfg.train.loss_chunk_tokens >= s.n
+        loss = s.n * s.h * s.d + s.vocab * s.h * (s.d if one_chunk else F32)
     return Held(acts, loss)

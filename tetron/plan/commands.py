@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import typing
 
-from tetron.config import PpSchedule, Recompute, load_config
+from tetron.config import PpSchedule, Recompute, ZeroAccumulate, load_config
 from tetron.errors import UserError, failed
 from tetron.overrides import OneLineParser, split_known
 from tetron.plan.report import PlanRequest, check_plan_numbers, fixed_axes, run
@@ -31,6 +31,8 @@ def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--recompute", choices=typing.get_args(Recompute), help="keep this axis as given")
     parser.add_argument("--pp-schedule", choices=typing.get_args(PpSchedule), help="keep this axis as given")
     parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
+    parser.add_argument("--zero-accumulate", choices=typing.get_args(ZeroAccumulate),
+                        help="keep this axis as given (ZeRO-2/3 with gradient accumulation)")
     parser.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     parser.add_argument("--json", action="store_true", help="print the ranked layouts as JSON")
     parser.add_argument("--write", metavar="CONFIG.yaml", help="write the chosen layout as a config for tetron train")
@@ -49,7 +51,7 @@ def plan_command(args: list[str]) -> int:
         ns, overrides = plan_args(args)
         fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "zero": ns.zero,
                             "recompute": ns.recompute, "micro_batch": ns.micro_batch, "pp_schedule": ns.pp_schedule,
-                            "pp_virtual": ns.pp_virtual, "sp": ns.sp})
+                            "pp_virtual": ns.pp_virtual, "sp": ns.sp, "zero_accumulate": ns.zero_accumulate})
         request = PlanRequest(config=ns.config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,
                               gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
                               top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,

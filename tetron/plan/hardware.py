@@ -35,6 +35,8 @@ class Hardware:
     overhead_s: float  # fixed cost per decoder layer and micro-batch, forward and backward together
     hbm_gbs: float  # memory bandwidth, GB/s: the optimizer step streams its state through it
     cpu: bool = False
+    disk_gbs: float = 2.0  # GB/s one node writes checkpoints at, shared by its ranks
+    host_gbs: float = 25.0  # GB/s of a copy from the device to pinned host memory (PCIe; CPU: a memory copy)
     fp32_slowdown: float = 2.0  # fp32 matmuls run this many times slower than bf16 (TF32 on GPUs)
     bf16_slowdown: float = 1.0  # bf16 matmuls run this many times slower than the bf16 peak
 

@@ -85,7 +85,7 @@ def measure_rank(raw: dict[str, Any], *, steps: int = 3, timed_steps: int = 3, l
     cfg = from_dict(raw)
     p = cfg.parallel
     device = dev.pick_device(p.device, local_rank)
-    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, device_type=device.type)
+    mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_shard=p.dp_shard, device_type=device.type)
     tracker = LiveTensorBytes() if device.type == "cpu" else None
     with tracker or contextlib.nullcontext():
         run = build_run(cfg, mesh, device)

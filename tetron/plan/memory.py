@@ -16,13 +16,15 @@ repeated before attention, fp32 gradient buckets even at dp 1), the term follows
 constants that describe short-lived tensors were fitted to tetron's measurements (noted where used).
 
 The peak is the largest of a few moments, each = what persists (parameters, gradients, optimizer
-state) + the activations of the micro-batches in flight + what that moment adds: the loss and its
-gradient over the logits, a decoder layer's backward (and its recomputed forward), or the optimizer
-step. The pipeline schedule (parallel/pipeline_schedules.py) says which micro-batches are in flight.
+state) + the activations of the micro-batches in flight + what that moment adds: the head and the loss
+over one chunk of logits, the head's backward, a decoder layer's backward (and its recomputed forward),
+or the optimizer step. The pipeline schedule (parallel/pipeline_schedules.py) says which micro-batches
+are in flight.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass, replace
 
@@ -46,7 +48,7 @@ from tetron.plan.activations import (
     norm_bytes,
 )
 from tetron.plan.sizes import F32, I64, Sizes
-from tetron.plan.state import Chunk, State, rank_chunks, state
+from tetron.plan.state import Chunk, State, accumulates_sharded, rank_chunks, state, zero_shards
 
 # Fitted constants for short-lived tensors (bytes are these times the named size; see each use).
 LAYER_BWD_I = 2.0  # a layer's backward: MLP-width activation gradients alive at once (grad of the product,
@@ -67,7 +69,7 @@ class MemoryEstimate:
     grads: int = 0  # fp32 gradient buckets (ZeRO-2/3: slices, plus the full buffers alive at the peak)
     optimizer: int = 0  # fp32 master weights that are not the parameters, AdamW's moments and step counters
     activations: int = 0  # saved for backward, every micro-batch in flight: layers, norms, RoPE, token ids
-    logits: int = 0  # the logits and the loss's fp32 copies of them (softmax, its gradient)
+    logits: int = 0  # the head and the loss: one chunk of fp32 logits, the two gradients the loss keeps for backward
     comm: int = 0  # P2P buffers of what crosses a stage boundary: in use, posted ahead, or not yet sent
     temporaries: int = 0  # short-lived tensors at the peak: a layer's recomputed forward, activation gradients
     moment: str = ""  # where in the step the peak falls ("": a lower bound, not a moment: floor())
@@ -85,21 +87,24 @@ class MemoryEstimate:
         return sorted(self.terms().items(), key=lambda kv: -kv[1])[:k]
 
 
-def _loss_moments(s: Sizes, *, pipelined: bool, bf16: bool) -> list[tuple[str, int, int]]:
-    """(moment, logits bytes, temporaries) of the loss on the last chunk, beyond its saved softmax (the
-    Ultra-Scale Playbook's point that the [tokens, vocab] logits, in fp32 for the loss, can outweigh a layer;
-    the vocabulary-parallel loss holds 1/tp of them, Megatron's cross entropy).
-    Forward: the logits and the copies the loss makes of them (bf16: an fp32 copy; tp: the masked and
-    shifted logits of the vocab-parallel softmax). Backward: the softmax's gradient and the logits'
-    (tp: the softmax's clone and the scaled result). Without pp the training loop still holds the
-    logits during the backward; a pipeline stage drops them once the loss is computed."""
-    v = s.n * s.vocab
-    logits = s.d * v
-    alive = 0 if pipelined else logits
-    copies = F32 * v if bf16 else 0
-    forward = logits + copies + (2 * F32 * v if s.tp > 1 else 0)
-    backward = alive + 2 * F32 * v
-    return [("loss forward", forward, 0), ("loss backward", backward, 0)]
+def loss_chunk(cfg: Config, s: Sizes) -> int:
+    """Tokens per chunk of the head and the loss (train.loss_chunk_tokens; 0 or more than a micro-batch: all)."""
+    chunk = cfg.train.loss_chunk_tokens
+    return s.n if chunk <= 0 else min(chunk, s.n)
+
+
+def _loss_moments(cfg: Config, s: Sizes) -> list[tuple[str, dict[str, int]]]:
+    """The head and the loss on the last chunk (models/loss.py), beyond the two gradients they keep for the
+    backward (Held.loss). The Ultra-Scale Playbook's point is that the [tokens, vocab] logits, in fp32 for
+    the loss, can outweigh a layer; tetron computes them `loss_chunk` tokens at a time (the vocabulary-
+    parallel loss: 1/tp of each chunk's columns), so a chunk's fp32 logits and their log-probabilities
+    (tp: their masked, shifted copy) are the most alive at once. The backward scales the two kept
+    gradients into new ones (bf16: the head's cast from its fp32 accumulator besides)."""
+    chunk, bf16 = loss_chunk(cfg, s), cfg.train.dtype == "bfloat16"
+    forward = 2 * F32 * chunk * s.vocab
+    cast = s.vocab * s.h * s.d if bf16 and chunk < s.n else 0
+    backward = s.n * s.h * s.d + F32 * s.vocab * s.h + cast
+    return [("loss forward", {"logits": forward}), ("head backward", {"temporaries": backward})]
 
 
 def _layer_backward(cfg: Config, s: Sizes) -> int:
@@ -119,11 +124,12 @@ def _zero_extras(s: Sizes, st: State, chunk: Chunk, moment: str, *, attached: in
     """(params, grads) that ZeRO adds at a moment, at the backward of chunk `which`'s `index`-th layer from
     the end. A full gradient buffer (ZeRO-2/3) is allocated when its first gradient of the step arrives
     (ZeRO-3: when its unit's backward begins) and released once reduced; when `syncing` (the step's last
-    micro-batch) a reduced buffer goes when the next one is reduced, so at most two are alive; before
-    that (gradient accumulation) all stay, and `attached` counts those an earlier backward of this step
-    left. ZeRO-3 also gathers units: the root while the chunk's forward or head backward runs, and on a
-    first chunk until the embedding's gradient at the very end; the current layer and the one before."""
-    if st.lazy_buckets:
+    micro-batch, or every one under sharded accumulation) a reduced buffer goes when the next one is
+    reduced, so at most two are alive; before that (full accumulation) all stay, and `attached` counts
+    those an earlier backward of this step left. ZeRO-3 also gathers units: the root while the chunk's
+    forward or head backward runs, and on a first chunk until the embedding's gradient at the very end;
+    the current layer and the one before."""
+    if st.lazy_starts:
         return 0, F32 * (attached or _zero2_buffers(st, chunk, moment, index=index, syncing=syncing, which=which))
     if not st.root and not st.layer:
         return 0, 0
@@ -142,13 +148,9 @@ def _zero2_buffers(st: State, chunk: Chunk, moment: str, *, index: int, syncing:
     if moment not in ("head backward", "layer backward"):
         return 0
     reached = st.head[which] + (index + 1) * st.layer_elements * (moment == "layer backward")
-    touched, start = [], 0
-    for size in st.lazy_buckets[which]:
-        if start >= max(reached, 1):
-            break
-        touched.append(size)
-        start += size
-    return sum(touched[-2:] if syncing else touched)
+    starts = st.lazy_starts[which]
+    touched = bisect.bisect_left(starts, max(reached, 1), 0, len(starts) - 1)  # buckets begun: those starting before
+    return starts[touched] - (starts[max(touched - 2, 0)] if syncing else 0)
 
 
 def _actions(cfg: Config, pp_rank: int) -> tuple[Action, ...]:
@@ -236,27 +238,23 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
              attached: int) -> list[tuple[str, dict[str, int]]]:
     """The moments of one forward or backward of `chunk`, each with what it adds to (or, once the
     backward has released them, takes from) the bytes held for the backward pass."""
-    pipelined, bf16, backward = cfg.parallel.pp > 1, cfg.train.dtype == "bfloat16", action.backward
-    alive = s.d * s.n * s.vocab if chunk.last and not pipelined else 0  # the loop's logits (see _loss_moments)
-    head = norm_bytes(s, s.n_res) + s.n * s.d * s.h if chunk.last else 0  # final norm and head input, freed first
+    backward = action.backward
+    head = norm_bytes(s, s.n_res) if chunk.last else 0  # what the final norm saved, freed first
     found = []
     if chunk.last:
-        fwd, bwd = _loss_moments(s, pipelined=pipelined, bf16=bf16)
-        name, logits, temps = bwd if backward else fwd
-        found.append((name, 0, {"logits": logits, "temporaries": temps}))
-    if backward and chunk.last:  # the head's backward: the logits' fp32 gradient, its weight gradient
-        found.append(("head backward", 0, {"logits": alive + F32 * s.n * s.vocab - held.loss,
-                                           "temporaries": s.n * s.d * s.h + s.vocab * s.h * s.d}))
+        name, extra = _loss_moments(cfg, s)[backward]
+        found.append((name, 0, extra))
     # A layer's backward, the last layer first; later layers only matter where ZeRO-3's buffers grow.
     per_layer = layer_activations(s, cfg.train.recompute)
     for index in range(chunk.layers if backward and st.chunk_units else min(1, chunk.layers * backward)):
-        found.append(("layer backward", index, {"logits": alive - held.loss, "activations": -head - index * per_layer,
+        found.append(("layer backward", index, {"logits": -held.loss, "activations": -head - index * per_layer,
                                                 "temporaries": _layer_backward(cfg, s)}))
     if not backward:
         found.append(("forward", 0, {}))
     for name, index, extra in found:
         extra["params"], extra["grads"] = _zero_extras(s, st, chunk, name, attached=attached, index=index,
-                                                       syncing=action.micro == _micro_batches(cfg) - 1,
+                                                       syncing=action.micro == _micro_batches(cfg) - 1
+                                                       or accumulates_sharded(cfg),
                                                        which=action.chunk)
     return [(name, extra) for name, _, extra in found]
 
@@ -279,7 +277,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     mode = cfg.train.recompute
     rebuilt = [c.layers * (s.n_res * s.d * s.h + layer_weight_inputs(s) - layer_kept(s, mode))
                if split and mode != "none" and not c.first else 0 for c in chunks]
-    done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-3, grad_acc > 1)
+    done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-2/3, full accumulation)
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
     best_total = best.total
     for k, action in enumerate(_actions(cfg, pp_rank)):
@@ -303,7 +301,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
             acts += rebuilt[action.chunk]
         if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
             acts, loss = acts - h.activations - rebuilt[action.chunk], loss - h.loss
-            if st.chunk_units and cfg.train.grad_acc > 1:
+            if st.chunk_units and cfg.train.grad_acc > 1 and not accumulates_sharded(cfg):
                 done.add(action.chunk)
     # The optimizer step: activations gone; AdamW's temporaries (sqrt of the second moment, the update
     # denominator) and clipping's squares are each one piece in size, fp32.
@@ -324,11 +322,11 @@ def floor(cfg: Config) -> MemoryEstimate:
     device), no schedule walked, no loop over layers, so an absurd model (10**4 layers, a vocabulary of 10**9)
     is weighed at once. The busiest pipeline rank holds at least 1/(tp*pp) of the parameters (tp splits the
     matrices, pp the layers), each with its fp32 gradient and AdamW's two moments (plus an fp32 master under
-    bf16), divided by dp*cp where ZeRO shards them; the step's token ids; and under all-forward-all-backward
-    the first stage keeps at least every micro-batch's input to one layer."""
+    bf16), divided by dp*cp (HSDP: dp_shard) where ZeRO shards them; the step's token ids; and under
+    all-forward-all-backward the first stage keeps at least every micro-batch's input to one layer."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
     elements = m.num_params() // (p.tp * p.pp)
-    shards = p.dp * p.cp if p.zero >= 1 else 1
+    shards = zero_shards(cfg)
     bf16 = t.dtype == "bfloat16"
     d = 2 if bf16 else F32
     tokens = t.micro_batch * (cfg.data.seq_len // p.cp)

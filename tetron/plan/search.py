@@ -1,7 +1,8 @@
 """The layout search: every layout validate() accepts for a model on some GPUs, predicted and ranked.
 
-A layout is the parallel sizes (dp, tp, pp, cp), ZeRO stage, recomputation, micro-batch (and with it
-the gradient accumulation that keeps the global batch), pipeline schedule and virtual stages, and
+A layout is the parallel sizes (dp, tp, pp, cp), ZeRO stage (and under ZeRO-2/3 with accumulation,
+whether it accumulates sharded or in full buffers), recomputation, micro-batch (and with it the
+gradient accumulation that keeps the global batch), pipeline schedule and virtual stages, and
 sequence parallelism. `search` builds each as a Config from a base config, keeps those validate()
 accepts, and predicts per-rank peak memory (memory.py) and step time (steptime.py); `rank` orders the
 ones that fit by step time. `table`, `as_json` and `layout_config` present them.
@@ -27,7 +28,8 @@ GPU_RESERVE = GiB
 # A CPU rank's interpreter, torch and its libraries, resident before any tensor (measured here: ~0.4 GB).
 CPU_PROCESS_BYTES = 400 * 2**20
 
-AXES = ("dp", "tp", "pp", "cp", "zero", "recompute", "micro_batch", "pp_schedule", "pp_virtual", "sp")
+AXES = ("dp", "tp", "pp", "cp", "zero", "recompute", "micro_batch", "pp_schedule", "pp_virtual", "sp",
+        "zero_accumulate")
 
 
 @dataclass(frozen=True)
@@ -45,20 +47,23 @@ class Layout:
     pp_schedule: str
     pp_virtual: int
     sp: bool
+    zero_accumulate: str = "sharded"  # ZeRO-2/3 with grad_acc > 1: "sharded" (slices only) or "full" (whole buffers)
 
     def apply(self, base: Config) -> Config:
         """`base` with this layout."""
         parallel = replace(base.parallel, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,
-                           pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual, sp=self.sp, pp_split=None)
+                           pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual, sp=self.sp, pp_split=None,
+                           zero_accumulate=self.zero_accumulate)
         train = replace(base.train, recompute=self.recompute, micro_batch=self.micro_batch, grad_acc=self.grad_acc)
         return replace(base, parallel=parallel, train=train)
 
     def label(self) -> str:
-        """A short name: dp4 tp2 pp2(1f1b) cp1 sp z1 sel mb2x4."""
+        """A short name: dp4 tp2 pp2(1f1b) cp1 sp z1 sel mb2x4 (z3f: ZeRO-3 accumulating in full buffers)."""
         pp = f"pp{self.pp}" + (f"({self.pp_schedule}{'x' + str(self.pp_virtual) if self.pp_virtual > 1 else ''})"
                                if self.pp > 1 else "")
         recompute = {"none": "-", "selective": "sel", "full": "full"}[self.recompute]
-        return (f"dp{self.dp} tp{self.tp}{' sp' if self.sp else ''} {pp} cp{self.cp} z{self.zero} {recompute} "
+        full = "f" if self.zero_accumulate == "full" else ""
+        return (f"dp{self.dp} tp{self.tp}{' sp' if self.sp else ''} {pp} cp{self.cp} z{self.zero}{full} {recompute} "
                 f"mb{self.micro_batch}x{self.grad_acc}")
 
 
@@ -114,7 +119,10 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
         sp = tp > 1 and (base.data.seq_len // cp) % tp == 0
         for (schedule, virtual), zero, recompute in itertools.product(
                 schedules, (0, 1, 2, 3) if dp * cp > 1 else (0,), ("none", "selective", "full")):
-            layout = Layout(dp, tp, pp, cp, zero, recompute, mb, grad_acc, schedule, virtual, fixed.get("sp", sp))
+            # ZeRO-2/3 with accumulation: full (fewer collectives) unless pinned; search() falls back to sharded
+            accumulate = fixed.get("zero_accumulate", "full") if zero >= 2 and grad_acc > 1 else "sharded"
+            layout = Layout(dp, tp, pp, cp, zero, recompute, mb, grad_acc, schedule, virtual, fixed.get("sp", sp),
+                            accumulate)
             if all(getattr(layout, k) == v for k, v in fixed.items()):
                 yield layout
 
@@ -131,14 +139,26 @@ def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch:
         except ConfigError as err:
             refused.append(str(err))
             continue
-        memory = floor(cfg)  # arithmetic: a layout far over the limit is not walked layer by layer
-        memory = memory if memory.total > limit else predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
+        memory = _memory(cfg, limit)
+        if memory.total > limit and layout.zero_accumulate == "full" and "zero_accumulate" not in (fixed or {}):
+            # Full accumulation is the faster (one reduction a step) and sharded the smaller: so the layout is
+            # ranked as full where that fits, as sharded where only that fits (as ranking both would)
+            layout = replace(layout, zero_accumulate="sharded")
+            cfg = layout.apply(base)
+            memory = _memory(cfg, limit)
         plans.append(Plan(layout, cfg, memory, estimate(cfg, hw, gpus_per_node=gpus_per_node), limit))
     if not plans:  # say why: the first refusal, or that the sizes leave nothing to try
         raise ConfigError(f"no layout of {world} ranks is valid: {refused[0]}" if refused else
                           f"no layout of {world} ranks divides the model (heads, layers) and the batch of {batch} "
                           f"sequences{' with ' + str(fixed) if fixed else ''}")
     return plans
+
+
+def _memory(cfg: Config, limit: int) -> MemoryEstimate:
+    """The predicted peak, or a lower bound of it by arithmetic alone where that is over `limit` already
+    (a layout far over the limit is not walked layer by layer)."""
+    memory = floor(cfg)
+    return memory if memory.total > limit else predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
 
 
 def rank(plans: list[Plan]) -> list[Plan]:

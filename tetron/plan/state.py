@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -110,11 +111,23 @@ class Bucket:
         return elements, pieces
 
 
+def zero_shards(cfg: Config) -> int:
+    """The ranks ZeRO shards over: dp*cp, or HSDP's dp_shard (the rest hold replicas); 1 without ZeRO."""
+    p = cfg.parallel
+    return (p.dp_shard or p.dp * p.cp) if p.zero >= 1 else 1
+
+
+def accumulates_sharded(cfg: Config) -> bool:
+    """Whether every micro-batch's gradients are reduce-scattered into the slices (ZeRO-2/3's sharded
+    accumulation), the full buffers released in between: data_parallel.DataParallelBucket."""
+    return cfg.parallel.zero >= 2 and zero_shards(cfg) > 1 and cfg.parallel.zero_accumulate == "sharded"
+
+
 def chunk_buckets(cfg: Config, chunk: Chunk) -> list[Bucket]:
     """The chunk's buckets in backward order: one per ZeRO-3 unit, else filled to parallel.bucket_mb
     from the last parameter backwards (DataParallelBucket._size_buckets)."""
     p = cfg.parallel
-    shards = p.dp * p.cp if p.zero >= 1 else 1
+    shards = zero_shards(cfg)
     units = tuple(tuple(u) for u in chunk_units(cfg, chunk))
     return list(_buckets(units, chunk.first, shards, p.zero == 3, p.bucket_mb))
 
@@ -153,21 +166,22 @@ class State:
     root: int = 0  # ZeRO-3: elements of a first/last chunk's non-layer unit (embedding, final norm, head), padded
     layer: int = 0  # ZeRO-3: elements of one decoder layer's unit, padded
     chunk_units: tuple[int, ...] = ()  # ZeRO-2/3: elements of each chunk's gradient buffers together, padded
-    lazy_buckets: tuple[tuple[int, ...], ...] = ()  # ZeRO-2: each chunk's buffers' elements, in backward order
+    lazy_starts: tuple[tuple[int, ...], ...] = ()  # ZeRO-2: where each chunk's buffers start in backward order, and
+    # their total (prefix sums of their padded elements: a moment's buffers found by bisection)
     head: tuple[int, ...] = ()  # ZeRO-2: each chunk's elements before its first layer's, in backward order
     layer_elements: int = 0  # ZeRO-2: one decoder layer's elements
 
 
 def _optimizer_bytes(cfg: Config, buckets: list[Bucket], dp_rank: int) -> tuple[int, int]:
     """(bytes, largest piece) of the optimizer state: zero.ShardedAdamW's pieces of this rank's slices."""
-    p, shards = cfg.parallel, cfg.parallel.dp * cfg.parallel.cp if cfg.parallel.zero >= 1 else 1
+    p, shards = cfg.parallel, zero_shards(cfg)
     bf16 = cfg.train.dtype == "bfloat16"
     if shards == 1:
         numels = [n for b in buckets for n in b.numels]
         # Plain fp32: AdamW over the parameters themselves (exp_avg + exp_avg_sq, and a 4-byte step each);
         # bf16: plus an fp32 master copy of every parameter (Megatron: 12 + 2 bytes per parameter).
         return (8 + 4 * bf16) * sum(numels) + 4 * len(numels), max(numels)
-    owned = [b.owned(dp_rank) for b in buckets]
+    owned = [b.owned(dp_rank % shards) for b in buckets]  # the slice of its place in the shard group
     elements, pieces = sum(e for e, _ in owned), sum(k for _, k in owned)
     # ZeRO: moments of this rank's pieces only; fp32 masters are views of its parameter slice (no copy),
     # bf16 ones are fp32 copies of its pieces. Largest piece: at most a slice, at most a parameter.
@@ -179,8 +193,8 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
     """The persistent bytes of pipeline rank `pp_rank` (and dp*cp rank `dp_rank`, whose ZeRO slices
     differ from the others' by padding only). ZeRO's 1/N of optimizer state (stage 1), gradients (2) and
     parameters (3) as in Rajbhandari et al. 2020 and the Ultra-Scale Playbook, on tetron's buckets: each
-    padded to a multiple of N = dp*cp, every gradient in fp32 whatever the compute dtype (Megatron's
-    main_grad), one bucket per decoder layer under ZeRO-3 (FSDP2's unit)."""
+    padded to a multiple of N = dp*cp (HSDP: dp_shard), every gradient in fp32 whatever the compute dtype
+    (Megatron's main_grad), one bucket per decoder layer under ZeRO-3 (FSDP2's unit)."""
     p, d = cfg.parallel, Sizes.of(cfg).d
     chunks = rank_chunks(cfg, pp_rank)
     buckets = [b for c in chunks for b in chunk_buckets(cfg, c)]
@@ -202,7 +216,8 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
         units = [chunk_units(cfg, c) for c in chunks]
         return State(params=d * padded, grads=F32 * slices, optimizer=optimizer, largest=largest,
                      chunk_units=tuple(sum(b.padded for b in bs) for bs in per_chunk),
-                     lazy_buckets=tuple(tuple(b.padded for b in bs) for bs in per_chunk),
+                     lazy_starts=tuple(tuple(itertools.accumulate((b.padded for b in bs), initial=0))
+                                       for bs in per_chunk),
                      head=tuple(sum(u[0][1:] if c.first else u[0]) for u, c in zip(units, chunks)),
                      layer_elements=sum(layer_numels(cfg)))
     # ZeRO-0/1 (or nothing to shard): every bucket buffer is allocated once and kept; with shards > 1 the

@@ -3,7 +3,8 @@
     step = pipeline span (every micro-batch's forward and backward, with the tp and cp collectives and
            the stage-to-stage P2P inside them, played through the schedule: pipeline_schedules.simulate,
            so the bubble comes from the schedule itself) + the data-parallel communication that the
-           backward pass does not hide + the optimizer step
+           backward pass does not hide + the optimizer step + a checkpoint save's blocking time over
+           checkpoint.save_every steps
 
 Compute is FLOPs at a device's efficiency figure (hardware.py): per token and layer 2 FLOPs per weight
 forward (4 backward), and causal attention's 2*s*hq forward (the usual 4*s*hq halved by the mask), the
@@ -28,7 +29,7 @@ from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import Hardware
 from tetron.plan.sizes import Sizes
-from tetron.plan.state import chunk_buckets, layer_matmul_numels, rank_chunks
+from tetron.plan.state import accumulates_sharded, chunk_buckets, layer_matmul_numels, rank_chunks, zero_shards
 
 
 @dataclass
@@ -43,6 +44,7 @@ class TimeEstimate:
     pp_s: float  # stage-to-stage P2P
     dp_s: float  # gradient reduction (and ZeRO's gathers) not hidden by the backward pass
     optimizer_s: float  # the optimizer step: its state streamed through memory once or twice
+    save_s: float  # a checkpoint save's blocking time, per step of its checkpoint.save_every
     tokens_per_s: float
     mfu: float  # model FLOPs (6N + 12*L*h*s per token) per second over the peak of all devices
 
@@ -135,9 +137,12 @@ def _idle(name: str, pp: int, virtual: int, micro_batches: int, relative: tuple[
 
 def _data_parallel(cfg: Config, hw: Hardware, gpus_per_node: int, *, backward_s: float,
                    compute_s: float) -> float:
-    """Seconds of gradient reduction over dp*cp (and ZeRO's parameter gathers) that compute does not hide."""
+    """Seconds of gradient reduction over dp*cp (and ZeRO's parameter gathers) that compute does not hide.
+    ZeRO reduce-scatters and gathers within its shard group (dp*cp, or HSDP's dp_shard consecutive ranks),
+    once a step or, under sharded accumulation, every micro-batch; HSDP then all-reduces the step's fp32
+    slices across the replicas."""
     p, s = cfg.parallel, Sizes.of(cfg)
-    n = p.dp * p.cp
+    n, shard = p.dp * p.cp, zero_shards(cfg)
     if n == 1:
         return 0.0
     buckets = [b for c in rank_chunks(cfg, 0) for b in chunk_buckets(cfg, c)]
@@ -145,17 +150,37 @@ def _data_parallel(cfg: Config, hw: Hardware, gpus_per_node: int, *, backward_s:
     grads = elements * (2 if p.reduce_dtype == "bfloat16" else 4)
     params = elements * s.d
     bw = _bandwidth(hw, p.tp * p.cp * p.dp, gpus_per_node)
-    if p.zero == 0:
+    if shard == 1:
         reduce = _ring(hw, grads, n, 2.0, bw) if p.dp_impl == "bucket" else len(buckets) * _ring(hw, grads, n, 2, bw)
         return max(reduce - backward_s, reduce / len(buckets))
-    scatter = _ring(hw, grads, n, 1.0, bw)
-    gather = _ring(hw, params, n, 1.0, bw)
-    if p.zero < 3:  # the reduce-scatter overlaps the backward; the all-gather after the step does not
-        return max(scatter - backward_s, scatter / len(buckets)) + gather
+    shard_bw = _bandwidth(hw, p.tp * shard, gpus_per_node)
+    scatter = _ring(hw, grads, shard, 1.0, shard_bw)
+    gather = _ring(hw, params, shard, 1.0, shard_bw)
+    replicate = _ring(hw, 4 * elements / shard, n // shard, 2.0, bw)
+    earlier = cfg.train.grad_acc - 1 if accumulates_sharded(cfg) else 0  # micro-batches that reduce before the last
+    if p.zero < 3:  # the reductions overlap their backward; the all-gather after the step does not
+        last, each = scatter + replicate, max(scatter - backward_s, scatter / len(buckets))
+        return max(last - backward_s, last / len(buckets)) + earlier * each + gather
     # ZeRO-3: every unit gathered before its forward and again before its backward, in every micro-batch,
     # each prefetched while the previous unit computes; only the first gather of each pass is exposed.
-    gathers = 2 * cfg.train.grad_acc * gather + scatter
+    gathers = 2 * cfg.train.grad_acc * gather + (1 + earlier) * scatter + replicate
     return max(0.0, gathers - compute_s) + 2 * gather / len(buckets)
+
+
+def save_blocking(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> float:
+    """Seconds a checkpoint save holds training up. In the foreground: the rank's stage's state (fp32
+    weights and two moments) gathered whole (all-reduced over dp*cp under ZeRO, all-gathered over tp),
+    and its 1/world share written at its node's disk bandwidth. With async_save: this rank's own part of
+    that state copied to host memory; the rest happens while training goes on."""
+    p, params = cfg.parallel, cfg.model.num_params()
+    stage = 12 * params / p.pp  # bytes of this rank's stage's checkpoint
+    dp_cp = p.dp * p.cp
+    if cfg.checkpoint.async_save:
+        return stage / p.tp / (dp_cp if p.zero >= 1 else 1) / (hw.host_gbs * 1e9)
+    gather = _ring(hw, stage / p.tp, dp_cp, 2, _bandwidth(hw, dp_cp * p.tp, gpus_per_node)) if p.zero >= 1 else 0.0
+    gather += _ring(hw, stage, p.tp, 1, _bandwidth(hw, p.tp, gpus_per_node))
+    write = 12 * params / cfg.world_size * min(cfg.world_size, gpus_per_node) / (hw.disk_gbs * 1e9)
+    return gather + write
 
 
 def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
@@ -174,10 +199,12 @@ def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     owned = sum(b.slice_size for b in buckets)
     # AdamW reads and writes masters and both moments and reads the gradient: ~7 fp32 values an element
     optimizer = owned * 4 * 7 / (hw.hbm_gbs * 1e9)
-    step = span + dp_s + optimizer
+    every = cfg.checkpoint.save_every
+    save = save_blocking(cfg, hw, gpus_per_node=gpus_per_node) / every if every else 0.0
+    step = span + dp_s + optimizer + save
     tokens = cfg.global_batch * cfg.data.seq_len
     flops = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / step
     peak = hw.tflops * 1e12 / (1 if cfg.train.dtype == "bfloat16" or hw.cpu else hw.fp32_slowdown)
     return TimeEstimate(step_s=step, compute_s=compute, bubble=bubble, tp_s=tp_s, cp_s=cp_s, pp_s=pp_s,
-                        dp_s=dp_s, optimizer_s=optimizer, tokens_per_s=tokens / step,
+                        dp_s=dp_s, optimizer_s=optimizer, save_s=save, tokens_per_s=tokens / step,
                         mfu=flops / (peak * cfg.world_size))
