@@ -117,14 +117,17 @@ def full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup)
 @dataclass
 class Pieces:
     """Where a save takes each tensor from: `parts(param, kind)`, this rank's pieces of it (offset in its
-    flattened elements, values; its tp part), and `ranges(param)`, every rank's (rank in dp*cp, offset,
-    length), over `group` when the pieces are ZeRO's (`sharded`); else each rank holds the whole tp part."""
+    flattened elements, values; its tp part), and `ranges(param)`, every rank's (rank in its shard group,
+    offset, length) when the pieces are ZeRO's (`sharded`); else each rank holds the whole tp part. Pieces
+    travel over `group`, dp*cp's; ZeRO's shard groups are its runs of `shard` consecutive ranks (all of it
+    but under HSDP, whose replicas each hold every piece: a writer takes them from its own shard group)."""
 
     parts: Callable[[nn.Parameter, str], list[tuple[int, Tensor]]]
     ranges: Callable[[nn.Parameter], list[tuple[int, int, int]]]
     sharded: bool
     group: dist.ProcessGroup | None
     device: torch.device
+    shard: int = 1
 
     def gather(self, param: nn.Parameter, kind: str, *, dst: int, me: int, sends: list) -> Tensor | None:
         """The fp32 `param`-shaped tp part on rank `dst` of dp*cp (None elsewhere): each other rank sends
@@ -132,8 +135,9 @@ class Pieces:
         The sends are not waited for (they go on while this rank gathers its own): `sends` collects them,
         for the caller to wait on before the pieces change."""
         parts = self.parts(param, kind)
+        base = dst - dst % self.shard  # the writer's shard group starts at this rank of dp*cp
         if me != dst:
-            for _, values in parts if self.sharded else []:
+            for _, values in parts if self.sharded and me - me % self.shard == base else []:
                 sends.append(dist.isend(values.reshape(-1).contiguous(), group_dst=dst, group=self.group))
             return None
         if len(parts) == 1 and parts[0][1].numel() == param.numel():
@@ -141,8 +145,8 @@ class Pieces:
         whole = torch.empty(param.numel(), dtype=torch.float32, device=self.device)
         for start, values in parts:
             whole[start:start + values.numel()].copy_(values.reshape(-1))
-        works = [dist.irecv(whole[start:start + n], group_src=q, group=self.group)
-                 for q, start, n in self.ranges(param) if q != me]
+        works = [dist.irecv(whole[start:start + n], group_src=base + q, group=self.group)
+                 for q, start, n in self.ranges(param) if base + q != me]
         for work in works:
             work.wait()
         return whole.view(param.shape)

@@ -230,7 +230,7 @@ class ShardedAdamW:
         return [(piece.start, self.inner.state[piece.master][kind]) for piece in pieces]
 
     def piece_ranges(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
-        """(rank in dp*cp, offset, length) of each rank's piece of `param` (a parameter is contiguous in its
+        """(rank in the shard group, offset, length) of each rank's piece of `param` (a parameter is contiguous in its
         bucket, so one piece per rank at most): where a checkpoint gathers it from."""
         if self.shards == 1:
             return [(0, 0, param.numel())]
