@@ -1,4 +1,5 @@
-"""What every multi-rank benchmark shares: forked ranks, and interleaved timing with medians.
+"""What every multi-rank benchmark shares: forked ranks, interleaved timing with medians, and the
+allocator setting and resident set that the memory figures rest on.
 
 Forking after torch is imported starts ranks in milliseconds. Each implementation runs a few
 steps in turn, round after round, so drift in machine load hits all of them alike; every timed
@@ -8,6 +9,8 @@ step starts after a barrier, and the median is reported, since timings here vary
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import os
 import statistics
 import tempfile
@@ -40,6 +43,28 @@ def model_config(args: argparse.Namespace) -> LlamaConfig:
     return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
                        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
                        max_position_embeddings=args.seq)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def map_every_allocation() -> bool:
+    """glibc: allocations of 64 KiB and more mapped on their own and unmapped when freed (no dynamic
+    threshold), free heap top returned above 1 MiB. False where there is no glibc mallopt."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 20))
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+def rss_mb() -> float:
+    """This process's resident set now (VmRSS), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**10
+    return float("nan")
 
 
 def launch(rank_main: Callable, args: argparse.Namespace) -> None:

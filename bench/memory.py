@@ -2,6 +2,7 @@
 
     python bench/memory.py [--model smollm-135m] [--ranks 2] [--seq-len 256] [--micro-batch 1] [--dtype float32]
     python bench/memory.py --per-step 20 --seq-len 32 [--malloc tetron|default]   # ZeRO-0 and 3 step by step
+    python bench/memory.py --grad-acc 4 [--steps 2] [--seq-len 64]   # ZeRO-3 accumulation against FSDP2
 
 Not part of `make bench` (about 4 minutes on 2 CPU cores, 12 launches of a 135M-parameter model, up
 to ~3.5 GB of memory per rank). Each of the 12 configurations runs in its own fresh set of forked gloo
@@ -39,14 +40,23 @@ each unit's forward (the storage is resized to nothing): the tied embedding alon
 and as storages are told apart by address, a unit gathered where a freed one was counts once, so that
 figure also changes with the allocator (534 MiB with `mmap`, 844-896 with `default`, for `none`).
 
+`--grad-acc N` (N > 1): ZeRO-3 with N micro-batches a step, three implementations each in fresh ranks,
+`--steps` steps: tetron with `parallel.zero_accumulate: full` (whole gradient buffers kept through the
+micro-batches: before) and `sharded` (each micro-batch reduce-scattered into the rank's slice: after),
+and FSDP2 (`fully_shard` on each decoder layer, then the root, of transformers' LlamaForCausalLM built
+from the same config, random init; AdamW and clipping as bench/zero.py's; FSDP2 reduce-scatters every
+micro-batch by default). Rank 0's gradient bytes held between micro-batches (the most alive at any
+forward's start: tetron's `DataParallelBucket.max_held_grad_bytes`, which train() reports as
+`TrainResult.grad_bytes_held`; FSDP2's the local shards of its param.grad DTensors) and its peak RSS
+(the highest step's, reset at each step's start), and tetron/FSDP2 of each. fp32 only. The data differ
+(tetron's loader against random ids of the same shape); the tensors' sizes do not.
+
 The printed step times are for orientation only (one thread per rank, whatever else runs).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import os
 import tempfile
@@ -54,7 +64,12 @@ import time
 import warnings
 
 import torch
-from common import launch
+import torch.nn.functional as F
+from common import launch, map_every_allocation, rss_mb
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from zero import adamw, local
 
 from tetron import device as dev
 from tetron.config import from_dict
@@ -68,39 +83,17 @@ CPU = torch.device("cpu")
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_single", category=FutureWarning)
 
 
-def config(args: argparse.Namespace, zero: int, recompute: str, out: str):
+def config(args: argparse.Namespace, zero: int, recompute: str, out: str, accumulate: str = "sharded"):
     return from_dict({
         "model": args.model,
-        "parallel": {"dp": args.ranks, "zero": zero, "device": "cpu"},
+        "parallel": {"dp": args.ranks, "zero": zero, "device": "cpu", "zero_accumulate": accumulate},
         # a fixed 4 MB prefix of the standard library's sources: tokenized once, then cached
         "data": {"path": "stdlib", "tokenizer": "bytes", "seq_len": args.seq_len, "max_bytes": 4 * 2**20},
-        "train": {"steps": max(2, args.per_step + 1), "micro_batch": args.micro_batch, "recompute": recompute,
-                  "dtype": args.dtype},
+        "train": {"steps": max(2, args.per_step + 1, args.steps), "micro_batch": args.micro_batch,
+                  "grad_acc": args.grad_acc, "recompute": recompute, "dtype": args.dtype},
         "logging": {"progress": False, "sample_tokens": 0},
         "out": out,
     })
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-
-
-def map_every_allocation() -> bool:
-    """glibc: allocations of 64 KiB and more mapped on their own and unmapped when freed (no dynamic
-    threshold), free heap top returned above 1 MiB. False where there is no glibc mallopt."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 16)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 20))
-    except (OSError, AttributeError, TypeError):
-        return False
-
-
-def rss_mb() -> float:
-    """This process's resident set now (VmRSS), MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**10
-    return float("nan")
 
 
 def set_malloc(choice: str) -> bool:
@@ -185,18 +178,129 @@ def table(rows: dict[tuple[int, str], dict]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------- --grad-acc: ZeRO-3 accumulation against FSDP2
+
+ACCUMULATORS = {"full": "tetron ZeRO-3, zero_accumulate full (before)",
+                "sharded": "tetron ZeRO-3, zero_accumulate sharded (after)",
+                "fsdp2": "torch FSDP2 (fully_shard per layer + root)"}
+
+
+def write_result(rank: int, args: argparse.Namespace, figures: dict) -> None:
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump({**figures, "mapped": args.mapped}, f)
+
+
+def tetron_accumulating(rank: int, args: argparse.Namespace) -> None:
+    """Tetron's ZeRO-3 as `tetron train` builds it, with args.impl as parallel.zero_accumulate."""
+    args.mapped = set_malloc(args.malloc)
+    run = build_run(config(args, 3, "none", args.out, accumulate=args.impl), Mesh(dp=args.ranks), CPU)
+    peaks, losses, times = [], [], []
+    for step in range(args.steps):
+        figures = train_step(run, step)  # resets the peak at its start
+        peaks.append(dev.peak_memory_mb(CPU))
+        losses.append(figures.loss)
+        times.append(figures.time_s)
+    # as train() fills TrainResult.grad_bytes_held: the most gradient bytes alive at any forward's start
+    held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)
+    write_result(rank, args, {"peaks": peaks, "losses": losses, "times": times, "held": held})
+
+
+def fsdp2_model(args: argparse.Namespace) -> nn.Module:
+    """transformers' LlamaForCausalLM of the same config, random init, under fully_shard: each decoder
+    layer, then the root (the embedding, tied to the head, and the final norm)."""
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    model_cfg = config(args, 3, "none", args.out).model
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(HFConfig(**model_cfg.to_hf(), attn_implementation="sdpa"))
+    device_mesh = init_device_mesh("cpu", (args.ranks,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=device_mesh)
+    return fully_shard(model, mesh=device_mesh)
+
+
+def fsdp2_accumulating(rank: int, args: argparse.Namespace) -> None:
+    """FSDP2 in the usual loop: args.grad_acc forward/backwards (each reduce-scattered, FSDP2's default),
+    clip_grad_norm_ as tetron's train.grad_clip, AdamW as bench/zero.py's, zero_grad."""
+    args.mapped = set_malloc(args.malloc)
+    model = fsdp2_model(args)
+    params = list(model.parameters())
+    optimizer, clip = adamw(model), config(args, 3, "none", args.out).train.grad_clip
+    g = torch.Generator().manual_seed(1000 + rank)
+    peaks, losses, times, held = [], [], [], 0
+    for _ in range(args.steps):
+        dev.reset_peak_memory(CPU)
+        start, loss_sum = time.perf_counter(), 0.0
+        for _ in range(args.grad_acc):
+            # what accumulation holds: the local shards of the param.grad DTensors at a forward's start
+            held = max(held, sum(t.numel() * t.element_size() for t in local(p.grad for p in params) if t is not None))
+            ids = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq_len + 1), generator=g)
+            logits = model(ids[:, :-1]).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten()) / args.grad_acc
+            loss.backward()
+            loss_sum += loss.item()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        peaks.append(dev.peak_memory_mb(CPU))
+        losses.append(loss_sum)
+        times.append(time.perf_counter() - start)
+    write_result(rank, args, {"peaks": peaks, "losses": losses, "times": times, "held": held})
+
+
+def accumulation(args: argparse.Namespace) -> None:
+    """Tetron's ZeRO-3 (full, then sharded) and FSDP2, each in fresh ranks; rank 0's figures and the ratios."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for impl in ACCUMULATORS:
+            result = os.path.join(tmp, f"{impl}.json")
+            rank_main = fsdp2_accumulating if impl == "fsdp2" else tetron_accumulating
+            launch(rank_main, argparse.Namespace(**vars(args), impl=impl, result=result,
+                                                 out=os.path.join(tmp, f"run-{impl}")))
+            with open(result) as f:
+                rows[impl] = json.load(f)
+            print(f"{impl:8s} losses " + " ".join(f"{x:.4f}" for x in rows[impl]["losses"]), flush=True)
+    cfg = config(args, 3, "none", "unused")
+    malloc = "glibc default" if args.malloc == "default" or not all(r["mapped"] for r in rows.values()) else (
+        f"mmap threshold {'64 KiB' if args.malloc == 'mmap' else '1 MiB'}")
+    print(f"\n{args.model} ({cfg.model.num_params() / 1e6:.1f}M parameters), dp {args.ranks} (gloo), ZeRO-3, "
+          f"{args.dtype}, AdamW, micro-batch {args.micro_batch} x {args.seq_len} tokens x {args.grad_acc} "
+          f"micro-batches per rank, {args.steps} steps; rank 0, MiB; peak: the highest step's; malloc: {malloc}\n")
+    print("| implementation | gradients held between micro-batches | peak RSS | step time |")
+    print("|---|---|---|---|")
+    for impl, label in ACCUMULATORS.items():
+        r = rows[impl]
+        print(f"| {label} | {r['held'] / 2**20:,.1f} | {max(r['peaks']):,.0f} | {r['times'][-1]:.1f} s |")
+    for impl in ("full", "sharded"):
+        a, b = rows[impl], rows["fsdp2"]
+        print(f"tetron {impl} / FSDP2: peak {max(a['peaks']) / max(b['peaks']):.3f}, gradients held "
+              f"{a['held'] / b['held']:.3f}   (goal: peak <= 1.00)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm-135m", help="a name from configs/ or a Hugging Face config")
     parser.add_argument("--ranks", type=int, default=2, help="data-parallel ranks (ZeRO shards over them)")
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=None, help="256; 64 with --grad-acc")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--malloc", choices=("mmap", "tetron", "default"), default="mmap",
                         help="mmap: every allocation of 64 KiB+ mapped and unmapped (RSS follows live tensors); "
                              "tetron: as tetron train's CPU ranks (1 MiB+); default: glibc untouched")
     parser.add_argument("--per-step", type=int, default=0, help="steps of ZeRO-0 and ZeRO-3 with each step's peak RSS")
+    parser.add_argument("--grad-acc", type=int, default=1,
+                        help="above 1: ZeRO-3 with that many micro-batches, tetron full/sharded against FSDP2")
+    parser.add_argument("--steps", type=int, default=2, help="with --grad-acc: optimizer steps of each")
     args = parser.parse_args()
+    args.seq_len = args.seq_len or (64 if args.grad_acc > 1 else 256)
+    if args.grad_acc > 1:
+        if args.dtype != "float32":
+            parser.error("--grad-acc compares against FSDP2 in fp32 only; use --dtype float32")
+        accumulation(args)
+        return
     if args.per_step:
         per_step(args)
         return

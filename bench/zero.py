@@ -39,8 +39,15 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import add_model_args, add_timing_args, launch, median_step_times, model_config
-from memory import map_every_allocation, rss_mb
+from common import (
+    add_model_args,
+    add_timing_args,
+    launch,
+    map_every_allocation,
+    median_step_times,
+    model_config,
+    rss_mb,
+)
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard

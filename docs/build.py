@@ -4,7 +4,7 @@
     python docs/build.py --check   exit 1 with one line if docs/config.md is not what it would write
 
 docs/config.md, the full field reference, is generated from the config dataclasses' field comments:
-`tetron.config.SECTIONS` and `tetron.config.field_docs`, the same source as `tetron train --help`, and
+`tetron.config.SECTIONS` and `tetron.overrides.field_docs`, the same source as `tetron train --help`, and
 the short flags from `tetron.overrides.SHORT_FLAGS`. tests/test_docs.py fails when it is stale.
 
 A live output block in README.md or docs/*.md is a fenced block right after a marker line
@@ -45,8 +45,8 @@ def _cell(text: str) -> str:
 def config_markdown() -> str:
     """The text of docs/config.md."""
     from tetron.cli import MODEL_DEFAULT
-    from tetron.config import CONFIGS_DIR, SECTIONS, Config, field_docs
-    from tetron.overrides import BOOL_FLAGS, SHORT_FLAGS
+    from tetron.config import CONFIGS_DIR, SECTIONS, Config
+    from tetron.overrides import BOOL_FLAGS, SHORT_FLAGS, field_docs
 
     short = {key: flag for flag, key in SHORT_FLAGS.items()}
     docs = {f"{section}.{name}": (kind, default, doc)
@@ -103,7 +103,7 @@ def _family_configs() -> list[type]:
 
 def family_fields(base: type) -> list[str]:
     """The model fields some families add to `base`'s (Llama's): a table with the families that have each."""
-    from tetron.config import field_docs
+    from tetron.overrides import field_docs
 
     rows: dict[str, tuple[str, dict[str, str], str]] = {}  # name: (type, default by family, meaning)
     known = {name for name, *_ in field_docs(base)}

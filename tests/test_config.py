@@ -366,7 +366,8 @@ def test_bad_hf_config(tmp_path):
 @pytest.mark.parametrize("args", [["train", "--help"], ["train", "configs/demo.yaml", "--dp", "2", "-h"]])
 def test_train_help_lists_every_field_and_flag(capsys, args):
     from tetron.cli import main
-    from tetron.config import SECTIONS, field_docs
+    from tetron.config import SECTIONS
+    from tetron.overrides import field_docs
 
     assert main(args) == 0
     text = capsys.readouterr().out

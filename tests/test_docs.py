@@ -140,8 +140,8 @@ def test_config_md_is_what_build_generates():
 
 
 def test_config_md_lists_every_field_and_short_flag():
-    from tetron.config import SECTIONS, field_docs
-    from tetron.overrides import SHORT_FLAGS
+    from tetron.config import SECTIONS
+    from tetron.overrides import SHORT_FLAGS, field_docs
 
     text = BUILD.config_markdown()
     for section, cls in SECTIONS.items():

@@ -26,7 +26,7 @@ from tetron.parallel.context_parallel import apply_context_parallel, ring_attent
 from tetron.parallel.init import seeded_model
 from tetron.parallel.ulysses import ulysses_attention
 
-from conftest import check_layout, run_training, tiny_config
+from conftest import check_layout, layout_configs, reference_run, run_training, tiny_config
 from harness import run_ranks
 
 
@@ -228,9 +228,10 @@ def test_masked_training_matches_single_process(packed, tmp_path, name):
         other = corpus.with_name("other.jsonl")
         write_documents(other, count=800, seed=1)
         data = {**DOCUMENTS, "sources": [{"path": str(corpus), "weight": 2}, {"path": str(other), "weight": 1}]}
-    check_layout(corpus, cache, tmp_path, parallel=parallel, data=data, train=train)
-    val = [[m["val_loss"] for m in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
-            if "val_loss" in m] for run in ("run", "ref")]
+    _, written = check_layout(corpus, cache, tmp_path, parallel=parallel, data=data, train=train)
+    _, ref_raw = layout_configs(corpus, cache, tmp_path, parallel=parallel, data=data, train=train)
+    ref_metrics = reference_run(ref_raw)[1]["metrics"]  # the reference check_layout compared with (cached)
+    val = [[m["val_loss"] for m in metrics if "val_loss" in m] for metrics in (written["metrics"], ref_metrics)]
     assert len(val[0]) == (2 if train.get("eval_every") else 0)
     torch.testing.assert_close(torch.tensor(val[0]), torch.tensor(val[1]), rtol=1e-5, atol=0)
 

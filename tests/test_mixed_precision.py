@@ -52,11 +52,15 @@ def test_masters_are_fp32_and_the_model_folder_bf16(corpus, cache_dir, tmp_path)
     out = tmp_path / "run"
     run_parallel(_raw(corpus, cache_dir, out, {"dp": 2, "zero": 1}, "bfloat16"))
     step = out / "checkpoints" / "step_12"
-    for folder, prefix, dtype in ((step, "model-00001-of-00001", "F32"), (step, "optimizer-00001-of-00001", "F32"),
-                                  (out / "model", "model", "BF16")):
-        with safe_open(str(folder / f"{prefix}.safetensors"), "pt") as f:
-            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
-        assert dtypes == {dtype}, (folder, prefix)
+    # a checkpoint's shards (every rank writes some: model-*-of-*), and OUT/model's one file
+    for folder, pattern, dtype in ((step, "model-*", "F32"), (step, "optimizer-*", "F32"),
+                                   (out / "model", "model.safetensors", "BF16")):
+        files = sorted(folder.glob(pattern))
+        assert files, (folder, pattern)
+        for path in files:
+            with safe_open(str(path), "pt") as f:
+                dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+            assert dtypes == {dtype}, path
     assert json.loads((out / "model" / "config.json").read_text())["dtype"] == "bfloat16"
     # the bf16 folder is the checkpoint's fp32 masters rounded once
     bf16 = load_model(out / "model").state_dict()

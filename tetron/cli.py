@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from tetron.config import SECTIONS, Config, field_docs, from_dict, load_config
+from tetron.config import SECTIONS, Config, from_dict, load_config
 from tetron.data.loader import (
     check_tokenizer_pairing,
     data_specs,
@@ -37,7 +37,7 @@ from tetron.launch import launch
 from tetron.observe.evaluate import check_held_out, training_tokens
 from tetron.observe.metrics import say
 from tetron.observe.step_report import check_outputs
-from tetron.overrides import SHORT_FLAGS, OneLineParser, apply_overrides
+from tetron.overrides import SHORT_FLAGS, OneLineParser, apply_overrides, field_docs
 from tetron.plan.fit import check_fits
 from tetron.schedule import schedule_change
 from tetron.validate import validate

@@ -8,11 +8,7 @@ that dict in the order given, and `from_dict` turns it into dataclasses (unknown
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +19,7 @@ from tetron.errors import ConfigError, quoted, quoted_key
 from tetron.fs import missing_reason, read_bounded
 from tetron.models import config_from_hf, family
 from tetron.models.llama import LlamaConfig
-from tetron.overrides import apply_overrides, check_expansion
+from tetron.overrides import apply_overrides, build_section, check_expansion, coerce
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -39,8 +35,6 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["cosine", "wsd", "constant"]
 OnNonfinite = OnBadRecord = Literal["stop", "skip"]
 
-INT_LIMIT = 2**63  # every integer field fits int64, as the tensors and files that hold them do
-MAX_TEXT = 4096  # characters of a text field (PATH_MAX): a longer one is refused before any message quotes it
 
 
 @dataclass
@@ -216,110 +210,14 @@ def resolve_model(spec: Any) -> LlamaConfig:
         config_class = family(model_type).config_class
     except ValueError as err:
         raise ConfigError(f"model.{err}") from None
-    return _build(config_class, base, "model")
-
-
-def one_of(choices: tuple[str, ...]) -> str:
-    """"a, b or c"."""
-    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
-
-
-def _coerce(value: Any, annotation: Any, where: str) -> Any:
-    """Check and convert one value against a dataclass field annotation.
-
-    Text (every command-line value, and YAML scalars such as `3e-4` that YAML keeps as strings)
-    is converted by the field's type, so `--out 007` stays "007" and `--train.lr=3e-4` is a float."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        choices = typing.get_args(annotation)
-        if value not in choices:
-            raise ConfigError(f"{where}={quoted(value)}: use {one_of(choices)}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if type(None) in options and (value is None or (isinstance(value, str) and value.lower() in ("null", "none"))):
-            return None
-        last: ConfigError | None = None
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, where)
-            except ConfigError as err:
-                last = err
-        raise last or ConfigError(f"{where}={quoted(value)} is not valid")
-    text = isinstance(value, str)
-    if origin in (dict, list) or annotation in (dict, list):
-        kind = dict if dict in (origin, annotation) else list
-        if text:
-            try:
-                value = yaml.safe_load(value)
-            except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an int of over 4,300 digits
-                pass
-            check_expansion(value, where)
-        if not isinstance(value, kind):
-            raise ConfigError(f"{where}={quoted(value)}: expected a {'mapping' if kind is dict else 'list'}")
-        item = typing.get_args(annotation)
-        if kind is list and item:  # list[int]: each element checked and converted like a field
-            return [_coerce(v, item[0], f"{where}[{i}]") for i, v in enumerate(value)]
-        return value
-    if annotation is bool:
-        if text and value.lower() in ("true", "false"):
-            value = value.lower() == "true"
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}={quoted(value)}: expected true or false")
-        return value
-    if annotation in (int, float):
-        return _number(value, annotation, where)
-    if annotation is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{where}={quoted(value)}: expected a string")
-        if len(str(value)) > MAX_TEXT:
-            raise ConfigError(f"{where}={quoted(value)}: {len(str(value)):,} characters; at most {MAX_TEXT:,}")
-        return str(value)
-    return value
-
-
-def _number(value: Any, kind: type, where: str) -> int | float:
-    """An int or float field's value: text converted, integers in int64's range (a 400-digit step count
-    would overflow every tensor and float it meets), whole floats accepted as integers. Non-finite floats
-    pass here and are refused by validate, which names them as such."""
-    if isinstance(value, str):
-        try:
-            value = float(value) if kind is float else int(value)
-        except ValueError:  # not a number, or an integer of more than 4,300 digits
-            pass
-    if isinstance(value, float) and kind is int and value.is_integer():
-        value = int(value)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or (kind is int and isinstance(value, float)):
-        raise ConfigError(f"{where}={quoted(value)}: expected {'an integer' if kind is int else 'a number'}")
-    if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:
-        raise ConfigError(f"{where}={quoted(value)}: out of range; use a number between -2**63 and 2**63")
-    return kind(value)
-
-
-def _build(cls: type, raw: Any, where: str) -> Any:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a section of key: value pairs, got {quoted(raw)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields), key=str)  # (YAML keys may be numbers too)
-    if unknown:
-        raise ConfigError(f"{where}.{quoted_key(unknown[0])}: unknown key; known keys are {', '.join(fields)}")
-    types_ = typing.get_type_hints(cls)  # the annotations are strings (future import): resolve them
-    kwargs = {name: _coerce(value, types_[name], f"{where}.{name}") for name, value in raw.items()}
-    try:
-        return cls(**kwargs)
-    except ValueError as err:  # LlamaConfig checks its heads and rope_scaling as it is built
-        raise ConfigError(f"{where}.{err}") from None  # its messages start with the field name
+    return build_section(config_class, base, "model")
 
 
 def _source_numbers(data: DataConfig) -> DataConfig:
     """data.sources' weight and epochs as numbers, read like any float field: YAML 1.1 keeps `5e-1` as text."""
     if not data.sources:
         return data
-    sources = [{**s, **{key: _coerce(s[key], float, f"data.sources[{i}].{key}") for key in ("weight", "epochs")
+    sources = [{**s, **{key: coerce(s[key], float, f"data.sources[{i}].{key}") for key in ("weight", "epochs")
                         if isinstance(s.get(key), str)}} if isinstance(s, dict) else s
                for i, s in enumerate(data.sources)]
     return dataclasses.replace(data, sources=sources)
@@ -332,7 +230,7 @@ def from_dict(raw: dict[str, Any]) -> Config:
     unknown = sorted(set(raw) - known, key=str)
     if unknown:
         raise ConfigError(f"{quoted_key(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
-    kwargs: dict[str, Any] = {name: _build(cls, raw.get(name), name)
+    kwargs: dict[str, Any] = {name: build_section(cls, raw.get(name), name)
                               for name, cls in SECTIONS.items() if name != "model"}
     kwargs["data"] = _source_numbers(kwargs["data"])
     ck = kwargs["checkpoint"]
@@ -343,39 +241,12 @@ def from_dict(raw: dict[str, Any]) -> Config:
     elif source and (Path(source).expanduser() / "config.json").is_file():
         kwargs["model"] = resolve_model(str(Path(source).expanduser()))
     if "out" in raw:
-        kwargs["out"] = _coerce(raw["out"], str, "out")
+        kwargs["out"] = coerce(raw["out"], str, "out")
     return Config(**kwargs)
 
 
 SECTIONS: dict[str, type] = {"model": LlamaConfig, "parallel": ParallelConfig, "data": DataConfig,
                              "train": TrainConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
-
-
-def field_docs(cls: type) -> list[tuple[str, str, str, str]]:
-    """(name, type, default, doc line) of each field of a config dataclass, the doc being the comment
-    that follows the field in its source (continued on comment-only lines below it)."""
-    docs: dict[str, str] = {}
-    last = None
-    # base classes first, so that a subclass's comment on a field it redefines wins
-    sources = [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]
-    for line in (line for c in sources for line in inspect.getsource(c).splitlines()):
-        field_line = re.match(r"\s+(\w+): [^=]+=[^#]*(?:#\s*(.*))?$", line)
-        if field_line and field_line.group(1) in {f.name for f in dataclasses.fields(cls)}:
-            last = field_line.group(1)
-            docs[last] = field_line.group(2) or ""
-        elif last and re.match(r"\s+#", line):
-            docs[last] += " " + line.strip().lstrip("#").strip()
-        else:
-            last = None
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        kind = ("|".join(typing.get_args(hint)) if typing.get_origin(hint) is Literal
-                else re.sub(r"typing\.|<class '(\w+)'>", r"\1", str(hint)))
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append((f.name, kind, repr(default), docs.get(f.name, "")))
-    return out
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

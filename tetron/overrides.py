@@ -1,14 +1,25 @@
-"""Command-line overrides of a config: `--section.key=value`, `--section.key value`, and the short
-flags of `tetron train` (`--dp 2`, `--sp`), applied in order to the raw config dict before it is typed; the
-bound on what a raw value may expand to; the argument parsing the commands share."""
+"""A config's raw values, before and as they are typed: command-line overrides (`--section.key=value`,
+`--section.key value`, and the short flags of `tetron train`: `--dp 2`, `--sp`), applied in order to the raw
+dict; the bound on what a raw value may expand to; the argument parsing the commands share; then each value
+checked and converted by its dataclass field's type (`coerce`, `build_section`), and the fields' documentation
+read from their comments (`field_docs`, for `tetron train --help-config` and docs/config.md)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any, NoReturn
+import dataclasses
+import inspect
+import re
+import types
+import typing
+from typing import Any, Literal, NoReturn
 
-from tetron.errors import ConfigError
+import yaml
 
+from tetron.errors import ConfigError, quoted, quoted_key
+
+INT_LIMIT = 2**63  # every integer field fits int64, as the tensors and files that hold them do
+MAX_TEXT = 4096  # characters of a text field (PATH_MAX): a longer one is refused before any message quotes it
 MAX_VALUES = 100_000  # values a config may hold once YAML aliases are expanded (each alias counts each time)
 
 # Short flags of `tetron train`, each an alias of one dotted key.
@@ -87,7 +98,7 @@ def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
         elif "." not in key and key != "out":
             flags = ", ".join("--" + f for f in SHORT_FLAGS)
             raise ConfigError(f"unknown flag --{key}: use a dotted key (--train.lr=...) or one of {flags}")
-        set_dotted(raw, key, value)  # kept as text: _coerce converts it by the field's type
+        set_dotted(raw, key, value)  # kept as text: coerce converts it by the field's type
     return raw
 
 
@@ -144,3 +155,127 @@ def check_expansion(raw: Any, where: str) -> None:
         return sizes[id(node)]
 
     size(raw)
+
+
+def one_of(choices: tuple[str, ...]) -> str:
+    """"a, b or c"."""
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+
+
+def coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check and convert one value against a dataclass field annotation.
+
+    Text (every command-line value, and YAML scalars such as `3e-4` that YAML keeps as strings)
+    is converted by the field's type, so `--out 007` stays "007" and `--train.lr=3e-4` is a float."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{where}={quoted(value)}: use {one_of(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if type(None) in options and (value is None or (isinstance(value, str) and value.lower() in ("null", "none"))):
+            return None
+        last: ConfigError | None = None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return coerce(value, option, where)
+            except ConfigError as err:
+                last = err
+        raise last or ConfigError(f"{where}={quoted(value)} is not valid")
+    text = isinstance(value, str)
+    if origin in (dict, list) or annotation in (dict, list):
+        kind = dict if dict in (origin, annotation) else list
+        if text:
+            try:
+                value = yaml.safe_load(value)
+            except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an int of over 4,300 digits
+                pass
+            check_expansion(value, where)
+        if not isinstance(value, kind):
+            raise ConfigError(f"{where}={quoted(value)}: expected a {'mapping' if kind is dict else 'list'}")
+        item = typing.get_args(annotation)
+        if kind is list and item:  # list[int]: each element checked and converted like a field
+            return [coerce(v, item[0], f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+    if annotation is bool:
+        if text and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}={quoted(value)}: expected true or false")
+        return value
+    if annotation in (int, float):
+        return _number(value, annotation, where)
+    if annotation is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}={quoted(value)}: expected a string")
+        if len(str(value)) > MAX_TEXT:
+            raise ConfigError(f"{where}={quoted(value)}: {len(str(value)):,} characters; at most {MAX_TEXT:,}")
+        return str(value)
+    return value
+
+
+def _number(value: Any, kind: type, where: str) -> int | float:
+    """An int or float field's value: text converted, integers in int64's range (a 400-digit step count
+    would overflow every tensor and float it meets), whole floats accepted as integers. Non-finite floats
+    pass here and are refused by validate, which names them as such."""
+    if isinstance(value, str):
+        try:
+            value = float(value) if kind is float else int(value)
+        except ValueError:  # not a number, or an integer of more than 4,300 digits
+            pass
+    if isinstance(value, float) and kind is int and value.is_integer():
+        value = int(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or (kind is int and isinstance(value, float)):
+        raise ConfigError(f"{where}={quoted(value)}: expected {'an integer' if kind is int else 'a number'}")
+    if isinstance(value, int) and not -INT_LIMIT < value < INT_LIMIT:
+        raise ConfigError(f"{where}={quoted(value)}: out of range; use a number between -2**63 and 2**63")
+    return kind(value)
+
+
+def build_section(cls: type, raw: Any, where: str) -> Any:
+    """A config dataclass from its raw section: unknown keys and wrongly typed values raise ConfigError."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a section of key: value pairs, got {quoted(raw)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields), key=str)  # (YAML keys may be numbers too)
+    if unknown:
+        raise ConfigError(f"{where}.{quoted_key(unknown[0])}: unknown key; known keys are {', '.join(fields)}")
+    types_ = typing.get_type_hints(cls)  # the annotations are strings (future import): resolve them
+    kwargs = {name: coerce(value, types_[name], f"{where}.{name}") for name, value in raw.items()}
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # LlamaConfig checks its heads and rope_scaling as it is built
+        raise ConfigError(f"{where}.{err}") from None  # its messages start with the field name
+
+
+def field_docs(cls: type) -> list[tuple[str, str, str, str]]:
+    """(name, type, default, doc line) of each field of a config dataclass, the doc being the comment
+    that follows the field in its source (continued on comment-only lines below it)."""
+    docs: dict[str, str] = {}
+    last = None
+    # base classes first, so that a subclass's comment on a field it redefines wins
+    sources = [c for c in reversed(cls.__mro__) if dataclasses.is_dataclass(c)]
+    for line in (line for c in sources for line in inspect.getsource(c).splitlines()):
+        field_line = re.match(r"\s+(\w+): [^=]+=[^#]*(?:#\s*(.*))?$", line)
+        if field_line and field_line.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            last = field_line.group(1)
+            docs[last] = field_line.group(2) or ""
+        elif last and re.match(r"\s+#", line):
+            docs[last] += " " + line.strip().lstrip("#").strip()
+        else:
+            last = None
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        kind = ("|".join(typing.get_args(hint)) if typing.get_origin(hint) is Literal
+                else re.sub(r"typing\.|<class '(\w+)'>", r"\1", str(hint)))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append((f.name, kind, repr(default), docs.get(f.name, "")))
+    return out

@@ -10,9 +10,8 @@
                    (step_report.py: metrics.jsonl, TensorBoard, the progress bar)
     save           a checkpoint; at the end also OUT/model
 
-The next step's batch is fetched while the device computes the current one. A stop request (a signal,
-stop.py) rides on each step's loss all-reduce and is seen at the next report: every rank then saves and
-`train` returns early with `stopped_at` set.
+The next step's batch is fetched while the device computes the current one. A stop request (stop.py) rides
+on each step's loss all-reduce and is seen at the next report: every rank saves, `train` returns early.
 """
 
 from __future__ import annotations
@@ -59,8 +58,6 @@ from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activatio
 from tetron.parallel.zero import ShardedAdamW
 from tetron.schedule import lr_at
 from tetron.stop import StopRequest
-
-# ------------------------------------------------------------------------------------ building the run
 
 
 @dataclass
@@ -268,8 +265,7 @@ def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
 
 
 def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigures:
-    """Optimizer step `step` (0-based) on the loader's next batch, read back at once (the loop in `train`
-    reads back every logging.log_every steps instead)."""
+    """Optimizer step `step` (0-based) on the loader's next batch, read back at once (not every log_every)."""
     dev.reset_peak_memory(run.device)
     pending = dispatch_step(run, step, next_batch(run), measure_memory=measure_memory)
     figures = read_back([pending])[0]

@@ -60,7 +60,7 @@ class Snapshot:
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)  # the copies are complete before training changes the values
         return Pieces(parts=lambda param, kind: self.parts[(id(param), kind)], ranges=lambda p: self.ranges[id(p)],
-                      sharded=optimizer.shards > 1, group=group, device=torch.device("cpu"))
+                      sharded=optimizer.shards > 1, group=group, device=torch.device("cpu"), shard=optimizer.shards)
 
 
 class BackgroundSaver:

@@ -378,7 +378,8 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
         background = saver_of(mesh)
     if background is None:
         job.run(Comm(mesh.group("tp"), None, device, mesh.group("ep")),
-                Pieces(optimizer.local_parts, optimizer.piece_ranges, optimizer.shards > 1, optimizer.group, device))
+                Pieces(optimizer.local_parts, optimizer.piece_ranges, optimizer.shards > 1, mesh.group("dp_cp"),
+                       device, shard=optimizer.shards))
         return final
     background.wait()  # at most one save in flight; the one before raises its error here
     groups = mesh.checkpoint_groups()

@@ -123,16 +123,19 @@ def full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup,
 @dataclass
 class Pieces:
     """Where a save takes each tensor from: `parts(param, kind)`, this rank's pieces of it (offset in its
-    flattened elements, values; its tp part), and `ranges(param)`, every rank's (rank in dp*cp, offset,
-    length), over `group` when the pieces are ZeRO's (`sharded`); else each rank holds the whole tp part.
-    An expert shard's pieces are over its edp ranks (ranges: rank in edp): each gathers on the edp rank in the
-    writer's ep group, through `group` (edp rank e of this rank's is dp*cp rank e*ep + this rank's ep rank)."""
+    flattened elements, values; its tp part), and `ranges(param)`, every rank's (rank in its shard group,
+    offset, length) when the pieces are ZeRO's (`sharded`); else each rank holds the whole tp part. Pieces
+    travel over `group`, dp*cp's; ZeRO's shard groups are its runs of `shard` consecutive ranks (all of it
+    but under HSDP, whose replicas each hold every piece: a writer takes them from its own shard group). An
+    expert shard's pieces are over its edp group (edp rank q is dp*cp rank q * ep + the ep rank; no HSDP):
+    each edp group gathers on its rank in the writer's ep group."""
 
     parts: Callable[[nn.Parameter, str], list[tuple[int, Tensor]]]
     ranges: Callable[[nn.Parameter], list[tuple[int, int, int]]]
     sharded: bool
     group: dist.ProcessGroup | None
     device: torch.device
+    shard: int = 1
 
     def gather(self, param: nn.Parameter, kind: str, *, dst: int, me: int, sends: list) -> Tensor | None:
         """The fp32 `param`-shaped tp part on rank `dst` of dp*cp (None elsewhere): each other rank sends
@@ -141,12 +144,16 @@ class Pieces:
         for the caller to wait on before the pieces change. An expert shard goes to the writer's ep group
         instead: rank `dst` there gets the tp part of its own experts."""
         parts = self.parts(param, kind)
-        experts = layout_of(param).ep  # an expert shard: its edp rank q is dp*cp rank q * ep + its ep rank
-        ep = experts.count if experts is not None else 1
-        own = me % ep
-        dst = dst - dst % ep + own  # the rank of this rank's edp group in the writer's ep group
+        experts = layout_of(param).ep
+        if experts is None:  # the writer's shard group starts at this rank of dp*cp
+            base, stride = dst - dst % self.shard, 1
+            sends_here = me - me % self.shard == base
+        else:  # this rank's edp group: the dp*cp ranks q * ep + its ep rank; its one in the writer's ep group
+            stride = experts.count
+            base, sends_here = me % stride, True
+            dst = dst - dst % stride + base
         if me != dst:
-            for _, values in parts if self.sharded else []:
+            for _, values in parts if self.sharded and sends_here else []:
                 sends.append(dist.isend(values.reshape(-1).contiguous(), group_dst=dst, group=self.group))
             return None
         if len(parts) == 1 and parts[0][1].numel() == param.numel():
@@ -154,8 +161,8 @@ class Pieces:
         whole = torch.empty(param.numel(), dtype=torch.float32, device=self.device)
         for start, values in parts:
             whole[start:start + values.numel()].copy_(values.reshape(-1))
-        works = [dist.irecv(whole[start:start + n], group_src=q * ep + own, group=self.group)
-                 for q, start, n in self.ranges(param) if q * ep + own != me]
+        works = [dist.irecv(whole[start:start + n], group_src=base + q * stride, group=self.group)
+                 for q, start, n in self.ranges(param) if base + q * stride != me]
         for work in works:
             work.wait()
         return whole.view(param.shape)

@@ -37,7 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, get_args
 
-from tetron.config import PpSchedule, one_of
+from tetron.config import PpSchedule
+from tetron.overrides import one_of
 
 
 @dataclass(frozen=True)

@@ -230,8 +230,8 @@ class ShardedAdamW:
         return [(piece.start, self.inner.state[piece.master][kind]) for piece in pieces]
 
     def piece_ranges(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
-        """(rank in its bucket's group: dp*cp, or edp for an expert shard; offset, length) of each rank's piece
-        of `param` (contiguous in its bucket, so one piece per rank at most): where a checkpoint gathers it."""
+        """(rank in its bucket's group: the shard group, or edp for an expert shard; offset, length) of each rank's
+        piece of `param` (contiguous in its bucket, so one piece per rank at most): where a checkpoint gathers it."""
         if self.shards == 1:
             return [(0, 0, param.numel())]
         bucket = self.bucket_of[id(param)]
