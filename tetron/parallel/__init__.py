@@ -11,7 +11,8 @@ parallel plan (models/spec.py), never its module names.
     context_parallel.py    ring attention (block_attention.py: the blocks' fused kernels); ulysses.py
     expert_parallel.py     MoE experts split over ep ranks, tokens to them and back by all-to-all;
                            moe_balance.py: the expert load and balancing figures over the ranks
-    data_parallel.py       naive and bucketed gradient averaging; zero.py: ZeRO-1/2/3 and the sharded AdamW
+    data_parallel.py       naive and bucketed gradient averaging; zero.py: ZeRO-1/2/3 and the sharded AdamW;
+                           zero3.py: ZeRO-3's gathered and freed parameters
     recompute.py, compile.py, grads.py   activation recomputation, regional compile, gradient clipping
     timers.py              how long each axis's collectives wait (time_*_s)
 

@@ -41,7 +41,8 @@ from tetron.parallel.tensor_parallel import (
     sync_sequence_parallel_grads,
 )
 from tetron.parallel.timers import timer
-from tetron.parallel.zero import ShardedAdamW, units_of
+from tetron.parallel.zero import ShardedAdamW
+from tetron.parallel.zero3 import units_of
 
 
 @dataclass

@@ -71,7 +71,7 @@ def _layer_params(cfg: Config) -> tuple[tuple[int, bool], ...]:
 
 
 def chunk_units(cfg: Config, chunk: Chunk) -> list[list[int]]:
-    """A chunk's parameters as ZeRO-3's units (zero.units_of): first the rest of the chunk (embedding,
+    """A chunk's parameters as ZeRO-3's units (zero3.units_of): first the rest of the chunk (embedding,
     final norm, head; the head is the embedding's own Parameter when tied on one chunk), then each layer."""
     s, tied = Sizes.of(cfg), cfg.model.tie_word_embeddings
     root = [s.vocab * s.h] if chunk.first else []
