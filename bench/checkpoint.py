@@ -51,7 +51,7 @@ import tetron.checkpoint.save as tetron_save_module
 from tetron.checkpoint.load import load_checkpoint
 from tetron.config import from_dict
 from tetron.mesh import Mesh
-from tetron.parallel.parallelize import build_optimizer, finish_gradients, make_loss_fn, parallelize
+from tetron.parallel.parallelize import build_optimizer, finish_gradients, parallelize
 from tetron.parallel.pipeline_parallel import layer_ranks
 from tetron.validate import _validate_checkpoint
 
@@ -90,7 +90,7 @@ def build_tetron(args: argparse.Namespace, out: str) -> SimpleNamespace:
     optimizer = build_optimizer(model, cfg, mesh)
     g = torch.Generator().manual_seed(1000 + mesh.rank)
     tokens = torch.randint(0, cfg.model.vocab_size, (1, seq + 1), generator=g)
-    loss = make_loss_fn(cfg, mesh)(model.dp_chunks[0](tokens[:, :-1], torch.arange(seq)), tokens[:, 1:])
+    loss = model.dp_chunks[0](tokens[:, :-1], torch.arange(seq), targets=tokens[:, 1:]) / seq  # head and loss
     loss.backward()
     finish_gradients(model, mesh, optimizer)
     optimizer.step()
