@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tetron import device as dev
 from tetron.checkpoint.shards import Pieces
 from tetron.parallel.zero import ShardedAdamW
 
@@ -57,8 +58,8 @@ class Snapshot:
                     copies.append((start, buf))
                     device = values.device
                 self.parts[(id(param), kind)] = copies
-        if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)  # the copies are complete before training changes the values
+        if device is not None:
+            dev.synchronize(device)  # on a GPU, the copies are complete before training changes the values
         return Pieces(parts=lambda param, kind: self.parts[(id(param), kind)], ranges=lambda p: self.ranges[id(p)],
                       sharded=optimizer.shards > 1, group=group, device=torch.device("cpu"), shard=optimizer.shards)
 

@@ -27,13 +27,18 @@ class MistralConfig(LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window} must be at least 1 (or null: no window)")
-        if self.attention_bias:
-            raise ValueError("attention_bias=True: Mistral's projections have no biases (transformers builds none)")
+        check_window_without_bias(self, "Mistral")
 
     def layer_window(self, index: int) -> int | None:
         return self.sliding_window
+
+
+def check_window_without_bias(config: LlamaConfig, family: str) -> None:
+    """Mistral's and Mixtral's attention: one sliding window (or none) for every layer, and no biases."""
+    if config.sliding_window is not None and config.sliding_window < 1:
+        raise ValueError(f"sliding_window={config.sliding_window} must be at least 1 (or null: no window)")
+    if config.attention_bias:
+        raise ValueError(f"attention_bias=True: {family}'s projections have no biases (transformers builds none)")
 
 
 MISTRAL = register(ModelSpec(name="mistral", model_types=("mistral",), config_class=MistralConfig,

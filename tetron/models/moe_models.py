@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 from torch import Tensor
 
 from tetron.models.llama import LLAMA, Llama, LlamaConfig
+from tetron.models.mistral import check_window_without_bias
 from tetron.models.moe import MoEBlock, add_batch_balance_loss, moe_blocks
 from tetron.models.qwen import QWEN3_PLAN
 from tetron.models.spec import ModelSpec, ParallelPlan, read_hf_config, register
@@ -122,10 +123,7 @@ class MixtralConfig(MoeConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window={self.sliding_window} must be at least 1 (or null: no window)")
-        if self.attention_bias:
-            raise ValueError("attention_bias=True: Mixtral's projections have no biases (transformers builds none)")
+        check_window_without_bias(self, "Mixtral")
 
     def layer_window(self, index: int) -> int | None:
         return self.sliding_window
