@@ -26,6 +26,12 @@ from tetron.validate import validate  # noqa: E402
 
 from harness import run_ranks  # noqa: E402
 
+# One intra-op thread in the test process, as in each forked rank (harness.py): the models here are so small
+# that a second thread only adds synchronisation, and while forked ranks or a launch run beside this process
+# its spinning threads take their cores (test_pipeline_parallel.py: 40 s with two threads, 26 s with one, on a
+# loaded 2-core machine).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
