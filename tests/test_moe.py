@@ -5,17 +5,21 @@ to the single process, balancing figures included."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from tetron.checkpoint.check import verify_tensors
 from tetron.checkpoint.load import load_model
 from tetron.config import from_dict
+from tetron.data.loader import prepare_data
+from tetron.device import compile_problem
 from tetron.errors import ConfigError
-from tetron.models.moe import Experts, MoEBlock, sequence_balance_losses
+from tetron.models.moe import Experts, MoEBlock, Router, sequence_balance_losses
 from tetron.models.moe_models import MixtralConfig, MoeConfig
 from tetron.parallel.init import seeded_model
 from tetron.parallel.moe_balance import FIGURES, finish_moe_step
@@ -30,6 +34,7 @@ from conftest import (
     reference_run,
     run_parallel,
     tiny_config,
+    train_rank,
 )
 from harness import run_ranks
 
@@ -214,11 +219,11 @@ def test_dp2_zero3_trains_like_one_process(corpus, cache_dir, tmp_path):
     assert len(biases) == 4 and all(b.abs().max() > 0 for b in biases)  # saved, moved, equal to the reference's
 
 
-@pytest.mark.parametrize("parallel", [{"tp": 2}, {"cp": 2}])
-def test_layouts_an_moe_model_cannot_use_yet_are_refused(corpus, cache_dir, tmp_path, parallel):
-    axis = next(iter(parallel))
-    cfg = from_dict(tiny_config(corpus, cache_dir, tmp_path, model=MOE, parallel=parallel))
-    with pytest.raises(ConfigError, match=rf"^parallel.{axis}=2 is not supported for an MoE model"):
+@pytest.mark.parametrize("parallel, split", [({"tp": 2, "sp": True}, "sp=true (tp=2)"), ({"cp": 2}, "cp=2")])
+def test_the_batch_auxiliary_loss_is_refused_where_sequences_are_split(corpus, cache_dir, tmp_path, parallel, split):
+    cfg = from_dict(tiny_config(corpus, cache_dir, tmp_path, model={**MOE, "moe_aux_loss": "batch"},
+                                parallel=parallel))
+    with pytest.raises(ConfigError, match="^" + re.escape(f"model.moe_aux_loss=batch with parallel.{split}: ")):
         validate(cfg)
 
 
@@ -247,6 +252,106 @@ def _exchange_on_rank() -> None:
 
 def test_the_expert_exchange_equals_the_experts_in_one_place():
     run_ranks(2, _exchange_on_rank)
+
+
+# --- MoE models under tp (with and without sp), cp (ring, Ulysses) and compile ---
+
+
+def test_the_shares_of_a_split_sequence_add_up_to_its_balancing_losses():
+    """Sequences cut into 4 pieces of scattered positions (as cp's zigzag and sp cut them), each piece's counts
+    summed over the pieces as the all-reduce does: the pieces' shares of the auxiliary and z losses, and their
+    gradients, add up to the whole sequences' (which equal E * sum_e f_e * P_e and the mean logsumexp^2)."""
+    torch.manual_seed(0)
+    B, T, E, k, pieces = 3, 16, 4, 2, 4
+    router = Router(8, E, k)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(B, T, 8)
+    route = router(x.view(-1, 8))
+    aux, z = sequence_balance_losses(route, B, E)
+    f = torch.stack([torch.bincount(e.flatten(), minlength=E) for e in route.experts.view(B, -1)]) / T
+    P = route.probs.view(B, T, E).mean(1)
+    torch.testing.assert_close(aux, E * (f * P).sum())
+    torch.testing.assert_close(z, route.logits.logsumexp(-1).square().view(B, T).mean(1).sum())
+    whole_grad = torch.autograd.grad(aux + z, router.weight)[0]
+    cuts = torch.randperm(T).view(pieces, T // pieces)
+    routes = [router(x[:, cut].reshape(-1, 8)) for cut in cuts]
+    counts = [torch.zeros(B, E).scatter_add_(1, r.experts.view(B, -1), torch.ones(B, T // pieces * k)) for r in routes]
+    shares = [sequence_balance_losses(r, B, E, pieces=pieces, sum_pieces=lambda c: sum(counts)) for r in routes]
+    torch.testing.assert_close(sum(a for a, _ in shares), aux)
+    torch.testing.assert_close(sum(s for _, s in shares), z)
+    share_grad = torch.autograd.grad(sum(a + s for a, s in shares), router.weight)[0]
+    torch.testing.assert_close(share_grad, whole_grad)
+
+
+def _check_moe_layout(corpus, cache_dir, tmp_path, *, compiled: bool = False, **layout) -> dict:
+    """check_layout's comparison with the single process (losses of every rank and of metrics.jsonl, final
+    weights, the routing biases included and moved), and the MoE figures and gradient norm of every step;
+    `compiled`: the layout
+    with train.compile, the single process eager. Returns rank 0's result."""
+    raw, ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)
+    raw["train"]["compile"] = compiled
+    ref, ref_written = reference_run(ref_raw)
+    validate(from_dict(raw))
+    prepare_data(from_dict(raw))
+    results = run_ranks(from_dict(raw).world_size, _train_counting_graphs, raw, timeout=600)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    state = load_file(tmp_path / "run" / "model" / "model.safetensors")
+    for losses in [*(r["losses"] for r in results), [m["loss"] for m in metrics]]:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=LOSS_RTOL, atol=0)
+    assert state.keys() == ref_written["model"].keys()
+    for name, value in state.items():
+        torch.testing.assert_close(value, ref_written["model"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+    for name in (*FIGURES, "grad_norm"):  # the norm: the mlp's gradients summed over tp under sp, counted once
+        torch.testing.assert_close(torch.tensor([m[name] for m in metrics]),
+                                   torch.tensor([m[name] for m in ref_written["metrics"]]), rtol=1e-5, atol=1e-7,
+                                   msg=name)
+    assert metrics[0]["moe_aux_loss"] > 0 and metrics[0]["moe_z_loss"] > 0
+    biases = [v for k, v in state.items() if k.endswith("gate.e_score_correction_bias")]
+    assert biases and any(b.abs().max() > 0 for b in biases)  # moved (a layer's may come back to 0 by chance)
+    return results[0]
+
+
+def _train_counting_graphs(raw: dict) -> dict:
+    from torch._dynamo.utils import counters
+
+    return {**train_rank(raw), "graphs": counters["stats"]["unique_graphs"]}
+
+
+def test_cp2_tp2_sp_ep2_trains_like_one_process(corpus, cache_dir, tmp_path):
+    """cp2 tp2 with sp, ep2 (4 ranks): attention split over tp, each MoE layer whole on both tp ranks, which route
+    their own pieces of the sequence (each sequence's counts summed over the cp x tp ranks, the mlp's gradients
+    summed over tp), its experts split over the ep group of each tp coordinate; the auxiliary loss, z-loss and
+    the aux-loss-free bias on, Qwen3-MoE's q/k norms (summed over tp always) too. dp2 tp2 sp ep2 passed the same
+    check when written."""
+    _check_moe_layout(corpus, cache_dir, tmp_path, model=EP_MODEL,
+                      parallel={"cp": 2, "tp": 2, "sp": True, "ep": 2})
+
+
+def test_dp2_cp2_ep4_mixtral_trains_like_one_process(corpus, cache_dir, tmp_path):
+    """Mixtral, dp2 cp2 with ring attention (zigzag), each layer's 4 experts one per rank over all 4 ranks: every
+    rank routes its pieces of 1 sequence, counts summed over cp, shares scaled by cp (moe_balance.py says why);
+    under full recomputation, whose replayed forwards sum the counts over cp again."""
+    _check_moe_layout(corpus, cache_dir, tmp_path, model={**EP_MODEL, "model_type": "mixtral"},
+                      parallel={"dp": 2, "cp": 2, "ep": 4}, train={"recompute": "full"})
+
+
+def test_cp2_ep2_ulysses_trains_like_one_process(corpus, cache_dir, tmp_path):
+    """cp2 with Ulysses' all-to-all attention, the experts over the same 2 ranks (ep2 out of cp2)."""
+    _check_moe_layout(corpus, cache_dir, tmp_path, model=EP_MODEL,
+                      parallel={"cp": 2, "ep": 2, "cp_impl": "ulysses"})
+
+
+@pytest.mark.skipif(compile_problem("cpu") is not None, reason=str(compile_problem("cpu")))
+def test_tp2_compiled_trains_like_the_eager_single_process(corpus, cache_dir, tmp_path, monkeypatch):
+    """tp2 without sp, every decoder layer compiled: each tp rank runs the whole MoE layer on the same tokens, the
+    dispatch (host reads of the counts) eager between compiled pieces; against the eager single process."""
+    import torch._inductor.config
+
+    # one compile worker: Inductor's pool of processes each importing torch costs more than it saves here
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    results = _check_moe_layout(corpus, cache_dir, tmp_path, model=EP_MODEL, compiled=True,
+                                parallel={"tp": 2}, train={"steps": 4})
+    assert results["graphs"] >= 1  # Dynamo really compiled
 
 
 EP_REFUSED = [  # (model, parallel, the start of the one-line error)

@@ -7,9 +7,9 @@ reduce-scatters stay on the fastest links) and replicate groups across them (the
 Expert parallelism (`ep` > 1) cuts each dp*cp group the same way: `ep` groups of ep consecutive ranks (which
 hold an MoE layer's experts between them) and `edp` groups across them (the ranks holding the same experts).
 Every group (each axis, dp*cp over which gradients are averaged, ZeRO's shards and replicas, the
-tied-embedding pairs) is built explicitly from the rank grid with `new_group`
-and the run's timeout, and the DeviceMesh is assembled from the axis groups
-(`DeviceMesh.from_group`): groups that init_device_mesh or new_group create on their own wait
+tied-embedding pairs, cp*tp where an MoE layer sums its expert counts over a sequence's pieces) is built
+explicitly from the rank grid with `new_group` and the run's timeout, and the DeviceMesh is assembled from the
+axis groups (`DeviceMesh.from_group`): groups that init_device_mesh or new_group create on their own wait
 torch's default 30 minutes, not `parallel.timeout_s`.
 """
 
@@ -53,6 +53,8 @@ class Mesh:
         self.groups["dp_shard"], self.groups["dp_replicate"] = (self._split_dp_cp(self.dp_shard) if hsdp
                                                                 else (self.groups["dp_cp"], None))
         self.groups["ep"], self.groups["edp"] = self._split_dp_cp(ep) if ep > 1 else (None, self.groups["dp_cp"])
+        # cp x tp: the ranks holding pieces of the same sequences under cp and sequence parallelism (MoE counts)
+        self.groups["cp_tp"] = self._new_group_over(("cp", "tp")) if cp > 1 and tp > 1 else None
         if pp > 1:
             self.groups["embed"] = self._embedding_group()
         self._checkpoint_groups: dict[str, dist.ProcessGroup] | None = None
@@ -132,8 +134,9 @@ class Mesh:
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The group of `axis` (or "dp_cp", "dp_shard"); "embed": first + last pipeline stage, None elsewhere or
         without pp; "dp_replicate": HSDP's replicas of this rank's ZeRO slices, None without HSDP; "ep": this
-        rank's expert-parallel group, None without; "edp": the ranks holding its experts (dp*cp without ep)."""
-        return self.groups.get(axis) if axis in ("embed", "dp_replicate", "ep") else self.groups[axis]
+        rank's expert-parallel group, None without; "edp": the ranks holding its experts (dp*cp without ep); "cp_tp":
+        the cp x tp ranks of this rank's (pp, dp) coordinates, None unless cp > 1 and tp > 1."""
+        return self.groups.get(axis) if axis in ("embed", "dp_replicate", "ep", "cp_tp") else self.groups[axis]
 
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage `stage` in this rank's (dp, cp, tp) column."""

@@ -250,7 +250,8 @@ def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
         loss_sum = forward_backward(run, batch)
     finish_gradients(run.model, run.mesh, run.optimizer)
     moe = finish_moe_step(run.model.chunks, run.mesh.group("dp_cp"), sequences=run.cfg.global_batch,
-                          moe_layers=run.model.moe_layers or None, stages=run.mesh.group("pp"))
+                          moe_layers=run.model.moe_layers or None, stages=run.mesh.group("pp"),
+                          tp=run.mesh.group("tp") if run.cfg.parallel.sp else None)
     loss_stop = global_loss(run, loss_sum)  # the same on every rank, as is the norm: every rank skips alike
     grad_norm = clip_grads_(run.optimizer.grads(), t.grad_clip, run.mesh, sharded_over_dp=run.cfg.parallel.zero >= 1)
     bad = (~(torch.isfinite(loss_stop[0]) & torch.isfinite(grad_norm))).float()

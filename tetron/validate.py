@@ -291,17 +291,15 @@ def _validate_model(cfg: Config) -> None:
 
 
 def _validate_moe(cfg: Config) -> None:
-    """An MoE model trains in one process, under dp (ZeRO 0-3) and pp; tp and cp wait for expert parallelism,
-    which decides how experts split over ranks."""
+    """An MoE model trains in every layout (its mlp whole on every tp rank, its experts split by ep); only
+    transformers' batch-wise auxiliary loss is refused where sequences are split over ranks."""
     m, p = cfg.model, cfg.parallel
     if not isinstance(m, MoeConfig):
         return
-    for axis, why in (("tp", "how experts split under tp is expert parallelism's to decide"),
-                      ("cp", "its per-sequence auxiliary loss needs expert counts summed over cp ranks")):
-        _check(getattr(p, axis) == 1, f"parallel.{axis}={getattr(p, axis)} is not supported for an MoE model "
-                                      f"(model_type={m.model_type}) yet: {why}; use {axis}=1")
-    _check(not cfg.train.compile, "train.compile is not supported for an MoE model yet (its sorted-token loop "
-                                  "reads expert counts on the host); use train.compile=false")
+    split = f"cp={p.cp}" if p.cp > 1 else f"sp=true (tp={p.tp})" if p.sp and p.tp > 1 else None
+    _check(m.moe_aux_loss == "sequence" or split is None,
+           f"model.moe_aux_loss={m.moe_aux_loss} with parallel.{split}: transformers' formula over each forward's "
+           f"batch is for comparing in one process; use moe_aux_loss=sequence")
     _check(m.moe_capacity_factor is None or m.moe_capacity_factor >= 0,
            f"model.moe_capacity_factor={m.moe_capacity_factor} must be >= 0 (0 or null: dropless)")
     for name in ("router_aux_loss_coef", "router_z_loss_coef", "moe_bias_update_rate", "routed_scaling_factor"):

@@ -15,7 +15,10 @@
 The auxiliary loss is defined per sequence, E * sum_e f_e * P_e with f_e the fraction of the sequence's
 top-k assignments times k (transformers' tokens_per_expert: assignments / tokens) and P_e the sequence's mean
 router probability, and averaged over MoE layers: a sum over sequences divided by the sequences of a step, as
-the main loss is a sum over tokens, so every data-parallel layout computes the same value. `moe_aux_loss:
+the main loss is a sum over tokens, so every data-parallel layout computes the same value. Where a sequence
+is split over ranks (context parallelism, tp's sequence parallelism), each rank computes its piece's share
+from the sequence's whole assignment counts (summed over the pieces through the `sum_pieces` seam) and its
+own tokens' probabilities; the shares add up to the sequence's loss. `moe_aux_loss:
 batch` computes transformers' formula instead (over each forward's whole batch, aggregated over layers), for
 comparing with transformers in one process.
 """
@@ -193,16 +196,25 @@ def in_recomputation() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def sequence_balance_losses(route: Routing, batch: int, num_experts: int) -> tuple[Tensor, Tensor]:
-    """(auxiliary loss, z-loss) each summed over the `batch` sequences of the forward: per sequence
-    E * sum_e (assignments to e / tokens) * (mean probability of e), and the mean of logsumexp(logits)^2."""
+def sequence_balance_losses(route: Routing, batch: int, num_experts: int, *, pieces: int = 1,
+                            sum_pieces: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """(auxiliary loss, z-loss) each summed over the `batch` sequences of the forward: per sequence of T tokens
+    E * sum_e (A_e / T) * (S_e / T), A_e its assignments to expert e and S_e the sum of its probabilities of e,
+    and the mean of logsumexp(logits)^2. A sequence split into `pieces` over ranks (context or sequence
+    parallelism): the forward holds one piece, `sum_pieces` sums [B, E] counts over the ranks holding the others
+    (A is then the whole sequence's, a constant), and this is the piece's share, E * sum_e A_e * S_e(piece) / T^2
+    and its tokens' sum of logsumexp^2 / T: the shares of a sequence's pieces add up to its losses."""
     n, k = route.experts.shape
-    t = n // batch
+    t = n // batch  # this piece's tokens of each sequence
+    whole = t * pieces  # T
+    ones = torch.ones(batch, t * k, device=route.probs.device)
     assigned = torch.zeros(batch, num_experts, device=route.probs.device).scatter_add_(
-        1, route.experts.view(batch, t * k), torch.ones(batch, t * k, device=route.probs.device))  # [B, E]
-    mean_probs = route.probs.view(batch, t, num_experts).mean(1)  # [B, E]
-    aux = num_experts * (assigned / t * mean_probs).sum()
-    z = route.logits.logsumexp(-1).square().view(batch, t).mean(1).sum()
+        1, route.experts.view(batch, t * k), ones)  # [B, E]
+    if sum_pieces is not None:
+        assigned = sum_pieces(assigned)  # [B, E]: the whole sequences'
+    prob_sums = route.probs.view(batch, t, num_experts).sum(1)  # [B, E]
+    aux = num_experts * (assigned * prob_sums).sum() / whole**2
+    z = route.logits.logsumexp(-1).square().sum() / whole
     return aux, z
 
 
@@ -233,8 +245,13 @@ class MoEBlock(nn.Module):
         # parallelism sets its exchange here: all-to-all to the experts' ranks, their experts, all-to-all back.
         self.experts_fn: Callable[[Tensor, Tensor], Tensor] | None = None
         # The objective's share of this block's summed per-sequence losses: 1 / (MoE layers * sequences of a
-        # rank's step), set by the model and the training run (parallel/parallelize.py).
+        # rank's step), times cp under context parallelism, set by the model and the training run
+        # (parallel/moe_balance.py says why).
         self.loss_scale = 1.0
+        # Sequences split over ranks (context parallelism, or tp's sequence parallelism): the pieces of each, and
+        # the sum of a forward's [B, E] assignment counts over the ranks holding them (parallel/moe_balance.py)
+        self.pieces = 1
+        self.sum_pieces: Callable[[Tensor], Tensor] | None = None
         self.stats = MoEStats()
         self.last_route: Routing | None = None  # the last forward's routing, kept under aux_loss="batch"
 
@@ -263,12 +280,16 @@ class MoEBlock(nn.Module):
                 zero = torch.zeros((), device=x.device)
                 self.stats.add(counts, zero, zero, dropped, route.experts.numel())
             return out
-        aux, z = sequence_balance_losses(route, B, self.num_experts)
+        aux, z = sequence_balance_losses(route, B, self.num_experts, pieces=self.pieces, sum_pieces=self.sum_pieces)
         if counted:
             self.stats.add(counts, aux, z, dropped, route.experts.numel())
         objective = self.aux_loss_coef * aux + self.z_loss_coef * z
         return add_loss_gradient(out, objective, self.loss_scale)
 
+    # Eager under torch.compile (train.compile compiles each decoder layer): its shapes depend on the routing
+    # (each expert's rows, read on the host), so Dynamo would break the graph there and recompile the rest for
+    # every new split of the tokens; the router, the balancing losses and the shared experts around it compile.
+    @torch.compiler.disable
     def dispatch(self, x: Tensor, route: Routing) -> tuple[Tensor, Tensor, Tensor]:
         """Each token's weighted sum of its experts' outputs [N, H]; also the assignments each expert was
         chosen for [E] and the number dropped for capacity."""

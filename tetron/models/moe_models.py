@@ -11,7 +11,7 @@ family; such a model trains in tetron but transformers' class of the family does
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 from torch import Tensor
@@ -187,6 +187,10 @@ def _register(name: str, config_class: type, plan: ParallelPlan) -> ModelSpec:
                               model_class=MoeForCausalLM, plan=plan, stored_as=hub_names))
 
 
-QWEN3_MOE = _register("qwen3_moe", MoeConfig, QWEN3_PLAN)  # its q/k norms' gradients are summed over tp
-MIXTRAL = _register("mixtral", MixtralConfig, LLAMA.plan)
+# Under tp only attention splits: each MoE layer's mlp stays whole on every tp rank (Megatron's expert-tensor-
+# parallel size 1; expert parallelism splits the experts instead). Without sp every tp rank runs it on the same
+# tokens; with sp on its own share of them. A dense layer's mlp (mlp_only_layers) stays whole too.
+MOE_PLAN = ParallelPlan(blocks=LLAMA.plan.blocks[:1], residual_norms=LLAMA.plan.residual_norms, replicated=("mlp",))
+QWEN3_MOE = _register("qwen3_moe", MoeConfig, replace(MOE_PLAN, head_norms=QWEN3_PLAN.head_norms))
+MIXTRAL = _register("mixtral", MixtralConfig, MOE_PLAN)
 

@@ -45,6 +45,9 @@ class ParallelPlan:
     # under sequence parallelism, so their gradients are summed over tp), relative to the layer
     head_norms: tuple[str, ...] = ()  # norms inside a tp block, whole on every tp rank, applied to each head
     # (Qwen3's q_norm, k_norm): a rank's gradient holds only its heads' share, so it is summed over tp always
+    replicated: tuple[str, ...] = ()  # parts of a layer outside every tp block, whole on every tp rank (an MoE
+    # layer's mlp: router, experts, shared experts); under sp each rank runs them on its own tokens, so their
+    # gradients are summed over tp, as the residual norms' are
     layers: str = "model.layers"  # the ModuleDict of decoder layers: the pipeline cuts it; recompute, compile
     # and ZeRO-3's units take its entries
     embedding: str = "model.embed_tokens"  # the token embedding (first stage; vocab-parallel under tp)

@@ -10,7 +10,9 @@ Order (parallelize.py): after tensor parallelism, context parallelism and recomp
 layer its final code, before data parallelism, which wraps the whole chunk and whose gradient hooks
 run outside the compiled code. What Dynamo cannot trace (the collectives inside tensor parallelism's
 and ring attention's autograd Functions) runs eagerly between compiled pieces (a graph break), so every
-layout compiles; the matmuls, norms, RoPE and SwiGLU between them are fused by Inductor.
+layout compiles; the matmuls, norms, RoPE and SwiGLU between them are fused by Inductor. An MoE layer's
+dispatch (models/moe.py), whose shapes follow the routing, is marked to run eagerly, so a new routing
+recompiles nothing.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
 from tetron.parallel.expert_parallel import apply_expert_parallel, scale_expert_grads
 from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.layout import layout_of
-from tetron.parallel.moe_balance import scale_moe_losses
+from tetron.parallel.moe_balance import scale_moe_losses, sequence_pieces
 from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embeddings
 from tetron.parallel.pipeline_schedules import splits_backward
 from tetron.parallel.recompute import apply_recompute
@@ -81,7 +81,8 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         scale_expert_grads(chunk)
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
-        scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc)
+        scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc,
+                         cp=mesh.size("cp"), pieces=sequence_pieces(mesh, sequence_parallel=p.sp))
         apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
         # zbh1/zbv split each backward into B and W: a recomputed layer must then split too
         apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))

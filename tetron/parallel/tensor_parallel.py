@@ -19,6 +19,9 @@ become all-gather and reduce-scatter, and RMSNorm weights, which then see only t
 have their gradients summed over tp after the backward pass. So do, with or without it, the weights of
 norms applied to each attention head (the plan's `head_norms`: Qwen3's q_norm, k_norm), whole on every
 rank but each rank's gradient holding only its own heads' share; summed, they stay equal on every rank.
+A part of a layer the plan keeps whole (`replicated`: an MoE layer's mlp, its experts split by expert
+parallelism instead) runs on every tp rank: on the same tokens without sequence parallelism (the same
+gradients, nothing to sync), on each rank's share of them with it (gradients summed over tp, as the norms').
 """
 
 from __future__ import annotations
@@ -234,6 +237,9 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
         # a norm weight whose gradient on each rank is a share (of the tokens under sp, of the heads always)
         for norm in (*plan.residual_norms, *plan.head_norms) if sp else plan.head_norms:
             set_layout(layer.get_submodule(norm).weight, summed_over_tp=True)
+        # the parts kept whole (an MoE layer's mlp): under sp each rank runs them on its share of the tokens
+        for param in (p for path in plan.replicated for p in layer.get_submodule(path).parameters()) if sp else ():
+            set_layout(param, summed_over_tp=True)
     embedding, final_norm, head = (plan.part(model, path) for path in (plan.embedding, plan.final_norm, plan.head))
     if embedding is not None:
         plan.set_part(model, plan.embedding, VocabParallelEmbedding(embedding, group, padded_vocab=padded,
