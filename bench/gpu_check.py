@@ -4,7 +4,10 @@
      and backward; causal and not; fp32 and bf16), bf16 training against the fp32 run on the CPU;
   2. speed: single-GPU training of SmolLM-360M and SmolLM-1.7B at seq 2048 in bf16, eager and compiled,
      with each recompute mode, the micro-batch the memory model says fits: tokens/s, MFU, peak memory;
-  3. the memory model: tetron plan's predicted peak against torch.cuda.max_memory_allocated.
+  3. the memory model: tetron plan's predicted peak against torch.cuda.max_memory_allocated;
+  4. mixture of experts: the experts by torch._grouped_mm against the per-expert loop (bf16, forward and
+     backward), and bench/moe.py's model (64 experts, top-8) against transformers' Qwen3MoeForCausalLM: the
+     same loss, then tokens/s, and tetron's grouped experts against its loop.
 Without CUDA the same checks run at tiny sizes on the CPU in seconds, and the table says that the GPU
 figures were not measured. Everything runs in this process through tetron's Python API (a process group
 of one rank). A failing row prints its error in the table and the others still run; rows that would

@@ -186,7 +186,7 @@ def print_timings(title: str, times: dict[str, list[list[float]]], tokens: int, 
     the rounds' own ratios."""
     print(f"  {title}")
     for name, rounds in times.items():
-        print(f"    {name:24s} {tokens / median(rounds):>10,.0f} tokens/s  (median {median(rounds) * 1e3:8.1f} ms)")
+        print(f"    {name:34s} {tokens / median(rounds):>10,.0f} tokens/s  (median {median(rounds) * 1e3:8.1f} ms)")
     for name in [n for n in times if n != ours]:
         per_round = [statistics.median(p) / statistics.median(t) for t, p in zip(times[ours], times[name])]
         print(f"    {ours} / {name}: {median(times[name]) / median(times[ours]):.2f}x tokens/s "
