@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(PY) bench/step_overhead.py
 	$(PY) bench/documents.py
 	$(PY) bench/checkpoint.py
+	$(PY) bench/moe.py
 
 # docs/config.md from the config's field comments, and the docs' live outputs (docs/build.py says which).
 docs: $(STAMP)

@@ -36,6 +36,11 @@ def test_cpu_mode_prints_one_passing_table():
                 assert checks[("correctness", f"block attention cpu_flash {dtype} {kind} {part}")] == "ok"
     assert checks[("correctness", "bf16 training on cpu vs fp32 on cpu, 6 steps")] == "ok"
     assert checks[("correctness", "CUDA RNG state saved and restored")] == "skipped"
+    grouped = "MoE experts grouped_mm vs per-expert loop float32, 5 experts, 40 rows"
+    assert checks[("correctness", f"{grouped} fwd")] == checks[("correctness", f"{grouped} bwd (dx, dW)")] == "ok"
+    assert checks[("correctness", "MoE loss vs transformers Qwen3MoeForCausalLM (cpu)")] == "ok"
+    assert checks[("speed", "MoE tetron vs transformers Qwen3MoeForCausalLM")] == "info"
+    assert checks[("speed", "MoE tetron experts grouped_mm vs per-expert loop")] == "info"
     for mode in ("none", "selective", "full"):
         assert checks[("speed", f"tiny eager recompute={mode}")] == "info"
         assert checks[("memory", f"tiny eager recompute={mode}")] == "skipped"
