@@ -201,7 +201,7 @@ def experts_path(grouped: bool) -> Iterator[None]:
     """tetron's experts by torch._grouped_mm (`grouped`) or by one matmul per expert, wherever they run,
     instead of what Experts.forward picks (grouped on CUDA in bf16 only)."""
     supported = moe_module.grouped_mm_supported
-    moe_module.grouped_mm_supported = lambda x, weight: grouped
+    moe_module.grouped_mm_supported = lambda x, *weights: grouped
     try:
         yield
     finally:

@@ -5,6 +5,7 @@ to the single process, balancing figures included."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -21,6 +22,7 @@ from tetron.device import compile_problem
 from tetron.errors import ConfigError
 from tetron.models.moe import Experts, MoEBlock, Router, sequence_balance_losses
 from tetron.models.moe_models import MixtralConfig, MoeConfig
+from tetron.parallel import compile as compile_module
 from tetron.parallel.init import seeded_model
 from tetron.parallel.moe_balance import FIGURES, finish_moe_step
 from tetron.validate import validate
@@ -151,18 +153,28 @@ def test_the_balancing_losses_reach_the_gradients_with_their_weights():
     assert (injected["gate.weight"] - without).abs().max() > 1e-3  # the losses do move the router
 
 
-@torch.no_grad()  # the CPU's _grouped_mm has a forward only (torch 2.13); CUDA bf16 runs this path in training
 def test_the_grouped_matmul_path_equals_the_loop_over_experts():
-    """Experts.grouped (each expert's rows moved to an aligned start, the buffer's size known without a host
-    read) equals the per-expert loop, with empty experts first, in the middle and last."""
+    """Experts.grouped, CUDA's way (each expert's rows moved to an aligned start, the buffer's size known without
+    a host read) and the CPU's (rows where they are), equals the per-expert loop, forward and backward (a summed
+    output's expanded gradient included), with empty experts first, in the middle and last, and none at all."""
     torch.manual_seed(0)
     experts = Experts(5, 16, 8)
-    for p in experts.parameters():
-        p.normal_(0, 0.3)
-    for counts in ([3, 0, 9, 1, 8], [0, 0, 0, 0, 4], [8, 8, 0, 0, 0]):
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    for counts in ([3, 0, 9, 1, 8], [0, 0, 0, 0, 4], [8, 8, 0, 0, 0], [0, 0, 0, 0, 0]):
         counts = torch.tensor(counts)
         x = torch.randn(int(counts.sum()), 16)
-        torch.testing.assert_close(experts.grouped(x, counts), experts(x, counts), rtol=1e-5, atol=1e-5)
+        grads = []
+        for run in (experts.loop, experts.grouped, functools.partial(experts.grouped, align=1)):
+            inp = x.clone().requires_grad_()
+            out = run(inp, counts)
+            out.sum().backward()
+            grads.append([out, inp.grad, *(p.grad for p in experts.parameters())])
+            experts.zero_grad(set_to_none=True)
+        for got in grads[1:]:
+            for a, b in zip(got, grads[0]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_capacity_drops_the_assignments_beyond_it_and_counts_them():
@@ -345,10 +357,9 @@ def test_cp2_ep2_ulysses_trains_like_one_process(corpus, cache_dir, tmp_path):
 def test_tp2_compiled_trains_like_the_eager_single_process(corpus, cache_dir, tmp_path, monkeypatch):
     """tp2 without sp, every decoder layer compiled: each tp rank runs the whole MoE layer on the same tokens, the
     dispatch (host reads of the counts) eager between compiled pieces; against the eager single process."""
-    import torch._inductor.config
-
-    # one compile worker: Inductor's pool of processes each importing torch costs more than it saves here
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    # Dynamo's tracing, the graph breaks around the dispatch and AOT autograd are what an MoE layer adds;
+    # Inductor's kernels for the same matmuls and norms are test_compile.py's (C++ for each graph: 15-20 s here)
+    monkeypatch.setattr(compile_module, "BACKEND", "aot_eager")
     results = _check_moe_layout(corpus, cache_dir, tmp_path, model=EP_MODEL, compiled=True,
                                 parallel={"tp": 2}, train={"steps": 4})
     assert results["graphs"] >= 1  # Dynamo really compiled

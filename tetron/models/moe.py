@@ -25,6 +25,7 @@ comparing with transformers in one process.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -100,24 +101,35 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x [M, H], the rows of expert 0 first, then expert 1's, ...; counts [E] rows per expert -> [M, H]."""
-        if grouped_mm_supported(x, self.gate_up_proj):
-            return self.grouped(x, counts)
-        # Elsewhere one matmul per expert on its contiguous slice (one host read of the counts per layer).
+        if grouped_mm_supported(x, self.gate_up_proj, self.down_proj):
+            return self.grouped(x, counts, align=8 if x.is_cuda else 1)
+        return self.loop(x, counts)
+
+    def loop(self, x: Tensor, counts: Tensor) -> Tensor:
+        """One matmul per expert on its contiguous slice (one host read of the counts per layer)."""
         outs = []
         for e, (start, n) in enumerate(zip((counts.cumsum(0) - counts).tolist(), counts.tolist())):
             if n:
                 gate, up = F.linear(x[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
                 outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        if not outs:  # nothing routed here (often an expert-parallel rank's share): an empty [0, H] output still
-            # joined to the weights, so they get a (zero) gradient
-            return x[:0] + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
-        return torch.cat(outs)
+        return torch.cat(outs) if outs else self._nothing(x)
 
+    def _nothing(self, x: Tensor) -> Tensor:
+        """Nothing routed here (often an expert-parallel rank's share): an empty [0, H] output still joined to the
+        weights, so they get a (zero) gradient."""
+        return x[:0] + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
 
     def grouped(self, x: Tensor, counts: Tensor, *, align: int = 8) -> Tensor:
-        """The experts by torch._grouped_mm: each expert's rows moved to start at a multiple of `align` (8
-        bf16 rows are the 16 bytes its weight-gradient kernel needs per group), in a buffer sized without
-        reading the counts on the host (the last expert's group takes the zero rows at the end)."""
+        """The experts by torch._grouped_mm. CUDA's weight-gradient kernel needs each group to start 16 bytes
+        apart (8 bf16 rows): each expert's rows are moved to start at a multiple of `align`, in a buffer sized
+        without reading the counts on the host (the last expert's group takes the zero rows at the end). The
+        CPU's kernel needs no alignment (align=1): the rows are used where they are."""
+        if align == 1:
+            if not x.shape[0]:  # the CPU kernel's backward refuses zero rows
+                return self._nothing(x)
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+            return _DenseGrad.apply(torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends))
         M, E = x.shape[0], counts.shape[0]
         aligned = (counts + align - 1) // align * align
         rows = (M + (align - 1) * E + align - 1) // align * align  # >= aligned.sum(), a multiple of align
@@ -132,11 +144,41 @@ class Experts(nn.Module):
         return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)[place]
 
 
-def grouped_mm_supported(x: Tensor, weight: Tensor) -> bool:
-    """torch._grouped_mm where it runs forward and backward: CUDA, bf16, rows 16-byte aligned (on the CPU
-    its backward fails in torch 2.13, and fp32 is not among its CUDA kernels)."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and all(d % 8 == 0 for d in weight.shape[1:]))
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: the CPU's grouped-matmul backward refuses an expanded
+    one (stride 0, as `out.sum().backward()` gives) in torch 2.13."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+@functools.cache
+def _cpu_grouped_mm_works() -> bool:
+    """Whether this torch's CPU torch._grouped_mm runs forward and backward (tried once, on a tiny case)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        w = torch.ones(2, 4, 8, requires_grad=True)
+        torch._grouped_mm(torch.ones(5, 4), w, offs=torch.tensor([2, 5], dtype=torch.int32)).backward(
+            torch.ones(5, 8))
+        return w.grad is not None
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
+    """torch._grouped_mm where it runs forward and backward: rows of 16-byte multiples (its kernels' strides); on
+    CUDA in bf16 (fp32 is not among its CUDA kernels), on the CPU in fp32 and bf16 where this torch has it."""
+    if any(w.dtype != x.dtype or any(d * x.element_size() % 16 for d in w.shape[1:]) for w in weights):
+        return False
+    if x.is_cuda:
+        return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
+    return x.device.type == "cpu" and _cpu_grouped_mm_works()
 
 
 class SwiGLU(nn.Module):

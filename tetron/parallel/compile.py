@@ -22,6 +22,10 @@ from torch import nn
 
 from tetron.models.spec import spec_of
 
+# Inductor, torch.compile's default; a test that checks what Dynamo traces, not the kernels Inductor makes from it,
+# sets "aot_eager" here before its ranks start (compiling C++ for every graph costs seconds each on a CPU).
+BACKEND = "inductor"
+
 
 def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
     """Compile every decoder layer this chunk holds, in place (`train.compile`)."""
@@ -30,7 +34,7 @@ def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
     for layer in spec_of(model.config).plan.layers_of(model).values():
         # dynamic=False: every step has the same shapes; a new shape recompiles rather than
         # generalising the graph, which would cost speed for nothing here.
-        layer.compile(dynamic=False)
+        layer.compile(dynamic=False, backend=BACKEND)
     return model
 
 
