@@ -369,9 +369,7 @@ EP_REFUSED = [  # (model, parallel, the start of the one-line error)
     ({}, {"dp": 2, "ep": 2}, "parallel.ep=2 splits the experts of an MoE model, and model_type=llama has none"),
     (MOE, {"dp": 3, "ep": 2}, "parallel.ep=2 must divide dp*cp = 3*1 = 3"),
     ({**MOE, "num_experts": 6}, {"dp": 4, "ep": 4}, "parallel.ep=4 must divide model.num_experts=6"),
-    (MOE, {"dp": 2, "ep": 2, "zero": 2}, "parallel.zero=2 with ep=2 is not supported yet"),
-    (MOE, {"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "zbh1"}, "parallel.pp_schedule=zbh1 with ep=2 is not supported"),
-    (MOE, {"dp": 4, "ep": 2, "zero": 1, "dp_shard": 2}, "parallel.dp_shard=2 with ep=2 is not supported yet"),
+    (MOE, {"dp": 4, "ep": 4, "zero": 1, "dp_shard": 2}, "parallel.dp_shard=2 with ep=4: ep must divide dp_shard"),
 ]
 
 
@@ -424,3 +422,80 @@ def test_ep2_pp2_interleaved_trains_like_one_process(corpus, cache_dir, tmp_path
     """Each pipeline stage's MoE layers exchange tokens within the stage's ep group, in the schedule's order."""
     check_layout(corpus, cache_dir, tmp_path, model=EP_MODEL, train={"recompute": "full"},
                  parallel={"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "interleaved", "pp_virtual": 2})
+
+
+EP_STEPS = 4  # the composed layouts below: enough steps to show each equal to the single process
+
+
+def _ep_layout(**layout) -> dict:
+    """check_layout's keywords for a composed ep layout: EP_MODEL unless `model`, EP_STEPS steps, full recomputation
+    unless `train` says otherwise; global batches of 8 sequences (dp * micro_batch * grad_acc), so that the layouts
+    of the same model share one single-process reference."""
+    return {"model": EP_MODEL, **layout, "train": {"steps": EP_STEPS, "recompute": "full", **layout.get("train", {})}}
+
+
+def _check_ep_layout(corpus, cache_dir, tmp_path, **layout) -> dict:
+    """check_layout of _ep_layout(`layout`), and its MoE figures of every step equal to the single process's.
+    Returns what it wrote."""
+    layout = _ep_layout(**layout)
+    extra = {key: layout.pop(key) for key in ("checkpoint", "logging") if key in layout}
+    _, written = check_layout(corpus, cache_dir, tmp_path, **layout, **extra)
+    ref = reference_run(layout_configs(corpus, cache_dir, tmp_path, **layout)[1])[1]["metrics"]
+    for name in FIGURES:
+        torch.testing.assert_close(torch.tensor([m[name] for m in written["metrics"]]),
+                                   torch.tensor([m[name] for m in ref]), rtol=1e-5, atol=1e-7, msg=name)
+    assert ref[0]["moe_aux_loss"] > 0
+    return written
+
+
+def test_ep2_zero3_on_4_ranks_trains_like_one_process_and_resumes_in_one(corpus, cache_dir, tmp_path):
+    """dp4 ep2 ZeRO-3 (full recomputation, 2 micro-batches): the expert shards' parameters, gradients and AdamW
+    state sharded over the 2 ranks holding the same experts (gathered there per unit, reduce-scattered there
+    every micro-batch), the rest over all 4; its checkpoint of step 2, written from those pieces, resumes in one
+    process with the single process's losses and weights."""
+    layout = dict(parallel={"dp": 4, "ep": 2, "zero": 3})
+    _check_ep_layout(corpus, cache_dir, tmp_path, checkpoint={"save_every": 2}, **layout)
+    ref_raw = layout_configs(corpus, cache_dir, tmp_path, **_ep_layout(**layout))[1]
+    ref, ref_written = reference_run(ref_raw)
+    resumed = {**ref_raw, "out": str(tmp_path / "resumed"),
+               "checkpoint": {"resume": str(tmp_path / "run" / "checkpoints" / "step_2")}}
+    (got,), written = run_parallel(resumed)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), rtol=LOSS_RTOL, atol=0)
+    for name, value in written["model"].items():
+        torch.testing.assert_close(value, ref_written["model"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_ep2_zero2_hsdp_trains_like_one_process(corpus, cache_dir, tmp_path):
+    """dp8 ep2 ZeRO-2 with HSDP dp_shard=4: each shard group of 4 holds two ep groups; the expert shards are
+    sharded over the 2 ranks of it holding the same experts, the rest over all 4, and both averaged across the 2
+    replicas; clipping (summed over the shard group) is active on every step. Its last checkpoint, written in the
+    background (expert pieces from the writer's shard group), holds the weights of OUT/model exactly. dp4 ep2
+    dp_shard=2 (expert shards on one rank of their shard group: left whole, reduced once a step) and dp8 ep2
+    dp_shard=4 with ZeRO-3 passed the same check when written."""
+    written = _check_ep_layout(corpus, cache_dir, tmp_path, parallel={"dp": 8, "ep": 2, "zero": 2, "dp_shard": 4},
+                               grad_acc=1, checkpoint={"save_every": EP_STEPS, "async_save": True})
+    assert all(m["grad_norm"] > 1.0 for m in written["metrics"])  # so train.grad_clip=1 clips every step
+    folder = tmp_path / "run" / "checkpoints" / f"step_{EP_STEPS}"
+    assert verify_tensors(folder) == []
+    saved = load_model(folder).state_dict()
+    for name, value in written["model"].items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("schedule", [{"pp_schedule": "zbv", "pp_virtual": 2, "zero": 3},
+                                      {"pp_schedule": "1f1b", "zero": 2}])
+def test_ep2_pp2_zero_bubble_trains_like_one_process(corpus, cache_dir, tmp_path, schedule):
+    """dp2 pp2 ep2: under zbv the all-to-alls' backward runs in B (they lie on the input's path) and the expert
+    weights' gradients in W, divided by ep once as they are reduced; ZeRO-3 frees the expert units after B too.
+    1f1b with ZeRO-2 alongside (edp is one rank: the expert buckets stay whole through the per-micro-batch
+    reduce-scatters of the rest). zbh1 passed the same check when written."""
+    _check_ep_layout(corpus, cache_dir, tmp_path, parallel={"dp": 2, "pp": 2, "ep": 2, **schedule}, micro_batch=2)
+
+
+def test_ep4_qwen3_moe_shape_trains_like_one_process(corpus, cache_dir, tmp_path):
+    """dp4 ep4 with ZeRO-2 accumulating whole buffers: 8 experts, 2 a rank, top-4 with renormalized weights and
+    the auxiliary loss (Qwen3-MoE's routing); each rank alone holds its experts, so they are not sharded."""
+    model = {**MOE, "num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 16,
+             "router_aux_loss_coef": 0.01}
+    _check_ep_layout(corpus, cache_dir, tmp_path, model=model, train={"recompute": "none"},
+                     parallel={"dp": 4, "ep": 4, "zero": 2, "zero_accumulate": "full"})

@@ -5,7 +5,9 @@ Axes are ordered (pp, dp, cp, tp): tp innermost so tensor-parallel ranks are nei
 shard groups of `dp_shard` consecutive ranks (ZeRO's slices; the nearest ranks, so its gathers and
 reduce-scatters stay on the fastest links) and replicate groups across them (the same slice on each).
 Expert parallelism (`ep` > 1) cuts each dp*cp group the same way: `ep` groups of ep consecutive ranks (which
-hold an MoE layer's experts between them) and `edp` groups across them (the ranks holding the same experts).
+hold an MoE layer's experts between them) and `edp` groups across them (the ranks holding the same experts);
+ZeRO shards the expert shards over `edp_shard`, edp's ranks in this rank's shard group (all of edp without
+HSDP; with it, ep divides dp_shard, so a shard group holds whole ep groups and its replicas are edp's rest).
 Every group (each axis, dp*cp over which gradients are averaged, ZeRO's shards and replicas, the
 tied-embedding pairs, cp*tp where an MoE layer sums its expert counts over a sequence's pieces) is built
 explicitly from the rank grid with `new_group` and the run's timeout, and the DeviceMesh is assembled from the
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp", "cp", "tp")
+DP_CP_GROUPS = ("dp_cp", "dp_shard", "dp_replicate", "ep", "edp", "edp_shard")  # groups cut out of dp*cp
 
 
 class Mesh:
@@ -53,6 +56,8 @@ class Mesh:
         self.groups["dp_shard"], self.groups["dp_replicate"] = (self._split_dp_cp(self.dp_shard) if hsdp
                                                                 else (self.groups["dp_cp"], None))
         self.groups["ep"], self.groups["edp"] = self._split_dp_cp(ep) if ep > 1 else (None, self.groups["dp_cp"])
+        self.groups["edp_shard"] = (self.groups["dp_shard"] if ep == 1 else
+                                    self._expert_shard_group() if hsdp else self.groups["edp"])
         # cp x tp: the ranks holding pieces of the same sequences under cp and sequence parallelism (MoE counts)
         self.groups["cp_tp"] = self._new_group_over(("cp", "tp")) if cp > 1 and tp > 1 else None
         if pp > 1:
@@ -103,6 +108,20 @@ class Mesh:
         assert mine["inner"] is not None
         return mine["inner"], mine["across"]
 
+    def _expert_shard_group(self) -> dist.ProcessGroup:
+        """HSDP with ep: the ranks of this rank's shard group that hold its experts, every ep-th (ep divides
+        dp_shard). Every rank creates all of them, in order."""
+        n, shard, ep = self.size("dp_cp"), self.dp_shard, self.ep
+        # [pp*tp, replicas, shard/ep, ep] -> one row per (shard group, ep rank)
+        rows = self.grid.permute(0, 3, 1, 2).reshape(-1, n // shard, shard // ep, ep).transpose(2, 3)
+        mine = None
+        for row in rows.reshape(-1, shard // ep).tolist():
+            group = dist.new_group(row, timeout=self.timeout)
+            if self.rank in row:
+                mine = group
+        assert mine is not None
+        return mine
+
     def _embedding_group(self) -> dist.ProcessGroup | None:
         """The first and the last pipeline stage of this rank's (dp, cp, tp) column: with tied embeddings
         both hold the tensor. Every rank creates every such group, in order; None off the two ends."""
@@ -115,27 +134,29 @@ class Mesh:
         return mine
 
     def size(self, axis: str) -> int:
-        """Number of ranks along `axis` ("pp", "dp", "cp", "tp", "dp_cp", "dp_shard", "dp_replicate", "ep"
-        or "edp")."""
-        if axis in ("dp_cp", "dp_shard", "dp_replicate", "ep", "edp"):
+        """Number of ranks along `axis` ("pp", "dp", "cp", "tp", "dp_cp", "dp_shard", "dp_replicate", "ep",
+        "edp" or "edp_shard")."""
+        if axis in DP_CP_GROUPS:
             n = self.sizes["dp"] * self.sizes["cp"]
             return {"dp_cp": n, "dp_shard": self.dp_shard, "dp_replicate": n // self.dp_shard, "ep": self.ep,
-                    "edp": n // self.ep}[axis]
+                    "edp": n // self.ep, "edp_shard": self.dp_shard // self.ep}[axis]
         return self.sizes[axis]
 
     def local_rank(self, axis: str) -> int:
         """This rank's index along `axis`."""
-        if axis in ("dp_cp", "dp_shard", "dp_replicate", "ep", "edp"):
+        if axis in DP_CP_GROUPS:
             index = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
             return {"dp_cp": index, "dp_shard": index % self.dp_shard, "dp_replicate": index // self.dp_shard,
-                    "ep": index % self.ep, "edp": index // self.ep}[axis]
+                    "ep": index % self.ep, "edp": index // self.ep,
+                    "edp_shard": index % self.dp_shard // self.ep}[axis]
         return self.coords[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         """The group of `axis` (or "dp_cp", "dp_shard"); "embed": first + last pipeline stage, None elsewhere or
         without pp; "dp_replicate": HSDP's replicas of this rank's ZeRO slices, None without HSDP; "ep": this
-        rank's expert-parallel group, None without; "edp": the ranks holding its experts (dp*cp without ep); "cp_tp":
-        the cp x tp ranks of this rank's (pp, dp) coordinates, None unless cp > 1 and tp > 1."""
+        rank's expert-parallel group, None without; "edp": the ranks holding its experts (dp*cp without ep);
+        "edp_shard": those of them in its shard group, over which ZeRO shards the experts (edp without HSDP);
+        "cp_tp": the cp x tp ranks of this rank's (pp, dp) coordinates, None unless cp > 1 and tp > 1."""
         return self.groups.get(axis) if axis in ("embed", "dp_replicate", "ep", "cp_tp") else self.groups[axis]
 
     def stage_rank(self, stage: int) -> int:

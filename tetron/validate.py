@@ -320,12 +320,9 @@ def _validate_experts(cfg: Config) -> None:
                                       f"(its ranks are carved out of them); use an ep that divides it")
     _check(m.num_experts % p.ep == 0, f"parallel.ep={p.ep} must divide model.num_experts={m.num_experts} "
                                       f"(each rank holds num_experts/ep of them); use an ep that divides it")
-    _check(p.zero <= 1, f"parallel.zero={p.zero} with ep={p.ep} is not supported yet (ZeRO-2/3 do not shard "
-                        f"expert shards over their own group); use zero=0 or 1")
-    _check(p.pp_schedule not in ("zbh1", "zbv"), f"parallel.pp_schedule={p.pp_schedule} with ep={p.ep} is not "
-                                                 f"supported yet; use 1f1b, afab or interleaved")
-    _check(p.dp_shard in (None, p.dp * p.cp), f"parallel.dp_shard={p.dp_shard} with ep={p.ep} is not supported yet "
-                                              f"(HSDP does not cut the expert shards' edp group); use dp_shard=null")
+    _check(p.dp_shard is None or p.dp_shard % p.ep == 0, f"parallel.dp_shard={p.dp_shard} with ep={p.ep}: ep must "
+           f"divide dp_shard (HSDP shards the experts over a shard group's ranks holding them, so it holds whole ep "
+           f"groups); use a dp_shard that ep divides")
 
 
 def _validate_out(cfg: Config) -> None:

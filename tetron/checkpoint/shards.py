@@ -127,8 +127,9 @@ class Pieces:
     offset, length) when the pieces are ZeRO's (`sharded`); else each rank holds the whole tp part. Pieces
     travel over `group`, dp*cp's; ZeRO's shard groups are its runs of `shard` consecutive ranks (all of it
     but under HSDP, whose replicas each hold every piece: a writer takes them from its own shard group). An
-    expert shard's pieces are over its edp group (edp rank q is dp*cp rank q * ep + the ep rank; no HSDP):
-    each edp group gathers on its rank in the writer's ep group."""
+    expert shard's pieces are over its edp ranks in the shard group (rank q there is dp*cp rank: the shard
+    group's first + q * ep + the ep rank; ep divides `shard`): each gathers on its rank in the writer's ep
+    group, which lies in the writer's shard group."""
 
     parts: Callable[[nn.Parameter, str], list[tuple[int, Tensor]]]
     ranges: Callable[[nn.Parameter], list[tuple[int, int, int]]]
@@ -145,13 +146,13 @@ class Pieces:
         instead: rank `dst` there gets the tp part of its own experts."""
         parts = self.parts(param, kind)
         experts = layout_of(param).ep
-        if experts is None:  # the writer's shard group starts at this rank of dp*cp
-            base, stride = dst - dst % self.shard, 1
-            sends_here = me - me % self.shard == base
-        else:  # this rank's edp group: the dp*cp ranks q * ep + its ep rank; its one in the writer's ep group
+        start = dst - dst % self.shard  # the writer's shard group starts at this rank of dp*cp
+        sends_here = me - me % self.shard == start
+        base, stride = start, 1
+        if experts is not None:  # this rank's edp ranks there: start + q * ep + its ep rank; its one in dst's ep group
             stride = experts.count
-            base, sends_here = me % stride, True
-            dst = dst - dst % stride + base
+            base = start + me % stride
+            dst = dst - dst % stride + me % stride
         if me != dst:
             for _, values in parts if self.sharded and sends_here else []:
                 sends.append(dist.isend(values.reshape(-1).contiguous(), group_dst=dst, group=self.group))

@@ -19,9 +19,12 @@ DeepSpeed's default), for N-1 more reduce-scatters a step than `full` (one reduc
 HSDP (`parallel.dp_shard` < dp*cp): the reduce-scatter runs within the shard group, and the last
 micro-batch's reduced slices (1/dp_shard of the data) are then averaged across the replicate group.
 
-Under expert parallelism (expert_parallel.py) the expert shards' gradients are averaged over
-`expert_group` (the edp ranks holding the same experts) instead, and sharded over it under ZeRO-1: in
-buckets of their own, each bucket knowing its group (HSDP does not apply to them: validate.py refuses both).
+Under expert parallelism (expert_parallel.py) the expert shards' gradients are divided by ep as they are
+reduced (expert_parallel.py says why) and averaged over `expert_group` (the edp ranks holding the same
+experts) instead, in buckets of their own, each bucket knowing its group. Under ZeRO they are sharded over
+`expert_shard_group` (edp; under HSDP its ranks in this rank's shard group, and averaged across the replicas
+like the rest). Where that group is this rank alone, the expert buckets stay whole (nothing to shard) and
+are reduced (divided, averaged across replicas) once a step, from their accumulated buffer.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ class DataParallelNaive(DataParallel):
 
     def _hook(self, param: nn.Parameter) -> None:
         if self.require_sync:
+            experts = layout_of(param).ep
+            if experts is not None:  # the step's accumulated expert gradient: 1/ep of it (expert_parallel.py)
+                param.grad.div_(experts.count)
             with timer("dp"):
                 self._all_reduce(param.grad, self._group_of(param))
 
@@ -127,6 +133,8 @@ class _Bucket:
         self.shard_grad = (torch.zeros(self.slice_size, dtype=torch.float32, device=device)
                            if shards > 1 and separate_shard else None)
         self.shards, self.sharded = shards, shards > 1
+        experts = layout_of(params[0]).ep if params else None
+        self.scale = 1.0 / experts.count if experts is not None else 1.0  # expert shards: 1/ep, as reduced
         self.pending: set[nn.Parameter] = set(params)
         self.fresh = True  # no reduction yet this step: the next one writes the slice, later ones add to it
         self.reducing = False  # a reduction started and not yet completed
@@ -150,7 +158,8 @@ class DataParallelBucket(DataParallel):
     when its backward begins (`attach`). `reduce_dtype` is the dtype on the wire (the buffers stay fp32).
     `accumulate` (ZeRO-2/3): "sharded" reduces every micro-batch into the slices, "full" once a step.
     `shard_group` (HSDP; default `group`): the ranks ZeRO shards over; `replicate_group`: their replicas.
-    `expert_group`: where expert-parallel shards are averaged (and sharded under ZeRO-1), in buckets of their own."""
+    `expert_group`: where expert-parallel shards are averaged, in buckets of their own (ZeRO-3: one more per
+    unit); `expert_shard_group` (default `expert_group`): where ZeRO shards them."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32,
@@ -158,7 +167,8 @@ class DataParallelBucket(DataParallel):
                  count_collectives: bool = False, accumulate: ZeroAccumulate = "sharded",
                  shard_group: dist.ProcessGroup | None = None,
                  replicate_group: dist.ProcessGroup | None = None,
-                 expert_group: dist.ProcessGroup | None = None) -> None:
+                 expert_group: dist.ProcessGroup | None = None,
+                 expert_shard_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(module, group, count_collectives=count_collectives, expert_group=expert_group)
         params = self._params()
         device = params[0].device
@@ -173,19 +183,23 @@ class DataParallelBucket(DataParallel):
         shard = {"shards": self.shards, "rank": dist.get_rank(self.shard_group) if self.shards > 1 else 0,
                  "separate_shard": self.free_after_reduce, "replicate": self.replicate,
                  "group": self.shard_group if self.shards > 1 else group}
-        expert_shards = dist.get_world_size(self.expert_group) if zero >= 1 else 1
-        expert_shard = {"shards": expert_shards, "rank": dist.get_rank(self.expert_group) if expert_shards > 1 else 0,
-                        "separate_shard": self.free_after_reduce, "group": self.expert_group}
+        expert_shard_group = expert_shard_group or self.expert_group
+        expert_shards = dist.get_world_size(expert_shard_group) if zero >= 1 else 1
+        expert_shard = {"shards": expert_shards, "rank": dist.get_rank(expert_shard_group) if expert_shards > 1 else 0,
+                        "separate_shard": self.free_after_reduce, "replicate": self.replicate,
+                        "group": expert_shard_group if zero >= 1 else self.expert_group}
         # ZeRO-2/3: a bucket's full buffer exists only from its first gradient of the step (or, ZeRO-3, from
         # its unit's backward) until its reduction, not through the forward pass
         self.lazy = self.free_after_reduce
         self.reduce_dtype = reduce_dtype
         experts = [p for p in params if layout_of(p).ep is not None]
         if units is not None:
-            if experts:
-                raise ValueError("ZeRO-3 does not shard expert-parallel parameters; use parallel.zero <= 1 with ep")
-            # Backward visits the units in reverse order: so are the buckets.
-            self.buckets = [_Bucket(ps, device, module=m, allocate=False, **shard) for m, ps in reversed(units) if ps]
+            # Backward visits the units in reverse order: so are the buckets; a unit's expert shards (sharded
+            # over their own group) in a bucket of their own, after the rest of it
+            self.buckets = [_Bucket(ps, device, module=m, allocate=False, **options) for m, unit in reversed(units)
+                            for ps, options in (([p for p in unit if layout_of(p).ep is None], shard),
+                                                ([p for p in unit if layout_of(p).ep is not None], expert_shard))
+                            if ps]
         else:
             self.buckets = self._size_buckets([p for p in params if layout_of(p).ep is None], device, bucket_mb, shard)
             if experts:
@@ -262,13 +276,13 @@ class DataParallelBucket(DataParallel):
             # fp32 buffer by hand, then point fp32 parameters back at their view.
             main_grad.add_(param.grad)
             param.grad = main_grad if param.dtype == torch.float32 else None
-        if not (self.require_sync or self.reduce_every_micro_batch) or self.world == 1:
+        bucket = self.bucket_of[param]
+        if not self._reduces_now(bucket) or self.world == 1:
             return
         if not self._callback_queued:
             # Runs once the whole backward pass has finished: wait for every bucket there.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
-        bucket = self.bucket_of[param]
         bucket.pending.discard(param)
         if not bucket.pending:
             if self.shards > 1 and self._in_flight is not None:
@@ -278,10 +292,18 @@ class DataParallelBucket(DataParallel):
             bucket.handle = self._reduce(bucket, async_op=True)
             self._in_flight = bucket
 
+    def _reduces_now(self, bucket: _Bucket) -> bool:
+        """Whether this backward reduces `bucket`: on the step's last micro-batch, or on every one under sharded
+        accumulation, which a bucket left whole (expert shards on one rank of their shard group) does not take:
+        its buffer accumulates the step, and is divided (and averaged across replicas) once."""
+        return self.require_sync or (self.reduce_every_micro_batch and bucket.sharded)
+
     def _reduce(self, bucket: _Bucket, *, async_op: bool) -> dist.Work | None:
         """Average the bucket over its group: all-reduce in place, or reduce-scatter into its slice."""
         if bucket.buffer is None:  # a lazily allocated bucket whose parameters got no gradient
             self.attach(bucket)
+        if bucket.scale != 1.0:  # expert shards: what this reduction adds in (the step's, or a micro-batch's)
+            bucket.buffer.mul_(bucket.scale)
         bucket.reducing = True
         if bucket.world == 1:  # expert shards held by this rank alone: nothing to average
             bucket.handle = bucket.after_wait = None
@@ -325,11 +347,13 @@ class DataParallelBucket(DataParallel):
                 self.num_collectives += 1
             self._replica_works.append(dist.all_reduce(bucket.reduced_grad(), op=AVG, group=bucket.replicate,
                                                        async_op=True))
-        if self.free_after_reduce and bucket.buffer is not None:
+        if self.free_after_reduce and bucket.sharded and bucket.buffer is not None:
             self._release(bucket)
 
     def _finish(self) -> None:
         for bucket in self.buckets:
+            if not self._reduces_now(bucket):
+                continue  # left whole through accumulation (its hooks did not count it off either)
             if bucket.pending:
                 # Parameters unused in this backward never fire their hook: reduce what is there.
                 with timer("dp"):

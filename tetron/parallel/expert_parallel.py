@@ -17,9 +17,11 @@ Each all-to-all is an autograd function whose backward is the reverse all-to-all
 Gradients. Rank r's loss is the mean over its own share of the global batch, and data parallelism averages
 the gradients over the N = dp*cp ranks, so the whole gradient is (1/N) sum_s dL_s. An expert's gradient on
 rank r already sums the contributions of every rank s of its ep group (their tokens came to it), so the
-whole gradient is (1/N) * the sum over the edp group of those = (1/ep) * their average over edp. A hook on
-each expert parameter divides its gradient by ep, and data parallelism averages it over edp
-(data_parallel.py puts expert parameters in buckets of their own, on that group).
+whole gradient is (1/N) * the sum over the edp group of those = (1/ep) * their average over edp. Data
+parallelism divides the expert parameters' buckets by ep as it reduces them, and averages them over edp
+(data_parallel.py puts expert parameters in buckets of their own, on that group). Not a gradient hook on the
+parameters: the zero-bubble schedules' W (weight_grad.py) computes the weight gradients and then accumulates
+them, and a parameter's tensor hook runs at both, which would divide twice.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import Tensor, nn
 
 from tetron.mesh import Mesh
 from tetron.models.moe import MoEBlock, moe_blocks
-from tetron.parallel.layout import Shard, layout_of, set_layout
+from tetron.parallel.layout import Shard, set_layout
 from tetron.parallel.timers import timer
 
 
@@ -99,12 +101,3 @@ def _shard_experts(block: MoEBlock, rank: int, ep: int) -> None:
         set_layout(shard, inherit=param, ep=Shard("ep", 0, rank, ep))
         setattr(block.experts, name, shard)
 
-
-def scale_expert_grads(chunk: nn.Module) -> None:
-    """Divide each expert shard's gradient by ep as it arrives (the module doc says why); after storage
-    exists, since a hook does not travel with a parameter replaced by materialize_."""
-    for block in moe_blocks(chunk):
-        for param in block.experts.parameters():
-            shard = layout_of(param).ep
-            if shard is not None:
-                param.register_hook(lambda grad, ep=shard.count: grad / ep)

@@ -29,7 +29,8 @@ def clip_grads_(grads: list[tuple[Tensor, nn.Parameter]], max_norm: float, mesh:
     With ZeRO each rank holds different pieces of every gradient (`sharded_over_dp`): the sums of
     both kinds are also summed over the shard group (dp*cp, or HSDP's dp_shard: its replicas hold the same).
     Expert-parallel shards (layout `ep`) are summed over ep; with ZeRO each of their elements is on one rank of
-    dp*cp (ep groups of edp slices; validate.py refuses HSDP with ep), so the dp*cp sum counts them once too."""
+    the shard group (its ep groups, each holding slices over edp_shard: under HSDP ep divides dp_shard), so the
+    shard group's sum counts them once too."""
     device = grads[0][0].device if grads else torch.device("cpu")
     replicated, sharded, experts = [], [], []
     for g, p in grads:

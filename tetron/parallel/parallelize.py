@@ -29,7 +29,7 @@ from tetron.models.spec import spec_of
 from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
-from tetron.parallel.expert_parallel import apply_expert_parallel, scale_expert_grads
+from tetron.parallel.expert_parallel import apply_expert_parallel
 from tetron.parallel.init import init_weights_, materialize_
 from tetron.parallel.layout import layout_of
 from tetron.parallel.moe_balance import scale_moe_losses, sequence_pieces
@@ -78,7 +78,6 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
                               vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan)
         apply_expert_parallel(chunk, mesh)
         materialize_(chunk, device)
-        scale_expert_grads(chunk)
         # Names stay Hugging Face names, so every layout starts from the same weights.
         init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
         scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc,
@@ -90,12 +89,13 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         chunk.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # the head and the loss, chunked (models/loss.py)
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
-    # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas
+    # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas; expert
+    # shards are averaged over edp and sharded over its ranks in the shard group
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
                                      count_collectives=count_collectives, accumulate=p.zero_accumulate,
                                      shard_group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"),
-                                     expert_group=mesh.group("edp"))
+                                     expert_group=mesh.group("edp"), expert_shard_group=mesh.group("edp_shard"))
                  for chunk in chunks]
     return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
 

@@ -144,13 +144,11 @@ class _SplitRecompute(torch.autograd.Function):
                 x: torch.Tensor, *args: Any) -> torch.Tensor:
         ctx.forward, ctx.params, ctx.args, ctx.deferred = forward, params, args, []
         ctx.save_for_backward(x)
-        if not selective:
-            ctx.recompute_context = contextlib.nullcontext
-            return forward(x.detach(), *args)  # autograd.Function runs this without grad: nothing is kept
-        caching, cached = _selective_contexts()
-        ctx.recompute_context = lambda: cached
-        # With grad on, so the policy sees the matmuls it keeps as in a checkpointed layer; the graph
-        # this builds saves nothing and is dropped with it.
+        # With grad on, as a training forward runs (an MoE block counts its expert load only then; the
+        # selective policy sees the matmuls it keeps as in a checkpointed layer); the graph this builds
+        # saves nothing and is dropped with it.
+        caching, cached = _selective_contexts() if selective else (contextlib.nullcontext(), None)
+        ctx.recompute_context = (lambda: cached) if selective else contextlib.nullcontext
         with torch.enable_grad(), saved_tensors_hooks(_nothing_saved, _nothing_saved), caching:
             return forward(x.detach(), *args).detach()
 

@@ -62,9 +62,9 @@ class StepTimers:
         self.sync = device.type == "cuda"
         self.device = device
         # the groups of the axes; dp*cp (gradients), HSDP's shard and replicate groups and the expert shards'
-        # gradient group (edp) count as dp, the tied-embedding pair as pp; ep is the tokens' all-to-all
+        # gradient groups (edp, edp_shard) count as dp, the tied-embedding pair as pp; ep is the tokens' all-to-all
         named = {**{axis: axis for axis in AXES}, "dp_cp": "dp", "dp_shard": "dp", "dp_replicate": "dp",
-                 "edp": "dp", "embed": "pp"}
+                 "edp": "dp", "edp_shard": "dp", "embed": "pp"}
         self.axis_of = {id(mesh.group(name)): axis for name, axis in named.items() if mesh.group(name) is not None}
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.stack: list[str] = []

@@ -1,5 +1,7 @@
 """ZeRO and mixed precision: AdamW over fp32 master weights, sharded over the dp*cp group (or, under
-HSDP, over the `dp_shard` group it is given: the replicas across groups hold the same slices).
+HSDP, over the `dp_shard` group it is given: the replicas across groups hold the same slices). Each bucket
+knows its group: expert-parallel shards' buckets are sliced over `edp_shard` (data_parallel.py), the ranks
+holding the same experts, and a slice is gathered (after the step, or ZeRO-3's per unit) over its own.
 
 Megatron's distributed optimizer in ordinary PyTorch, on top of the gradient buckets of
 data_parallel.py (every gradient lives in an fp32 bucket buffer, padded to a multiple of N = dp*cp).
@@ -88,7 +90,7 @@ class ShardedAdamW:
                     piece.master = nn.Parameter(piece.bucket.params_slice[piece.slice_offset:
                                                                           piece.slice_offset + piece.master.numel()])
         # ZeRO-3: parameters sharded too, gathered unit by unit as the forward and backward passes need them
-        self.sharding = ParameterSharding(dp_chunks, group) if zero == 3 and self.shards > 1 else None
+        self.sharding = ParameterSharding(dp_chunks) if zero == 3 and self.shards > 1 else None
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
         self.piece_of = {id(piece.param): [] for piece in self.pieces}
         for piece in self.pieces:
@@ -201,7 +203,7 @@ class ShardedAdamW:
         full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         for piece, values in parts:
             full[piece.start:piece.start + values.numel()] = values.reshape(-1)
-        bucket = self.bucket_of.get(id(param))  # over its group: dp*cp (dp_shard), or edp for expert shards
+        bucket = self.bucket_of.get(id(param))  # over its group: dp_shard, or edp_shard for experts
         if self.shards > 1 and bucket is not None and bucket.world > 1:
             dist.all_reduce(full, group=bucket.group)  # each element is nonzero on one rank at most: exact
         return full.view_as(param)
@@ -228,8 +230,9 @@ class ShardedAdamW:
         return [(piece.start, self.inner.state[piece.master][kind]) for piece in pieces]
 
     def piece_ranges(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
-        """(rank in its bucket's group: the shard group, or edp for an expert shard; offset, length) of each rank's
-        piece of `param` (contiguous in its bucket, so one piece per rank at most): where a checkpoint gathers it."""
+        """(rank in its bucket's group: the shard group, or edp_shard for an expert shard; offset, length) of each
+        rank's piece of `param` (contiguous in its bucket, so one piece per rank at most): where a checkpoint gathers
+        it."""
         if self.shards == 1:
             return [(0, 0, param.numel())]
         bucket = self.bucket_of[id(param)]

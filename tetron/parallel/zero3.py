@@ -51,10 +51,13 @@ class ParameterSharding:
     and gives it its gradient buffer; once every parameter of the unit has its gradient, the
     parameters are freed again, and data parallelism reduce-scatters the gradients. A backward split
     into B and W (zbh1, zbv) accumulates nothing in B: the pipeline, finding this as the chunk's
-    `sharding`, frees the chunk after B; W reads no parameter (dW = dY^T X), so runs on the slices."""
+    `sharding`, frees the chunk after B; W reads no parameter (dW = dY^T X), so runs on the slices.
 
-    def __init__(self, dp_chunks: list[DataParallelBucket], group: dist.ProcessGroup) -> None:
-        self.group = group
+    Each bucket is gathered over its own group: the shard group, or for a unit's expert shards (a bucket, and
+    so a unit, of their own on the same module, whose hooks run beside the rest's) the ranks sharing their
+    experts; where that is this rank alone, "gathering" copies its slice, the whole, into the buffer."""
+
+    def __init__(self, dp_chunks: list[DataParallelBucket]) -> None:
         self.pool = StoragePool(dp_chunks[0].buckets[0].device)
         self.order: list[list[_Unit]] = []  # per chunk, the units in forward order
         for dp in dp_chunks:
@@ -76,13 +79,13 @@ class ParameterSharding:
     def gather(self, unit: _Unit, *, async_op: bool = False) -> None:
         if unit.gathered or unit.work is not None:
             if unit.work is not None and not async_op:
-                with timer("dp"):  # the gathers ride on dp*cp: waiting for one is that axis' time
+                with timer("dp"):  # the gathers ride on dp*cp's groups: waiting for one is that axis' time
                     unit.work.wait()
                 unit.work, unit.gathered = None, True
             return
         self.pool.fill(unit.flat.untyped_storage(), unit.nbytes)
         with timer("dp") if not async_op else contextlib.nullcontext():
-            work = all_gather_flat(unit.flat, unit.bucket.params_slice, group=self.group, async_op=async_op)
+            work = all_gather_flat(unit.flat, unit.bucket.params_slice, group=unit.bucket.group, async_op=async_op)
         if async_op:
             unit.work = work
         else:
