@@ -462,8 +462,8 @@ MOE_TINY = dict(hidden=32, layers=1, experts=4, top_k=2, expert_width=32, seq=32
 
 def check_grouped_experts(device: torch.device) -> list[Row]:
     """tetron's experts by torch._grouped_mm (Experts.grouped, what CUDA bf16 runs) against its per-expert loop,
-    forward and backward (dx, d gate_up_proj, d down_proj), some experts empty; on the CPU in fp32 with
-    Experts.grouped called directly (tetron runs the loop there)."""
+    forward and backward (dx, d gate_up_proj, d down_proj), some experts empty; on the CPU in fp32 (the
+    rows aligned as on CUDA, where tetron's CPU path leaves them in place)."""
     from tetron.models.moe import Experts
 
     moe = bench_script("moe")
@@ -499,7 +499,7 @@ def check_grouped_experts(device: torch.device) -> list[Row]:
         return [Row("correctness", name, status="skipped", note=f"torch._grouped_mm not on this CPU: {err}"[:120])]
     fwd, bwd = _rel(got[0], want[0]), max(_rel(a, b) for a, b in zip(got[1:], want[1:]))
     limit = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the two sum their products in other orders
-    note = "" if device.type == "cuda" else "CPU: Experts.grouped called directly (tetron loops on the CPU)"
+    note = "" if device.type == "cuda" else "CPU: rows aligned as on CUDA (tetron's CPU path leaves them in place)"
     return [Row("correctness", f"{name} fwd", f"{fwd:.2e}", f"{limit:g}", verdict(fwd, limit), note),
             Row("correctness", f"{name} bwd (dx, dW)", f"{bwd:.2e}", f"{limit:g}", verdict(bwd, limit), note)]
 
@@ -507,7 +507,7 @@ def check_grouped_experts(device: torch.device) -> list[Row]:
 def check_moe_models(sz: Sizes, device: torch.device) -> list[Row]:
     """bench/moe.py's comparison, forward and backward: tetron's Qwen3-MoE against transformers'
     Qwen3MoeForCausalLM (its default experts) on the same weights and batch, the loss first, then tokens/s;
-    and tetron with its experts grouped against the loop (on the CPU the grouped path forced)."""
+    and tetron with its experts grouped against the loop (forced)."""
     moe = bench_script("moe")
     dtype = torch.bfloat16 if sz.gpu else torch.float32
     s = moe.GPU_SIZES if sz.gpu else MOE_TINY
@@ -527,8 +527,7 @@ def check_moe_models(sz: Sizes, device: torch.device) -> list[Row]:
             Row("speed", "MoE tetron vs transformers Qwen3MoeForCausalLM", f"{tps['tetron'] / tps[hf]:.2f}x", "",
                 "info", f"fwd+bwd tok/s: tetron {tps['tetron']:,.0f}, {hf} {tps[hf]:,.0f}; {shape}"),
             Row("speed", "MoE tetron experts grouped_mm vs per-expert loop", f"{tps[grouped] / tps[loop]:.2f}x", "",
-                "info", f"fwd+bwd tok/s: grouped {tps[grouped]:,.0f}, loop {tps[loop]:,.0f}"
-                        f"{'' if sz.gpu else ' (CPU: grouped forced)'}")]
+                "info", f"fwd+bwd tok/s: grouped {tps[grouped]:,.0f}, loop {tps[loop]:,.0f}")]
 
 
 # ------------------------------------------------------------------------------------------ main

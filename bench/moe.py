@@ -2,8 +2,8 @@
 
   1. one process: tetron's Qwen3-MoE against transformers' Qwen3MoeForCausalLM on the same weights (the names
      are equal) and batch, forward and backward: the losses checked equal (equal work), then tokens/s in
-     interleaved rounds; also tetron with its experts the way it does not pick (grouped_mm on the CPU, the
-     loop on CUDA bf16), and the first MoE block alone (the experts are all its time). transformers 5 picks
+     interleaved rounds; also tetron with its experts the way it does not pick (the per-expert loop where
+     torch._grouped_mm runs), and the first MoE block alone (the experts are all its time). transformers 5 picks
      its experts' code by `config._experts_implementation`: the ratio is against its default (it resolves to
      "grouped_mm", torch's grouped matmul, on the CPU too); "eager", its loop over the experts hit, is timed
      too; "batched_mm" is not (a copy of the expert weights per assignment: 1.5 GiB a layer here).
@@ -199,7 +199,7 @@ def print_timings(title: str, times: dict[str, list[list[float]]], tokens: int, 
 @contextlib.contextmanager
 def experts_path(grouped: bool) -> Iterator[None]:
     """tetron's experts by torch._grouped_mm (`grouped`) or by one matmul per expert, wherever they run,
-    instead of what Experts.forward picks (grouped on CUDA in bf16 only)."""
+    instead of what Experts.forward picks (grouped wherever torch._grouped_mm runs)."""
     supported = moe_module.grouped_mm_supported
     moe_module.grouped_mm_supported = lambda x, *weights: grouped
     try:
