@@ -215,6 +215,11 @@ MASKED_LAYOUTS = {  # parallel, data, train
     "cp2-positions-only": ({"cp": 2}, {"reset_positions": True}, {}),
     "dp2-zero3-selective-mask-only": ({"dp": 2, "zero": 3}, {"mask_documents": True}, {"recompute": "selective"}),
     "dp2-mixture": ({"dp": 2}, "sources", {}),
+    # an MoE model (its per-sequence balancing losses are per row, whatever documents it packs): experts over
+    # the 2 ranks of cp2, attention by Ulysses
+    "cp2-ep2-ulysses-moe": ({"cp": 2, "ep": 2, "cp_impl": "ulysses"}, DOCUMENTS, {},
+                            {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                             "moe_intermediate_size": 32, "router_aux_loss_coef": 0.01}),
 }
 
 
@@ -223,13 +228,14 @@ def test_masked_training_matches_single_process(packed, tmp_path, name):
     """Losses, final weights and (where evaluated) the validation loss of a layout with documents masked
     and/or positions restarted equal the single process's (the tolerances of every layout test)."""
     corpus, cache = packed
-    parallel, data, train = MASKED_LAYOUTS[name]
+    parallel, data, train, *model = MASKED_LAYOUTS[name]
     if data == "sources":  # a mixture of two stores: each row's documents from its own store
         other = corpus.with_name("other.jsonl")
         write_documents(other, count=800, seed=1)
         data = {**DOCUMENTS, "sources": [{"path": str(corpus), "weight": 2}, {"path": str(other), "weight": 1}]}
-    _, written = check_layout(corpus, cache, tmp_path, parallel=parallel, data=data, train=train)
-    _, ref_raw = layout_configs(corpus, cache, tmp_path, parallel=parallel, data=data, train=train)
+    model = model[0] if model else None
+    _, written = check_layout(corpus, cache, tmp_path, parallel=parallel, data=data, train=train, model=model)
+    _, ref_raw = layout_configs(corpus, cache, tmp_path, parallel=parallel, data=data, train=train, model=model)
     ref_metrics = reference_run(ref_raw)[1]["metrics"]  # the reference check_layout compared with (cached)
     val = [[m["val_loss"] for m in metrics if "val_loss" in m] for metrics in (written["metrics"], ref_metrics)]
     assert len(val[0]) == (2 if train.get("eval_every") else 0)

@@ -402,6 +402,20 @@ def test_ep2_trains_like_one_process_and_resumes_in_one(corpus, cache_dir, tmp_p
         torch.testing.assert_close(value, ref_written["model"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
+def test_ep2_in_bf16_tracks_the_fp32_single_process(corpus, cache_dir, tmp_path):
+    """dp2 ep2 in bf16 (the experts by the CPU's bf16 grouped matmul, the tokens exchanged in bf16, the router's
+    softmax in fp32) against the fp32 single process: within 1% a step, as test_mixed_precision.py's dense
+    layouts (bf16 rounds each parameter by up to 2^-9 relative; the fp32 masters keep the updates)."""
+    layout = dict(model=EP_MODEL, train={"recompute": "full"}, parallel={"dp": 2, "ep": 2})
+    fp32, _ = reference_run(layout_configs(corpus, cache_dir, tmp_path, **layout)[1])  # test_ep2_trains_...'s
+    bf16 = {**layout, "train": {**layout["train"], "dtype": "bfloat16"}}
+    results, _ = run_parallel(layout_configs(corpus, cache_dir, tmp_path, **bf16)[0])
+    for result in results:
+        losses = torch.tensor(result["losses"])
+        torch.testing.assert_close(losses, torch.tensor(fp32["losses"]), rtol=0.01, atol=0)
+        assert not torch.equal(losses, torch.tensor(fp32["losses"]))  # bf16 really ran
+
+
 def test_ep2_zero1_on_4_ranks_trains_like_one_process(corpus, cache_dir, tmp_path):
     """dp4 ep2 ZeRO-1: the expert shards' gradients averaged (and their optimizer state sharded) over the 2 ranks
     holding the same experts, the others' over all 4; the global norm clipping counts each element once. Its last
