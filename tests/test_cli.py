@@ -238,8 +238,8 @@ def test_torchrun_runs_the_same_training(workdir, elastic_run):
 
 def test_torchrun_with_the_wrong_world_size_fails(workdir):
     out = workdir / "wrong"
-    result = tetron("train", "tiny.yaml", "--dp", "1", "--out", out,
-                    cwd=workdir, timeout=LAUNCH_TIMEOUT, launcher=torchrun(2))
+    result = tetron("train", "tiny.yaml", "--dp", "2", "--out", out,  # one rank (a torch import less than two)
+                    cwd=workdir, timeout=LAUNCH_TIMEOUT, launcher=torchrun(1))
     assert result.returncode != 0
-    assert "tetron: error: world size 2 is not dp*tp*pp*cp = 1*1*1*1 = 1" in result.stdout + result.stderr
+    assert "tetron: error: world size 1 is not dp*tp*pp*cp = 2*1*1*1 = 2" in result.stdout + result.stderr
     assert not (out / "metrics.jsonl").exists()
