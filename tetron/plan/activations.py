@@ -49,7 +49,15 @@ def layer_none(s: Sizes, moe: bool = False) -> int:
     # Under sp each block's norm output is all-gathered into one contiguous [n, h] buffer (comm.py) that
     # q, k and v (gate and up) all read and save: one per block, as without sp.
     mlp = moe_block_none(s) if moe else s.n * 4 * s.d * s.inter
-    return 2 * norm_bytes(s, s.n_res) + 2 * s.n * s.d * s.h + _attention(s) + mlp
+    return 2 * norm_bytes(s, s.n_res) + 2 * s.n * s.d * s.h + _attention(s) + _head_norms(s) + mlp
+
+
+def _head_norms(s: Sizes) -> int:
+    """Qwen3's RMSNorm over each query and key head (models/llama.py's q_norm, k_norm), before RoPE: what an
+    RMSNorm saves (norm_bytes), of the rank's query and key widths, 1/rms per head."""
+    if not s.qk_norm:
+        return 0
+    return s.n * ((F32 + s.d) * (s.hq + s.hkv) + F32 * (s.hq + s.hkv) // s.hd)
 
 
 def moe_block_none(s: Sizes) -> int:
@@ -86,10 +94,11 @@ def layer_weight_inputs(s: Sizes, moe: bool = False) -> int:
     """What W reads of a layer that B rebuilt (zbh1, zbv with recomputation: recompute.py keeps only
     this from B to W): each RMSNorm's normalized input, each matmul's input (the norm outputs as the
     column-parallel matmuls see them, attention's output, the MLP's product; an MoE layer's permuted
-    tokens and each assignment's product, the shared experts' product)."""
+    tokens and each assignment's product, the shared experts' product; Qwen3's per-head norms')."""
     inputs = 5 if s.sp else 2
     mlp = s.top_k * (s.h + s.expert_inter) + s.shared_inter if moe else s.inter
-    return 2 * s.n_res * s.d * s.h + s.n * s.d * (inputs * s.h + s.hq + mlp)
+    heads = (s.hq + s.hkv) * s.qk_norm  # the per-head norms' normalized inputs
+    return 2 * s.n_res * s.d * s.h + s.n * s.d * (inputs * s.h + s.hq + mlp + heads)
 
 
 def layer_activations(s: Sizes, mode: str, moe: bool = False) -> int:
@@ -132,14 +141,12 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
 
 
 def moe_backward(s: Sizes) -> int:
-    """What an MoE layer's backward adds to the dense layer's activation gradients (memory.LAYER_BWD_*): the
-    [M, H] gradients of the weighted expert outputs and of the permuted tokens; under expert parallelism the
-    reverse all-to-all's buffer (the gradients a rank received for its experts' rows, [M, H] on average:
-    the one it sends back reuses what the expert backward released, measured here); and the
-    gradient of the rank's expert tensors, whole: one expert at a time (Experts.forward's loop) each
-    expert's gradient arrives as a gradient of the whole tensor (indexing's backward) and is summed into
-    one, so two are alive at once (torch._grouped_mm's backward, on the GPU, makes one: this errs safe)."""
-    m = s.n * s.top_k
-    exchange = m * s.h * s.d if s.ep > 1 else 0
-    weights = 2 * s.d * (s.experts // s.ep) * 3 * s.h * s.expert_inter
-    return 2 * m * s.h * s.d + exchange + weights
+    """What an MoE layer's backward holds beyond the dense layer's activation gradients (memory.LAYER_BWD_*;
+    the [M, H] gradients of its outputs and permuted tokens take the place of the saved [M, H] outputs it has
+    released by then, measured here): under expert parallelism the reverse all-to-all's buffer (the
+    gradients a rank received for its experts' rows, [M, H] on average), and the gradient of the rank's
+    expert tensors, whole: one expert at a time (Experts.forward's loop) each expert's gradient arrives as a
+    gradient of the whole tensor (indexing's backward) and is summed into one, so two are alive at once
+    (torch._grouped_mm's backward, on the GPU, makes one: this errs safe)."""
+    exchange = s.n * s.top_k * s.h * s.d if s.ep > 1 else 0
+    return exchange + 2 * s.d * (s.experts // s.ep) * 3 * s.h * s.expert_inter

@@ -39,6 +39,7 @@ class Sizes:
     # chunk: [B, 1, T, T] in the compute dtype, shared by its layers; 0 under ring attention (it remakes
     # each block's mask in the backward) or without the option
     rope_rows: int = 1  # rows of the RoPE tables: 1, or micro_batch when positions restart per document
+    qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen3's q_norm, k_norm)
     # Mixture of experts (models/moe.py; 0 for a dense model): the routed experts of an MoE layer, the k each
     # token goes to, one expert's width, the shared experts' width, the ranks the experts are split over
     # (parallel.ep) and the sequences of a micro-batch (the auxiliary loss's [B, E] counts)
@@ -55,7 +56,7 @@ class Sizes:
         dense = _sizes(m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.intermediate_size,
                       m.vocab_size, p.tp, p.cp, p.sp, p.vocab_pad_multiple, cfg.data.seq_len, t.micro_batch,
                       t.dtype == "bfloat16", p.cp_impl, p.cp_layout, cfg.data.mask_documents,
-                      cfg.data.reset_positions)
+                      cfg.data.reset_positions, m.qk_norm)
         if not is_moe(m):
             return dense
         return _moe(dense, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size,
@@ -89,7 +90,8 @@ def _moe(dense: Sizes, experts: int, top_k: int, inter: int, shared: int, ep: in
 @functools.lru_cache(maxsize=4096)
 def _sizes(h: int, heads: int, kv_heads: int, hd: int, inter: int, vocab: int, tp: int, cp: int, sp: bool,
            pad: int, seq_len: int, micro_batch: int, bf16: bool, cp_impl: str = "ring",
-           cp_layout: str = "zigzag", mask_documents: bool = False, reset_positions: bool = False) -> Sizes:
+           cp_layout: str = "zigzag", mask_documents: bool = False, reset_positions: bool = False,
+           qk_norm: bool = False) -> Sizes:
     seq = seq_len // cp
     n = micro_batch * seq
     ulysses = cp_impl == "ulysses" and cp > 1 and (heads // tp) % cp == 0
@@ -100,4 +102,4 @@ def _sizes(h: int, heads: int, kv_heads: int, hd: int, inter: int, vocab: int, t
                  n=n, n_res=n // tp if sp else n, seq=seq, tp=tp, cp=cp, sp=sp and tp > 1,
                  ulysses_kv=kv if ulysses else 0, ulysses_views=ulysses and cp_layout == "contiguous",
                  doc_mask=micro_batch * seq_len * seq_len * (2 if bf16 else 4) if whole_mask else 0,
-                 rope_rows=micro_batch if reset_positions else 1)
+                 rope_rows=micro_batch if reset_positions else 1, qk_norm=qk_norm)
