@@ -86,7 +86,7 @@ def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str], ...]
         with torch.device("meta"):
             layer = spec.plan.layers_of(spec.model_class(one))["0"]
         experts = {id(t) for block in moe_blocks(layer) for t in block.experts.parameters()}
-        routed = {id(t) for block in moe_blocks(layer) for t in block.parameters()}
+        in_block = {id(t) for block in moe_blocks(layer) for t in block.parameters()}  # router, experts, shared
         found = []
         for name, param in layer.named_parameters():
             dim = spec.plan.tp_dim(name)
@@ -94,7 +94,7 @@ def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str], ...]
             if id(param) in experts:
                 found.append((n // p.ep, "expert"))
             else:
-                matmul = name.endswith(".weight") and (dim is not None or (id(param) in routed and param.dim() == 2))
+                matmul = name.endswith(".weight") and (dim is not None or (id(param) in in_block and param.dim() == 2))
                 found.append((n, "matmul" if matmul else "other"))
         _LAYER_PARAMS[key] = tuple(found)
     return _LAYER_PARAMS[key]
