@@ -38,39 +38,77 @@ def _attention(s: Sizes) -> int:
     return s.n * (s.d * (3 * s.hq + 2 * s.hkv) + F32 * s.heads)
 
 
-def layer_none(s: Sizes) -> int:
+def layer_none(s: Sizes, moe: bool = False) -> int:
     """One decoder layer's saved tensors without recomputation, for one micro-batch. Korthikanti's
     sbh(34 + 5as/h) for GPT becomes, for this Llama (no dropout, SwiGLU, RMSNorm in fp32): two norms
     (on the residual stream, 1/tp of it under sp), the two norm outputs as the column-parallel matmuls
     see them (the whole sequence, all-gathered under sp), attention, and the MLP's gate, silu(gate),
-    up and their product (4 x intermediate/tp). fp32, tp 1, no GQA: 24h + 16hq + 16i + 4 heads + 8
-    bytes a token (tests/test_recompute.py measures 1,185,792 for its model: this formula exactly)."""
+    up and their product (4 x intermediate/tp), or an MoE layer's block (moe_block_none). fp32, tp 1, no
+    GQA: 24h + 16hq + 16i + 4 heads + 8 bytes a token (tests/test_recompute.py measures 1,185,792 for its
+    model: this formula exactly)."""
     # Under sp each block's norm output is all-gathered into one contiguous [n, h] buffer (comm.py) that
     # q, k and v (gate and up) all read and save: one per block, as without sp.
-    return 2 * norm_bytes(s, s.n_res) + 2 * s.n * s.d * s.h + _attention(s) + s.n * 4 * s.d * s.inter
+    mlp = moe_block_none(s) if moe else s.n * 4 * s.d * s.inter
+    return 2 * norm_bytes(s, s.n_res) + 2 * s.n * s.d * s.h + _attention(s) + _head_norms(s) + mlp
 
 
-def layer_kept(s: Sizes, mode: str) -> int:
+def _head_norms(s: Sizes) -> int:
+    """Qwen3's RMSNorm over each query and key head (models/llama.py's q_norm, k_norm), before RoPE: what an
+    RMSNorm saves (norm_bytes), of the rank's query and key widths, 1/rms per head."""
+    if not s.qk_norm:
+        return 0
+    return s.n * ((F32 + s.d) * (s.hq + s.hkv) + F32 * (s.hq + s.hkv) // s.hd)
+
+
+def moe_block_none(s: Sizes) -> int:
+    """What an MoE block (models/moe.py) saves beyond its input, for n tokens and M = n*k assignments: the
+    router's fp32 logits (the z-loss's logsumexp keeps them), its softmax scores, the chosen experts' weights
+    and their sum, the logsumexp per token, the top-k indices (int64) and the auxiliary loss's [B, E] counts;
+    the dispatch's sort order and token index (int64) and each assignment's weight; per assignment the
+    permuted token [M, H] each expert's first matmul reads, its gate_up output, silu's output and the product
+    (4 x moe_intermediate), the expert output and the weighted output the scatter-add keeps ([M, H] each);
+    the shared experts as a dense MLP. Expert parallelism adds the int64 orders that sort what a rank
+    receives by local expert and put its outputs back (the rows it receives: M on average)."""
+    m = s.n * s.top_k
+    router = s.n * (F32 * (2 * s.experts + s.top_k + 2) + I64 * s.top_k) + F32 * s.batch * s.experts
+    dispatch = m * (F32 + 2 * I64) + (2 * I64 * m if s.ep > 1 else 0)
+    experts = m * s.d * (3 * s.h + 4 * s.expert_inter)
+    return router + dispatch + experts + s.n * 4 * s.d * s.shared_inter
+
+
+def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
     """What a layer keeps between its forward and backward under recomputation (recompute.py): its input
     always (on the residual stream); `selective` also every matmul output and attention's outputs: q, k,
-    v, attention output (+ log-sum-exp), o and down (whole width: row-parallel partial sums), gate, up."""
+    v, attention output (+ log-sum-exp), o and down (whole width: row-parallel partial sums), gate, up; in
+    an MoE layer the router's logits, each assignment's gate_up and expert output, the shared experts'."""
     kept = s.n_res * s.d * s.h
     if mode == "selective":
         attention = s.d * (2 * s.hq + 2 * s.hkv) + F32 * s.heads
-        kept += s.n * (attention + 2 * s.d * s.h + 2 * s.d * s.inter)
+        mlp = (s.experts + s.top_k * (2 * s.expert_inter + s.h) + 2 * s.shared_inter + s.h * bool(s.shared_inter)
+               if moe else s.h + 2 * s.inter)
+        kept += s.n * (attention + s.d * s.h + s.d * mlp)
     return kept
 
 
-def layer_weight_inputs(s: Sizes) -> int:
+def layer_weight_inputs(s: Sizes, moe: bool = False) -> int:
     """What W reads of a layer that B rebuilt (zbh1, zbv with recomputation: recompute.py keeps only
     this from B to W): each RMSNorm's normalized input, each matmul's input (the norm outputs as the
-    column-parallel matmuls see them, attention's output, the MLP's product)."""
+    column-parallel matmuls see them, attention's output, the MLP's product; an MoE layer's permuted
+    tokens and each assignment's product, the shared experts' product; Qwen3's per-head norms')."""
     inputs = 5 if s.sp else 2
-    return 2 * s.n_res * s.d * s.h + s.n * s.d * (inputs * s.h + s.hq + s.inter)
+    mlp = s.top_k * (s.h + s.expert_inter) + s.shared_inter if moe else s.inter
+    heads = (s.hq + s.hkv) * s.qk_norm  # the per-head norms' normalized inputs
+    return 2 * s.n_res * s.d * s.h + s.n * s.d * (inputs * s.h + s.hq + mlp + heads)
 
 
-def layer_activations(s: Sizes, mode: str) -> int:
-    return layer_none(s) if mode == "none" else layer_kept(s, mode)
+def layer_activations(s: Sizes, mode: str, moe: bool = False) -> int:
+    return layer_none(s, moe) if mode == "none" else layer_kept(s, mode, moe)
+
+
+def chunk_layers(s: Sizes, chunk: Chunk, mode: str) -> int:
+    """The saved tensors of a chunk's decoder layers, its dense and its MoE ones, for one micro-batch."""
+    return ((chunk.layers - chunk.moe) * layer_activations(s, mode)
+            + chunk.moe * layer_activations(s, mode, moe=True))
 
 
 @dataclass(frozen=True)
@@ -87,7 +125,7 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
     embedding's indices under tp (ids local to the shard and the mask of ids outside it), the final norm
     and the loss's gradients (of the head's input and weight: the head saves nothing else)."""
     mode = cfg.train.recompute
-    acts = chunk.layers * layer_activations(s, mode) + 2 * s.rope_rows * s.seq * s.hd * s.d + s.doc_mask
+    acts = chunk_layers(s, chunk, mode) + 2 * s.rope_rows * s.seq * s.hd * s.d + s.doc_mask
     if chunk.first and s.tp > 1:
         acts += s.n * (I64 + 1)
     if not chunk.first and cfg.train.dtype == "bfloat16" and mode == "none":
@@ -100,3 +138,15 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
         one_chunk = cfg.train.loss_chunk_tokens <= 0 or cfg.train.loss_chunk_tokens >= s.n
         loss = s.n * s.h * s.d + s.vocab * s.h * (s.d if one_chunk else F32)
     return Held(acts, loss)
+
+
+def moe_backward(s: Sizes) -> int:
+    """What an MoE layer's backward holds beyond the dense layer's activation gradients (memory.LAYER_BWD_*;
+    the [M, H] gradients of its outputs and permuted tokens take the place of the saved [M, H] outputs it has
+    released by then, measured here): under expert parallelism the reverse all-to-all's buffer (the
+    gradients a rank received for its experts' rows, [M, H] on average), and the gradient of the rank's
+    expert tensors, whole: one expert at a time (Experts.forward's loop) each expert's gradient arrives as a
+    gradient of the whole tensor (indexing's backward) and is summed into one, so two are alive at once
+    (torch._grouped_mm's backward, on the GPU, makes one: this errs safe)."""
+    exchange = s.n * s.top_k * s.h * s.d if s.ep > 1 else 0
+    return exchange + 2 * s.d * (s.experts // s.ep) * 3 * s.h * s.expert_inter

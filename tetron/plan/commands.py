@@ -14,7 +14,7 @@ from tetron.plan.slurm import SlurmJob, submit, write_job
 
 def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = OneLineParser(prog="tetron plan", description=(
-        "Rank the layouts that fit: every dp/tp/pp/cp, ZeRO stage, recomputation, micro-batch, pipeline "
+        "Rank the layouts that fit: every dp/tp/pp/cp/ep, ZeRO stage, recomputation, micro-batch, pipeline "
         "schedule and sequence parallelism validate() accepts, with each rank's predicted peak memory and the "
         "predicted step time (tetron/plan/). Other --section.key=value and short flags (--model, --seq-len, "
         "--data, --train.dtype=bfloat16, ...) set the base config."))
@@ -25,8 +25,8 @@ def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                       "machine's GPU, else its CPU)")
     parser.add_argument("--memory-gb", type=float, help="memory per device in GiB (overrides the GPU's)")
     parser.add_argument("--batch-tokens", type=int, help="global batch in tokens (default: the config's)")
-    for axis, kind in (("dp", int), ("tp", int), ("pp", int), ("cp", int), ("zero", int), ("micro-batch", int),
-                       ("pp-virtual", int)):
+    for axis, kind in (("dp", int), ("tp", int), ("pp", int), ("cp", int), ("ep", int), ("zero", int),
+                       ("micro-batch", int), ("pp-virtual", int)):
         parser.add_argument(f"--{axis}", type=kind, help="keep this axis as given")
     parser.add_argument("--recompute", choices=typing.get_args(Recompute), help="keep this axis as given")
     parser.add_argument("--pp-schedule", choices=typing.get_args(PpSchedule), help="keep this axis as given")
@@ -49,7 +49,7 @@ def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def plan_command(args: list[str]) -> int:
     try:
         ns, overrides = plan_args(args)
-        fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "zero": ns.zero,
+        fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "ep": ns.ep, "zero": ns.zero,
                             "recompute": ns.recompute, "micro_batch": ns.micro_batch, "pp_schedule": ns.pp_schedule,
                             "pp_virtual": ns.pp_virtual, "sp": ns.sp, "zero_accumulate": ns.zero_accumulate})
         request = PlanRequest(config=ns.config, overrides=overrides, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node,

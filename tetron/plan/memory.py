@@ -41,14 +41,15 @@ from tetron.parallel.pipeline_schedules import (
 from tetron.plan.activations import (
     Held,
     chunk_held,
-    layer_activations,
+    chunk_layers,
     layer_kept,
     layer_none,
     layer_weight_inputs,
+    moe_backward,
     norm_bytes,
 )
-from tetron.plan.sizes import F32, I64, Sizes
-from tetron.plan.state import Chunk, State, accumulates_sharded, rank_chunks, state, zero_shards
+from tetron.plan.sizes import F32, I64, Sizes, expert_elements
+from tetron.plan.state import Chunk, State, accumulates_sharded, expert_shards, rank_chunks, state, zero_shards
 
 # Fitted constants for short-lived tensors (bytes are these times the named size; see each use).
 LAYER_BWD_I = 2.0  # a layer's backward: MLP-width activation gradients alive at once (grad of the product,
@@ -107,16 +108,24 @@ def _loss_moments(cfg: Config, s: Sizes) -> list[tuple[str, dict[str, int]]]:
     return [("loss forward", {"logits": forward}), ("head backward", {"temporaries": backward})]
 
 
-def _layer_backward(cfg: Config, s: Sizes) -> int:
-    """Temporaries of a decoder layer's backward at its worst: its recomputed forward (all it would have
-    saved minus what it kept), the activation gradients alive at once (fitted: LAYER_BWD_*), and under
-    cp the ring's gradient blocks."""
+def _layer_backward(cfg: Config, s: Sizes, chunk: Chunk) -> int:
+    """Temporaries of a decoder layer's backward at its worst (of the chunk's kinds of layer: dense, MoE):
+    its recomputed forward (all it would have saved minus what it kept), the activation gradients alive at
+    once (fitted: LAYER_BWD_*; an MoE layer's are its assignments' [M, moe_intermediate] and [M, H] ones),
+    and under cp the ring's gradient blocks."""
     mode = cfg.train.recompute
-    extra = 0 if mode == "none" else layer_none(s) - layer_kept(s, mode)
-    grads = int(LAYER_BWD_I * s.n * s.inter * s.d + LAYER_BWD_H * s.n * s.h * s.d)
+    kinds = ([False] if chunk.layers > chunk.moe else []) + ([True] if chunk.moe else [])
+    worst = 0
+    for moe in kinds:
+        extra = 0 if mode == "none" else layer_none(s, moe) - layer_kept(s, mode, moe)
+        width = s.top_k * s.expert_inter + s.shared_inter if moe else s.inter
+        grads = int(LAYER_BWD_I * s.n * width * s.d + LAYER_BWD_H * s.n * s.h * s.d)
+        if moe:
+            grads += moe_backward(s)
+        worst = max(worst, extra + grads)
     if s.cp > 1:
-        grads += s.n * (F32 * s.hq + 2 * F32 * s.hkv + 2 * s.d * s.hkv)  # dq, dk, dv in fp32; the next k, v
-    return extra + grads
+        worst += s.n * (F32 * s.hq + 2 * F32 * s.hkv + 2 * s.d * s.hkv)  # dq, dk, dv in fp32; the next k, v
+    return worst
 
 
 def _zero_extras(s: Sizes, st: State, chunk: Chunk, moment: str, *, attached: int, index: int,
@@ -244,11 +253,12 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
     if chunk.last:
         name, extra = _loss_moments(cfg, s)[backward]
         found.append((name, 0, extra))
-    # A layer's backward, the last layer first; later layers only matter where ZeRO-3's buffers grow.
-    per_layer = layer_activations(s, cfg.train.recompute)
+    # A layer's backward, the last layer first; later layers only matter where ZeRO-3's buffers grow (a
+    # chunk of dense and MoE layers: released at their mean).
+    per_layer = chunk_layers(s, chunk, cfg.train.recompute) // max(1, chunk.layers)
     for index in range(chunk.layers if backward and st.chunk_units else min(1, chunk.layers * backward)):
         found.append(("layer backward", index, {"logits": -held.loss, "activations": -head - index * per_layer,
-                                                "temporaries": _layer_backward(cfg, s)}))
+                                                "temporaries": _layer_backward(cfg, s, chunk)}))
     if not backward:
         found.append(("forward", 0, {}))
     for name, index, extra in found:
@@ -275,7 +285,8 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     # zbh1, zbv with recompute: from B to W a layer holds its input and what W reads of the graph B rebuilt,
     # in place of what recompute kept (recompute.py; the first stage, without a B, rebuilds it within W)
     mode = cfg.train.recompute
-    rebuilt = [c.layers * (s.n_res * s.d * s.h + layer_weight_inputs(s) - layer_kept(s, mode))
+    rebuilt = [sum(n * (s.n_res * s.d * s.h + layer_weight_inputs(s, moe) - layer_kept(s, mode, moe))
+                   for n, moe in ((c.layers - c.moe, False), (c.moe, True)))
                if split and mode != "none" and not c.first else 0 for c in chunks]
     done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-2/3, full accumulation)
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
@@ -321,19 +332,25 @@ def floor(cfg: Config) -> MemoryEstimate:
     """A lower bound of `predict(cfg)` from arithmetic on the config alone: nothing built (not even on the meta
     device), no schedule walked, no loop over layers, so an absurd model (10**4 layers, a vocabulary of 10**9)
     is weighed at once. The busiest pipeline rank holds at least 1/(tp*pp) of the parameters (tp splits the
-    matrices, pp the layers), each with its fp32 gradient and AdamW's two moments (plus an fp32 master under
-    bf16), divided by dp*cp (HSDP: dp_shard) where ZeRO shards them; the step's token ids; and under
+    matrices, pp the layers; ep the routed experts), each with its fp32 gradient and AdamW's two moments (plus
+    an fp32 master under bf16), divided by dp*cp (HSDP: dp_shard; expert shards: their edp group) where ZeRO
+    shards them; the step's token ids; and under
     all-forward-all-backward the first stage keeps at least every micro-batch's input to one layer."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    elements = m.num_params() // (p.tp * p.pp)
-    shards = zero_shards(cfg)
+    # expert parallelism: each rank holds 1/ep of the routed experts, sharded by ZeRO over their edp group
+    experts = expert_elements(m)
+    dense, expert = (m.num_params() - experts) // (p.tp * p.pp), experts // (p.tp * p.pp * p.ep)
+    shards, edp = zero_shards(cfg), expert_shards(cfg)
+    elements = dense + expert
+
+    def sharded(stage: int) -> int:  # elements of this rank's slices where ZeRO stage `stage` shards them
+        return dense // shards + expert // edp if p.zero >= stage else elements
+
     bf16 = t.dtype == "bfloat16"
     d = 2 if bf16 else F32
     tokens = t.micro_batch * (cfg.data.seq_len // p.cp)
     in_flight = t.grad_acc if p.pp > 1 and p.pp_schedule == "afab" else 1
     residual = tokens // p.tp if p.sp else tokens
-    return MemoryEstimate(params=(F32 if p.dp_impl == "naive" else d) * elements // (shards if p.zero == 3 else 1),
-                          grads=F32 * elements // (shards if p.zero >= 2 else 1),
-                          optimizer=(8 + 4 * bf16) * elements // shards,
+    return MemoryEstimate(params=(F32 if p.dp_impl == "naive" else d) * sharded(3), grads=F32 * sharded(2),
+                          optimizer=(8 + 4 * bf16) * sharded(1),
                           activations=2 * I64 * t.grad_acc * tokens + in_flight * residual * d * m.hidden_size)
-

@@ -23,6 +23,7 @@ from tetron.plan import hardware as hwlib
 from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import predict_rank
 from tetron.plan.search import Plan, as_json, rank, search, table
+from tetron.plan.sizes import is_moe
 
 
 @dataclass
@@ -92,7 +93,10 @@ def header(cfg: Config, hw: Hardware, req: PlanRequest, batch: int, plans: list[
     where = f"{req.nodes} x {req.gpus_per_node} {hw.name}" if not hw.cpu else f"{world} CPU ranks"
     memory = f"{_size(hw.memory)} available to all" if hw.cpu else f"{_size(hw.memory)} per device"
     limit = plans[0].limit if plans else 0
-    return (f"tetron plan: {m.num_params():,} parameters ({m.num_hidden_layers} layers, hidden {m.hidden_size}) on "
+    # an MoE model: its active parameters too, those one token's forward multiplies by (its MFU counts them)
+    active = f", {m.num_params(active=True):,} active" if is_moe(m) else ""
+    return (f"tetron plan: {m.num_params():,} parameters{active} ({m.num_hidden_layers} layers, hidden "
+            f"{m.hidden_size}) on "
             f"{where}, {memory} ({_size(limit)} per rank for tensors); seq {cfg.data.seq_len}, "
             f"{batch} sequences ({batch * cfg.data.seq_len:,} tokens) a step, {cfg.train.dtype}\n"
             f"{len(plans)} layouts valid, {len(fit)} fit" + (f"; the fastest {min(req.top, len(fit))}:" if fit else ""))
@@ -167,7 +171,7 @@ def fixed_axes(values: dict[str, Any]) -> dict[str, Any]:
     """The axes given on the command line (None: free), as Layout fields."""
     fixed = {k: v for k, v in values.items() if v is not None}
     for name, v in fixed.items():
-        if name in ("dp", "tp", "pp", "cp", "micro_batch", "pp_virtual"):
+        if name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "pp_virtual"):
             check(isinstance(v, int) and v >= 1, f"--{name.replace('_', '-')}={v} must be at least 1")
     if "zero" in fixed and fixed["zero"] not in (0, 1, 2, 3):
         raise ConfigError(f"--zero={fixed['zero']}: use 0, 1, 2 or 3")

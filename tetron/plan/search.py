@@ -20,6 +20,7 @@ from tetron.config import Config
 from tetron.errors import ConfigError
 from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import MemoryEstimate, floor, predict
+from tetron.plan.sizes import is_moe
 from tetron.plan.steptime import TimeEstimate, estimate
 from tetron.validate import validate
 
@@ -28,7 +29,7 @@ GPU_RESERVE = GiB
 # A CPU rank's interpreter, torch and its libraries, resident before any tensor (measured here: ~0.4 GB).
 CPU_PROCESS_BYTES = 400 * 2**20
 
-AXES = ("dp", "tp", "pp", "cp", "zero", "recompute", "micro_batch", "pp_schedule", "pp_virtual", "sp",
+AXES = ("dp", "tp", "pp", "cp", "ep", "zero", "recompute", "micro_batch", "pp_schedule", "pp_virtual", "sp",
         "zero_accumulate")
 
 
@@ -48,23 +49,26 @@ class Layout:
     pp_virtual: int
     sp: bool
     zero_accumulate: str = "sharded"  # ZeRO-2/3 with grad_acc > 1: "sharded" (slices only) or "full" (whole buffers)
+    ep: int = 1  # expert-parallel ranks out of dp*cp (an MoE model's)
 
     def apply(self, base: Config) -> Config:
         """`base` with this layout."""
-        parallel = replace(base.parallel, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,
+        parallel = replace(base.parallel, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
                            pp_schedule=self.pp_schedule, pp_virtual=self.pp_virtual, sp=self.sp, pp_split=None,
                            zero_accumulate=self.zero_accumulate)
         train = replace(base.train, recompute=self.recompute, micro_batch=self.micro_batch, grad_acc=self.grad_acc)
         return replace(base, parallel=parallel, train=train)
 
     def label(self) -> str:
-        """A short name: dp4 tp2 pp2(1f1b) cp1 sp z1 sel mb2x4 (z3f: ZeRO-3 accumulating in full buffers)."""
+        """A short name: dp4 tp2 pp2(1f1b) cp1 sp z1 sel mb2x4 (z3f: ZeRO-3 accumulating in full buffers; an
+        MoE model's expert parallelism after cp: dp8 tp1 pp1 cp1 ep4 z1 ...)."""
         pp = f"pp{self.pp}" + (f"({self.pp_schedule}{'x' + str(self.pp_virtual) if self.pp_virtual > 1 else ''})"
                                if self.pp > 1 else "")
         recompute = {"none": "-", "selective": "sel", "full": "full"}[self.recompute]
         full = "f" if self.zero_accumulate == "full" else ""
-        return (f"dp{self.dp} tp{self.tp}{' sp' if self.sp else ''} {pp} cp{self.cp} z{self.zero}{full} {recompute} "
-                f"mb{self.micro_batch}x{self.grad_acc}")
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"dp{self.dp} tp{self.tp}{' sp' if self.sp else ''} {pp} cp{self.cp}{ep} z{self.zero}{full} "
+                f"{recompute} mb{self.micro_batch}x{self.grad_acc}")
 
 
 @dataclass
@@ -109,6 +113,15 @@ def _sizes(base: Config, world: int, gpus_per_node: int, batch: int, fixed: dict
                 yield dp, tp, pp, cp, micro_batch
 
 
+def expert_parallel_sizes(base: Config, dp_cp: int) -> list[int]:
+    """The ep sizes to try for dp*cp ranks: those dividing dp*cp and the MoE model's num_experts (1 for a
+    dense model). Whatever else limits ep (ZeRO stages, schedules, HSDP) is validate()'s to say: the search
+    takes every layout it accepts, so a combination it lifts is searched with no change here."""
+    if not is_moe(base.model):
+        return [1]
+    return [e for e in divisors(dp_cp) if base.model.num_experts % e == 0]
+
+
 def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixed: dict) -> Iterator[Layout]:
     """Every layout of `world` ranks for a global batch of `batch` sequences; `fixed` pins any of AXES."""
     for dp, tp, pp, cp, mb in _sizes(base, world, gpus_per_node, batch, fixed):
@@ -117,12 +130,13 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
             ("interleaved", v) for v in (2, 4) if pp * v <= base.model.num_hidden_layers and grad_acc % pp == 0]
         # sequence parallelism only lowers memory (same traffic): taken wherever it applies
         sp = tp > 1 and (base.data.seq_len // cp) % tp == 0
-        for (schedule, virtual), zero, recompute in itertools.product(
-                schedules, (0, 1, 2, 3) if dp * cp > 1 else (0,), ("none", "selective", "full")):
+        for (schedule, virtual), zero, recompute, ep in itertools.product(
+                schedules, (0, 1, 2, 3) if dp * cp > 1 else (0,), ("none", "selective", "full"),
+                expert_parallel_sizes(base, dp * cp)):
             # ZeRO-2/3 with accumulation: full (fewer collectives) unless pinned; search() falls back to sharded
             accumulate = fixed.get("zero_accumulate", "full") if zero >= 2 and grad_acc > 1 else "sharded"
             layout = Layout(dp, tp, pp, cp, zero, recompute, mb, grad_acc, schedule, virtual, fixed.get("sp", sp),
-                            accumulate)
+                            accumulate, ep)
             if all(getattr(layout, k) == v for k, v in fixed.items()):
                 yield layout
 
@@ -175,12 +189,16 @@ def table(plans: list[Plan], *, top: int) -> str:
     shown = plans[:top]
     terms = [", ".join(f"{k} {_gib(v)}" for k, v in p.memory.largest(3)) for p in shown]
     width = max([40, *map(len, terms)])  # the longest row's terms: the columns after it stay aligned
-    head = (f"{'#':>3}  {'layout':<40} {'mem/rank GiB':>12}  {'largest terms (GiB)':<{width}} {'step s':>8} "
-            f"{'tokens/s':>10} {'MFU':>5} {'bubble':>6}")
+    labels = [p.layout.label() for p in shown]
+    named = max([40, *map(len, labels)])  # likewise the longest layout (interleaved with ep: past 40)
+    moe = any(is_moe(p.config.model) for p in shown)  # an MoE model's table adds the all-to-alls' seconds
+    head = (f"{'#':>3}  {'layout':<{named}} {'mem/rank GiB':>12}  {'largest terms (GiB)':<{width}} {'step s':>8} "
+            f"{'tokens/s':>10} {'MFU':>5} {'bubble':>6}" + (f" {'ep s':>7}" if moe else ""))
     lines = [head]
-    for i, (p, largest) in enumerate(zip(shown, terms), 1):
-        lines.append(f"{i:>3}  {p.layout.label():<40} {_gib(p.memory.total):>12}  {largest:<{width}} "
-                     f"{p.time.step_s:>8.3g} {p.time.tokens_per_s:>10,.0f} {p.time.mfu:>5.0%} {p.time.bubble:>6.0%}")
+    for i, (p, label, largest) in enumerate(zip(shown, labels, terms), 1):
+        lines.append(f"{i:>3}  {label:<{named}} {_gib(p.memory.total):>12}  {largest:<{width}} "
+                     f"{p.time.step_s:>8.3g} {p.time.tokens_per_s:>10,.0f} {p.time.mfu:>5.0%} {p.time.bubble:>6.0%}"
+                     + (f" {p.time.ep_s:>7.3g}" if moe else ""))
     return "\n".join(lines)
 
 

@@ -13,74 +13,107 @@ import torch
 
 from tetron.config import Config
 from tetron.models import family
+from tetron.models.moe import moe_blocks
 from tetron.parallel.pipeline_parallel import split_layers
 from tetron.parallel.pipeline_schedules import stage_of, style_of
-from tetron.plan.sizes import F32, Sizes
+from tetron.plan.sizes import F32, Sizes, is_moe, moe_layers
 
 # ------------------------------------------------------------------------------------ parameters
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """One model chunk on a rank: its decoder layers, whether it embeds (first) or holds the head (last)."""
+    """One model chunk on a rank: its decoder layers (of them `moe` MoE layers), whether it embeds (first)
+    or holds the head (last)."""
 
     layers: int
     first: bool
     last: bool
+    moe: int = 0
 
 
 def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
     """The chunks pipeline rank `pp_rank` holds, in virtual-stage order (pipeline_parallel.rank_stages)."""
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
     stages = p.pp * p.pp_virtual
-    ranges = split_layers(cfg.model.num_hidden_layers, stages, p.pp_split)
+    ranges = split_layers(m.num_hidden_layers, stages, p.pp_split)
     held = [stage_of(c, pp_rank, pp=p.pp, style=style_of(p.pp_schedule)) for c in range(p.pp_virtual)]
-    return [Chunk(len(ranges[s]), s == 0, s == stages - 1) for s in held]
+    return [Chunk(len(ranges[s]), s == 0, s == stages - 1, sum(map(m.is_moe_layer, ranges[s])) if is_moe(m) else 0)
+            for s in held]
 
 
-def layer_numels(cfg: Config) -> list[int]:
+def layer_numels(cfg: Config, *, moe: bool = False, experts: bool = True) -> list[int]:
     """Elements of one decoder layer's parameters on a rank, in `parameters()` order (for Llama: q, k, v, o,
-    gate, up, down, each 1/tp, then the two RMSNorm weights, whole)."""
-    return [n for n, _ in _layer_params(cfg)]
+    gate, up, down, each 1/tp, then the two RMSNorm weights, whole); `moe`: of an MoE layer, whose routed
+    experts' tensors hold 1/ep of the experts (without them: `experts=False`)."""
+    return [n for n, kind in _layer_params(cfg, moe) if experts or kind != "expert"]
 
 
-def layer_matmul_numels(cfg: Config) -> int:
-    """Elements of one decoder layer's matmul weights on a rank (its plan's column- and row-parallel linears)."""
-    return sum(n for n, matmul in _layer_params(cfg) if matmul)
+def expert_numels(cfg: Config) -> list[int]:
+    """Elements of one MoE layer's routed-expert tensors on a rank (gate_up, down: 1/ep of the experts)."""
+    return [n for n, kind in _layer_params(cfg, True) if kind == "expert"]
 
 
-_LAYER_PARAMS: dict[tuple[str, int], tuple[tuple[int, bool], ...]] = {}  # (model config, tp) -> what follows
+def layer_matmul_numels(cfg: Config, *, moe: bool = False) -> int:
+    """Matmul weights one token's forward multiplies by in a decoder layer on a rank: its plan's column- and
+    row-parallel linears, and in an MoE layer the router, the shared experts and top_k of the routed experts
+    (every rank computes its ep group's tokens' assignments to its experts: top_k experts' worth a token)."""
+    m = cfg.model
+    dense = sum(n for n, kind in _layer_params(cfg, moe) if kind == "matmul")
+    if not (moe and is_moe(m)):
+        return dense
+    return dense + sum(expert_numels(cfg)) * cfg.parallel.ep * m.num_experts_per_tok // m.num_experts
 
 
-def _layer_params(cfg: Config) -> tuple[tuple[int, bool], ...]:
-    """(elements on a rank, is a matmul weight) of each parameter of one decoder layer, read off the family's
-    module built on the meta device and split as its parallel plan says (ParallelPlan.tp_dim). Memoised:
-    the layout search asks for every chunk of every layout."""
-    key = (repr(cfg.model), cfg.parallel.tp)  # a dataclass's repr names every field
+_LAYER_PARAMS: dict[tuple[str, int, int, bool], tuple[tuple[int, str], ...]] = {}  # -> what follows
+
+
+def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str], ...]:
+    """(elements on a rank, kind) of each parameter of one decoder layer (dense, or `moe`), read off the
+    family's module built on the meta device and split as its parallel plan says (ParallelPlan.tp_dim) and,
+    for a routed expert's tensor, over ep. Kinds: "matmul" (a tp-split linear's weight, or an MoE layer's
+    router and shared experts), "expert" (a routed expert's), "other" (norms, biases). Memoised: the layout
+    search asks for every chunk of every layout."""
+    p = cfg.parallel
+    moe = moe and is_moe(cfg.model)
+    key = (repr(cfg.model), p.tp, p.ep, moe)  # a dataclass's repr names every field
     if key not in _LAYER_PARAMS:
-        spec, tp = family(cfg.model.model_type), cfg.parallel.tp
+        spec = family(cfg.model.model_type)
+        # one layer and a one-token vocabulary: a layer's shapes do not depend on the vocabulary's size
+        one = dataclasses.replace(cfg.model, num_hidden_layers=1, vocab_size=1)
+        if is_moe(one):  # layer 0 as the kind asked for
+            one = dataclasses.replace(one, decoder_sparse_step=1, mlp_only_layers=[] if moe else [0])
         with torch.device("meta"):
-            # one layer and a one-token vocabulary: a layer's shapes do not depend on the vocabulary's size
-            one = dataclasses.replace(cfg.model, num_hidden_layers=1, vocab_size=1)
             layer = spec.plan.layers_of(spec.model_class(one))["0"]
-        dims = [(param.numel(), spec.plan.tp_dim(name), name.endswith(".weight"))
-                for name, param in layer.named_parameters()]
-        _LAYER_PARAMS[key] = tuple((n if dim is None else n // tp, dim is not None and weight)
-                                   for n, dim, weight in dims)
+        experts = {id(t) for block in moe_blocks(layer) for t in block.experts.parameters()}
+        in_block = {id(t) for block in moe_blocks(layer) for t in block.parameters()}  # router, experts, shared
+        found = []
+        for name, param in layer.named_parameters():
+            dim = spec.plan.tp_dim(name)
+            n = param.numel() if dim is None else param.numel() // p.tp
+            if id(param) in experts:
+                found.append((n // p.ep, "expert"))
+            else:
+                matmul = name.endswith(".weight") and (dim is not None or (id(param) in in_block and param.dim() == 2))
+                found.append((n, "matmul" if matmul else "other"))
+        _LAYER_PARAMS[key] = tuple(found)
     return _LAYER_PARAMS[key]
 
 
-def chunk_units(cfg: Config, chunk: Chunk) -> list[list[int]]:
+def chunk_units(cfg: Config, chunk: Chunk, *, experts: bool = True) -> list[list[int]]:
     """A chunk's parameters as ZeRO-3's units (zero3.units_of): first the rest of the chunk (embedding,
-    final norm, head; the head is the embedding's own Parameter when tied on one chunk), then each layer."""
+    final norm, head; the head is the embedding's own Parameter when tied on one chunk), then each layer
+    (its MoE layers last: the order matters only to where buckets are cut); `experts=False` leaves out the
+    routed experts' tensors."""
     s, tied = Sizes.of(cfg), cfg.model.tie_word_embeddings
     root = [s.vocab * s.h] if chunk.first else []
     if chunk.last:
         root.append(s.h)
         if not (tied and chunk.first):
             root.append(s.vocab * s.h)
-    layer = layer_numels(cfg)
-    return [root] + [layer for _ in range(chunk.layers)]
+    dense = layer_numels(cfg)
+    moe = layer_numels(cfg, moe=True, experts=experts) if chunk.moe else []
+    return [root] + [dense] * (chunk.layers - chunk.moe) + [moe] * chunk.moe
 
 
 @dataclass(frozen=True)
@@ -90,6 +123,7 @@ class Bucket:
 
     numels: tuple[int, ...]
     shards: int
+    expert: bool = False  # routed experts' shards under expert parallelism: averaged (ZeRO-1: sharded) over edp
 
     @functools.cached_property
     def padded(self) -> int:
@@ -117,6 +151,11 @@ def zero_shards(cfg: Config) -> int:
     return (p.dp_shard or p.dp * p.cp) if p.zero >= 1 else 1
 
 
+def expert_shards(cfg: Config) -> int:
+    """The ranks ZeRO shards expert-parallel shards over: their edp group (dp*cp/ep); 1 without ZeRO."""
+    return max(1, zero_shards(cfg) // cfg.parallel.ep)
+
+
 def accumulates_sharded(cfg: Config) -> bool:
     """Whether every micro-batch's gradients are reduce-scattered into the slices (ZeRO-2/3's sharded
     accumulation), the full buffers released in between: data_parallel.DataParallelBucket."""
@@ -125,17 +164,23 @@ def accumulates_sharded(cfg: Config) -> bool:
 
 def chunk_buckets(cfg: Config, chunk: Chunk) -> list[Bucket]:
     """The chunk's buckets in backward order: one per ZeRO-3 unit, else filled to parallel.bucket_mb
-    from the last parameter backwards (DataParallelBucket._size_buckets)."""
+    from the last parameter backwards (DataParallelBucket._size_buckets); under expert parallelism the
+    routed experts' shards after the others, in buckets of their own (on their edp group)."""
     p = cfg.parallel
-    shards = zero_shards(cfg)
-    units = tuple(tuple(u) for u in chunk_units(cfg, chunk))
-    return list(_buckets(units, chunk.first, shards, p.zero == 3, p.bucket_mb))
+    apart = p.ep > 1 and chunk.moe > 0
+    units = tuple(tuple(u) for u in chunk_units(cfg, chunk, experts=not apart))
+    buckets = list(_buckets(units, chunk.first, zero_shards(cfg), p.zero == 3, p.bucket_mb))
+    if apart:
+        experts = ((),) + tuple(tuple(expert_numels(cfg)) for _ in range(chunk.moe))
+        buckets += _buckets(experts, False, expert_shards(cfg), p.zero == 3, p.bucket_mb, True)
+    return buckets
 
 
 @functools.lru_cache(maxsize=4096)
-def _buckets(units: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: float) -> tuple[Bucket, ...]:
+def _buckets(units: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: float,
+             expert: bool = False) -> tuple[Bucket, ...]:
     if per_unit:
-        return tuple(Bucket(u, shards) for u in reversed(units) if u)
+        return tuple(Bucket(u, shards, expert) for u in reversed(units) if u)
     root, *layers = units
     embed = root[:1] if first else ()
     numels = [*embed, *(n for layer in layers for n in layer), *root[len(embed):]]  # parameters() order
@@ -145,10 +190,10 @@ def _buckets(units: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: 
         group.append(numel)
         filled += numel
         if filled >= limit:
-            buckets.append(Bucket(tuple(group), shards))
+            buckets.append(Bucket(tuple(group), shards, expert))
             group, filled = [], 0
     if group:
-        buckets.append(Bucket(tuple(group), shards))
+        buckets.append(Bucket(tuple(group), shards, expert))
     return tuple(buckets)
 
 
@@ -181,12 +226,19 @@ def _optimizer_bytes(cfg: Config, buckets: list[Bucket], dp_rank: int) -> tuple[
         # Plain fp32: AdamW over the parameters themselves (exp_avg + exp_avg_sq, and a 4-byte step each);
         # bf16: plus an fp32 master copy of every parameter (Megatron: 12 + 2 bytes per parameter).
         return (8 + 4 * bf16) * sum(numels) + 4 * len(numels), max(numels)
-    owned = [b.owned(dp_rank % shards) for b in buckets]  # the slice of its place in the shard group
+    # the slice of its place in the shard group (an expert shard's: in its edp group, mesh.py's dp*cp index // ep)
+    owned = [b.owned((dp_rank // p.ep if b.expert else dp_rank) % b.shards) for b in buckets]
     elements, pieces = sum(e for e, _ in owned), sum(k for _, k in owned)
     # ZeRO: moments of this rank's pieces only; fp32 masters are views of its parameter slice (no copy),
     # bf16 ones are fp32 copies of its pieces. Largest piece: at most a slice, at most a parameter.
     largest = max(min(b.slice_size, max(b.numels)) for b in buckets)
     return (8 + 4 * bf16) * elements + 4 * pieces, largest if p.dp_impl == "bucket" else 0
+
+
+def _mean_layer(cfg: Config) -> int:
+    """Elements of a decoder layer on a rank, averaged over the model's dense and MoE layers."""
+    layers, moe = cfg.model.num_hidden_layers, moe_layers(cfg.model)
+    return ((layers - moe) * sum(layer_numels(cfg)) + moe * sum(layer_numels(cfg, moe=True))) // layers
 
 
 def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
@@ -198,14 +250,15 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
     p, d = cfg.parallel, Sizes.of(cfg).d
     chunks = rank_chunks(cfg, pp_rank)
     buckets = [b for c in chunks for b in chunk_buckets(cfg, c)]
-    shards = buckets[0].shards
+    shards = zero_shards(cfg)
     padded = sum(b.padded for b in buckets)
     slices = sum(b.slice_size for b in buckets)
     optimizer, largest = _optimizer_bytes(cfg, buckets, dp_rank)
     if p.zero == 3 and shards > 1:
         units = [chunk_buckets(cfg, c) for c in chunks]
         root = max((u[-1].padded for u, c in zip(units, chunks) if c.first or c.last), default=0)
-        layer = max((u[0].padded for u, c in zip(units, chunks) if c.layers), default=0)
+        layer = max((b.padded for u, c in zip(units, chunks) for b in (u[:-1] if c.first or c.last else u)),
+                    default=0)  # the largest layer unit (an MoE layer's, in a model that has dense ones too)
         # ZeRO-3: a clone of this rank's slice of every unit; the full flat buffers exist only while gathered
         return State(params=d * slices, grads=F32 * slices, optimizer=optimizer, largest=largest, root=root,
                      layer=layer, chunk_units=tuple(sum(b.padded for b in u) for u in units))
@@ -219,7 +272,7 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
                      lazy_starts=tuple(tuple(itertools.accumulate((b.padded for b in bs), initial=0))
                                        for bs in per_chunk),
                      head=tuple(sum(u[0][1:] if c.first else u[0]) for u, c in zip(units, chunks)),
-                     layer_elements=sum(layer_numels(cfg)))
+                     layer_elements=_mean_layer(cfg))
     # ZeRO-0/1 (or nothing to shard): every bucket buffer is allocated once and kept; with shards > 1 the
     # parameters live in one flat buffer per bucket, padded like it.
     return State(params=d * padded, grads=F32 * padded, optimizer=optimizer, largest=largest)

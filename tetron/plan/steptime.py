@@ -29,7 +29,14 @@ from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import Hardware
 from tetron.plan.sizes import Sizes
-from tetron.plan.state import accumulates_sharded, chunk_buckets, layer_matmul_numels, rank_chunks, zero_shards
+from tetron.plan.state import (
+    accumulates_sharded,
+    chunk_buckets,
+    expert_shards,
+    layer_matmul_numels,
+    rank_chunks,
+    zero_shards,
+)
 
 
 @dataclass
@@ -42,11 +49,12 @@ class TimeEstimate:
     tp_s: float  # tensor-parallel collectives (not overlapped)
     cp_s: float  # ring attention's transfers that the block computations do not hide, or Ulysses' all-to-alls
     pp_s: float  # stage-to-stage P2P
+    ep_s: float  # expert parallelism's all-to-alls (dispatch and combine, forward and backward; not overlapped)
     dp_s: float  # gradient reduction (and ZeRO's gathers) not hidden by the backward pass
     optimizer_s: float  # the optimizer step: its state streamed through memory once or twice
     save_s: float  # a checkpoint save's blocking time, per step of its checkpoint.save_every
     tokens_per_s: float
-    mfu: float  # model FLOPs (6N + 12*L*h*s per token) per second over the peak of all devices
+    mfu: float  # model FLOPs (6N + 12*L*h*s per token; MoE: N active) per second over the peak of all devices
 
 
 def _bandwidth(hw: Hardware, span: int, gpus_per_node: int) -> float:
@@ -67,8 +75,10 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     rank's chunks in virtual-stage order), and the per-layer tp and cp and the per-message P2P costs."""
     s, p = Sizes.of(cfg), cfg.parallel
     rate = hw.flops(cfg.train.dtype)
-    layer_weights = layer_matmul_numels(cfg)  # matmul weights of one layer on this rank
-    per_layer = s.n * (2 * layer_weights + 2 * cfg.data.seq_len * s.hq)  # forward FLOPs, causal attention
+    # forward FLOPs of a dense and of an MoE layer: its matmul weights (an MoE layer's: those one token's
+    # top_k experts use), causal attention
+    per_layer, per_moe = (s.n * (2 * layer_matmul_numels(cfg, moe=moe) + 2 * cfg.data.seq_len * s.hq)
+                          for moe in (False, True))
     tp_bw = _bandwidth(hw, p.tp, gpus_per_node)
     act = s.n * s.h * s.d  # one residual-stream tensor
     # tp: two all-reduces (sp: all-gather + reduce-scatter, the same volume) per layer forward, two backward
@@ -82,23 +92,54 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
         cp_fwd = (_ring(hw, s.n * s.d * (s.hq + 2 * s.ulysses_kv), p.cp, 1.0, cp_bw)
                   + _ring(hw, s.n * s.d * s.hq, p.cp, 1.0, cp_bw))
         cp_bwd = cp_fwd * (2 if cfg.train.recompute == "full" else 1)  # recomputation repeats the forward's
+    ep_fwd, ep_bwd = expert_exchange(cfg, hw, gpus_per_node)
     p2p = hw.latency_s + act / _bandwidth(hw, p.dp * p.cp * p.tp * 2, gpus_per_node) if p.pp > 1 else 0.0
     recompute = cfg.train.recompute == "full"
     # selective recomputation redoes only element-wise work: memory-bound, its tensors written and read once
-    elementwise = 2 * (layer_none(s) - layer_kept(s, "selective")) / (hw.hbm_gbs * 1e9)
+    elementwise = [2 * (layer_none(s, moe) - layer_kept(s, "selective", moe)) / (hw.hbm_gbs * 1e9)
+                   for moe in (False, True)]
     fwd, bwd = [], []
     for chunk in [c for r in range(p.pp) for c in rank_chunks(cfg, r)]:
-        flops = chunk.layers * per_layer + (2 * s.n * s.vocab * s.h if chunk.last else 0)
+        dense = chunk.layers - chunk.moe
+        layers_flops = dense * per_layer + chunk.moe * per_moe
+        flops = layers_flops + (2 * s.n * s.vocab * s.h if chunk.last else 0)
         compute = flops / rate + chunk.layers * hw.overhead_s / 3
-        f = compute + chunk.layers * (tp_layer + cp_fwd) + p2p
-        b = 2 * compute + chunk.layers * (tp_layer * (2 if recompute else 1) + cp_bwd) + p2p
+        f = compute + chunk.layers * (tp_layer + cp_fwd) + chunk.moe * ep_fwd + p2p
+        b = (2 * compute + chunk.layers * (tp_layer * (2 if recompute else 1) + cp_bwd) + chunk.moe * ep_bwd
+             + p2p)
         if recompute:
-            b += chunk.layers * per_layer / rate
+            b += layers_flops / rate
         elif cfg.train.recompute == "selective":
-            b += chunk.layers * elementwise
+            b += dense * elementwise[0] + chunk.moe * elementwise[1]
         fwd.append(f)
         bwd.append(b)
-    return {"forward": fwd, "backward": bwd, "tp": [tp_layer], "cp": [cp_fwd + cp_bwd], "p2p": [p2p]}
+    return {"forward": fwd, "backward": bwd, "tp": [tp_layer], "cp": [cp_fwd + cp_bwd], "p2p": [p2p],
+            "ep": [ep_fwd + ep_bwd]}
+
+
+def all_to_all_bytes(cfg: Config) -> int:
+    """Bytes one rank sends to the other ranks of its ep group in one MoE layer's all-to-alls of one
+    micro-batch, forward and backward: its n tokens' n*top_k rows of [H] go to their experts' ranks (dispatch)
+    and come back (combine), and the backward sends their gradients the reverse ways: 4 exchanges of
+    n*top_k*H elements, of which (ep-1)/ep leave the rank when the router spreads the tokens evenly.
+    Recomputation (full or selective) replays the forward's two. 0 without expert parallelism."""
+    s, ep = Sizes.of(cfg), cfg.parallel.ep
+    exchanges = 4 + (2 if cfg.train.recompute != "none" else 0)
+    return exchanges * s.n * s.top_k * s.h * s.d * (ep - 1) // ep if ep > 1 else 0
+
+
+def expert_exchange(cfg: Config, hw: Hardware, gpus_per_node: int) -> tuple[float, float]:
+    """Seconds of one MoE layer's all-to-alls for one micro-batch (expert_parallel.ExpertExchange), forward and
+    backward: the forward exchanges the counts per expert, then dispatches the rows and combines them (each
+    sending (ep-1)/ep of n*top_k rows of [H]); the backward sends both gradients back, and under recomputation
+    replays the forward's three. The ep group is ep ranks of dp*cp, tp apart (mesh.py): it spans tp*ep ranks."""
+    s, p = Sizes.of(cfg), cfg.parallel
+    if p.ep == 1:
+        return 0.0, 0.0
+    bw = _bandwidth(hw, p.tp * p.ep, gpus_per_node)
+    rows = _ring(hw, s.n * s.top_k * s.h * s.d, p.ep, 1.0, bw)
+    forward = hw.latency_s + 2 * rows
+    return forward, 2 * rows + (forward if cfg.train.recompute != "none" else 0.0)
 
 
 def _pipeline_span(cfg: Config, costs: dict[str, list[float]]) -> tuple[float, float, float]:
@@ -138,14 +179,25 @@ def _idle(name: str, pp: int, virtual: int, micro_batches: int, relative: tuple[
 def _data_parallel(cfg: Config, hw: Hardware, gpus_per_node: int, *, backward_s: float,
                    compute_s: float) -> float:
     """Seconds of gradient reduction over dp*cp (and ZeRO's parameter gathers) that compute does not hide.
-    ZeRO reduce-scatters and gathers within its shard group (dp*cp, or HSDP's dp_shard consecutive ranks),
-    once a step or, under sharded accumulation, every micro-batch; HSDP then all-reduces the step's fp32
-    slices across the replicas."""
-    p, s = cfg.parallel, Sizes.of(cfg)
-    n, shard = p.dp * p.cp, zero_shards(cfg)
-    if n == 1:
-        return 0.0
+    Under expert parallelism the routed experts' shards are reduced (and sharded) over their edp group,
+    dp*cp/ep ranks spread over the same span, in buckets of their own: each group's time is added."""
+    p = cfg.parallel
     buckets = [b for c in rank_chunks(cfg, 0) for b in chunk_buckets(cfg, c)]
+    n = p.dp * p.cp
+    # (buckets, ranks, shards, ranks the shard group spans): HSDP's shards are consecutive, edp's spread out
+    groups = [([b for b in buckets if not b.expert], n, zero_shards(cfg), p.tp * zero_shards(cfg)),
+              ([b for b in buckets if b.expert], n // p.ep, expert_shards(cfg), p.tp * n)]
+    return sum(_reduction(cfg, hw, gpus_per_node, group, n=size, shard=shard, span=span, backward_s=backward_s,
+                          compute_s=compute_s) for group, size, shard, span in groups if group and size > 1)
+
+
+def _reduction(cfg: Config, hw: Hardware, gpus_per_node: int, buckets: list, *, n: int, shard: int, span: int,
+               backward_s: float, compute_s: float) -> float:
+    """Seconds of one group's gradient reduction (n ranks) not hidden by compute. ZeRO reduce-scatters and
+    gathers within its shard group (dp*cp, or HSDP's dp_shard consecutive ranks), once a step or, under
+    sharded accumulation, every micro-batch; HSDP then all-reduces the step's fp32 slices across the
+    replicas."""
+    p, s = cfg.parallel, Sizes.of(cfg)
     elements = sum(b.padded for b in buckets)
     grads = elements * (2 if p.reduce_dtype == "bfloat16" else 4)
     params = elements * s.d
@@ -153,7 +205,7 @@ def _data_parallel(cfg: Config, hw: Hardware, gpus_per_node: int, *, backward_s:
     if shard == 1:
         reduce = _ring(hw, grads, n, 2.0, bw) if p.dp_impl == "bucket" else len(buckets) * _ring(hw, grads, n, 2, bw)
         return max(reduce - backward_s, reduce / len(buckets))
-    shard_bw = _bandwidth(hw, p.tp * shard, gpus_per_node)
+    shard_bw = _bandwidth(hw, span, gpus_per_node)
     scatter = _ring(hw, grads, shard, 1.0, shard_bw)
     gather = _ring(hw, params, shard, 1.0, shard_bw)
     replicate = _ring(hw, 4 * elements / shard, n // shard, 2.0, bw)
@@ -192,7 +244,8 @@ def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     tp_s = m * layers_rank0 * costs["tp"][0] * (3 if cfg.train.recompute == "full" else 2)
     cp_s = m * layers_rank0 * costs["cp"][0]
     pp_s = m * 2 * p.pp_virtual * costs["p2p"][0]
-    compute = busy - tp_s - cp_s - pp_s
+    ep_s = m * sum(c.moe for c in rank_chunks(cfg, 0)) * costs["ep"][0]
+    compute = busy - tp_s - cp_s - pp_s - ep_s
     backward_last = sum(costs["backward"][k] for k in range(p.pp_virtual))
     dp_s = _data_parallel(cfg, hw, gpus_per_node, backward_s=backward_last, compute_s=compute)
     buckets = [b for c in rank_chunks(cfg, 0) for b in chunk_buckets(cfg, c)]
@@ -206,5 +259,5 @@ def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     flops = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / step
     peak = hw.tflops * 1e12 / (1 if cfg.train.dtype == "bfloat16" or hw.cpu else hw.fp32_slowdown)
     return TimeEstimate(step_s=step, compute_s=compute, bubble=bubble, tp_s=tp_s, cp_s=cp_s, pp_s=pp_s,
-                        dp_s=dp_s, optimizer_s=optimizer, save_s=save, tokens_per_s=tokens / step,
+                        ep_s=ep_s, dp_s=dp_s, optimizer_s=optimizer, save_s=save, tokens_per_s=tokens / step,
                         mfu=flops / (peak * cfg.world_size))
