@@ -21,20 +21,24 @@ import argparse
 import contextlib
 import functools
 import gc
-import importlib.util
 import re
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s modules by name, run by path or with -m
+
+from gpu_check_moe import check_grouped_experts, check_moe_models  # noqa: E402
+from gpu_table import Row, Sizes, Table, relative_error, sizes, verdict  # noqa: E402
 
 from tetron import device as dev
 from tetron.config import CONFIGS_DIR, from_dict
@@ -47,87 +51,6 @@ from tetron.parallel.compile import reset_compiled
 from tetron.plan.memory import predict
 from tetron.train import build_run, dispatch_step, next_batch, read_back, save, train_step
 from tetron.validate import validate
-
-# ------------------------------------------------------------------------------------------ the table
-
-
-@dataclass
-class Row:
-    section: str
-    check: str
-    value: str = ""
-    limit: str = ""
-    status: str = ""  # ok, FAIL, error, skipped, info
-    note: str = ""
-
-
-@dataclass
-class Table:
-    rows: list[Row] = field(default_factory=list)
-
-    def add(self, row: Row) -> None:
-        self.rows.append(row)
-        print(f"  [{row.status:>7}] {row.section}: {row.check} {row.value} {row.note}", file=sys.stderr, flush=True)
-
-    def guarded(self, section: str, check: str, fn: Callable[[], list[Row]]) -> None:
-        """Run one check; its exception becomes an error row, and the next check runs."""
-        try:
-            for row in fn():
-                self.add(row)
-        except Exception as err:  # noqa: BLE001  (any failure is a row, not the end of the check)
-            first = (str(err).strip().splitlines() or [""])[0][:160]
-            self.add(Row(section, check, status="error", note=f"{type(err).__name__}: {first}"))
-
-    def render(self) -> str:
-        head = Row("section", "check", "value", "limit", "status", "note")
-        cols = ("section", "check", "value", "limit", "status", "note")
-        widths = {c: max(len(getattr(r, c)) for r in [head, *self.rows]) for c in cols}
-        line = lambda r: " | ".join(getattr(r, c).ljust(widths[c]) for c in cols).rstrip()  # noqa: E731
-        rule = "-+-".join("-" * widths[c] for c in cols)
-        return "\n".join([line(head), rule, *map(line, self.rows)])
-
-
-def verdict(value: float, limit: float) -> str:
-    return "ok" if value <= limit else "FAIL"
-
-
-# ------------------------------------------------------------------------------------------ sizes
-
-
-@dataclass
-class Sizes:
-    """What each check runs at: real sizes on a GPU, tiny ones on the CPU."""
-
-    gpu: bool
-    logits_model: dict  # LlamaConfig fields for the transformers comparison
-    attention: tuple[int, int, int, int]  # B, H, T, D of the block-attention checks
-    small_model: dict  # the bf16-vs-fp32 training run
-    small_steps: int
-    seq: int  # the speed rows' sequence length
-    speed_models: list[str]  # configs/ names (GPU) or "tiny"
-    warmup: int  # steps before timing (the first compiles)
-    timed: int
-    compiled_modes: tuple[str, ...] = ("none", "selective", "full")  # recompute modes also run compiled
-
-
-def sizes(gpu: bool) -> Sizes:
-    if gpu:
-        return Sizes(gpu=True,
-                     logits_model=dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512),
-                     attention=(2, 8, 1000, 64),  # 1000: not a multiple of the efficient kernel's lse padding
-                     small_model=dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
-                     small_steps=30, seq=2048, speed_models=["smollm-360m", "smollm-1.7b"], warmup=3, timed=5)
-    return Sizes(gpu=False,
-                 logits_model=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-                 attention=(1, 2, 40, 16),
-                 small_model=dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32),
-                 small_steps=6, seq=32, speed_models=["tiny"], warmup=1, timed=2,
-                 compiled_modes=("selective",))  # one cold compile costs ~20 s on a CPU: the hardest case only
-
 
 # ------------------------------------------------------------------------------------------ 1. correctness
 
@@ -157,11 +80,6 @@ def check_logits(sz: Sizes, device: torch.device) -> list[Row]:
                 verdict(err, 1e-4), f"max |diff|, logits up to {float(want.abs().max()):.1f}")]
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Largest error relative to the reference's largest magnitude."""
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
-
-
 def check_block(device: torch.device, dtype: torch.dtype, kernel: str, causal: bool,
                 shape: tuple[int, int, int, int]) -> list[Row]:
     """One fused kernel against the math reference: (out, lse), then each one's backward from its own."""
@@ -174,8 +92,8 @@ def check_block(device: torch.device, dtype: torch.dtype, kernel: str, causal: b
     ref_out, ref_lse = _math_block(q, k, v, causal)
     grads = block_attention_backward(dout, q, k, v, out, lse, causal, kernel=kernel)
     ref_grads = _math_block_backward(dout, q, k, v, ref_out, ref_lse, causal)
-    fwd = max(_rel(out, ref_out), float((lse - ref_lse).abs().max()))
-    bwd = max(_rel(a, w) for a, w in zip(grads, ref_grads))
+    fwd = max(relative_error(out, ref_out), float((lse - ref_lse).abs().max()))
+    bwd = max(relative_error(a, w) for a, w in zip(grads, ref_grads))
     limit = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: 8 mantissa bits, a few roundings
     name = f"block attention {kernel} {str(dtype)[6:]} {'causal' if causal else 'full'} T={t}x{tk}"
     return [Row("correctness", f"{name} fwd (out, lse)", f"{fwd:.2e}", f"{limit:g}", verdict(fwd, limit)),
@@ -196,7 +114,7 @@ def check_documents(device: torch.device, dtype: torch.dtype, shape: tuple[int, 
     out.backward(dout)
     ref_out, ref_lse = _math_block(q, k, v, False, mask)
     ref_grads = _math_block_backward(dout, q, k, v, ref_out, ref_lse, False, mask)
-    fwd, bwd = _rel(out, ref_out), max(_rel(x.grad, w) for x, w in zip(leaves, ref_grads))
+    fwd, bwd = relative_error(out, ref_out), max(relative_error(x.grad, w) for x, w in zip(leaves, ref_grads))
     limit = 1e-4 if dtype == torch.float32 else 2e-2
     name = f"document-masked attention {str(dtype)[6:]} T={t}"
     return [Row("correctness", f"{name} fwd", f"{fwd:.2e}", f"{limit:g}", verdict(fwd, limit)),
@@ -440,94 +358,6 @@ def speed_and_memory(table: Table, sz: Sizes, device: torch.device, work: Path, 
     for section in ("speed", "memory"):
         for case in ordered:
             table.rows += [row for row in results[case] if row.section == section]
-
-
-# ------------------------------------------------------------------------------------------ 4. mixture of experts
-
-
-@functools.cache
-def bench_script(name: str) -> Any:
-    """bench/NAME.py as a module, by its path: bench/ is not a package, and this file runs both by path and
-    as `-m bench.gpu_check`."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-# bench/moe.py's model on a GPU (its GPU_SIZES); on the CPU one tiny layer, a fraction of a second
-MOE_TINY = dict(hidden=32, layers=1, experts=4, top_k=2, expert_width=32, seq=32, batch=2, vocab=256)
-
-
-def check_grouped_experts(device: torch.device) -> list[Row]:
-    """tetron's experts by torch._grouped_mm (Experts.grouped, what CUDA bf16 runs) against its per-expert loop,
-    forward and backward (dx, d gate_up_proj, d down_proj), some experts empty; on the CPU in fp32 (the
-    rows aligned as on CUDA, where tetron's CPU path leaves them in place)."""
-    from tetron.models.moe import Experts
-
-    moe = bench_script("moe")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    e, h, width, rows = (64, 1024, 512, 16384) if device.type == "cuda" else (5, 16, 8, 40)
-    g = torch.Generator().manual_seed(0)
-    experts = Experts(e, h, width)
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * h ** -0.5)
-    experts = experts.to(device, dtype)
-    share = torch.rand(e, generator=g)
-    share[[0, e // 2, e - 1]] = 0  # empty experts first, in the middle and last: where alignment could slip
-    counts = torch.bincount(torch.multinomial(share, rows, replacement=True, generator=g), minlength=e).to(device)
-    x, dout = (torch.randn(rows, h, generator=g).to(device, dtype) for _ in range(2))
-
-    def run(fn: Callable) -> list[torch.Tensor]:
-        leaf = x.clone().requires_grad_()
-        out = fn(leaf, counts)
-        out.backward(dout)
-        grads = [leaf.grad, *(p.grad for p in experts.parameters())]
-        experts.zero_grad(set_to_none=True)
-        return [out.detach(), *grads]
-
-    with moe.experts_path(grouped=False):
-        want = run(experts)
-    name = f"MoE experts grouped_mm vs per-expert loop {str(dtype)[6:]}, {e} experts, {rows} rows"
-    try:
-        got = run(experts.grouped)
-    except (RuntimeError, NotImplementedError) as err:
-        if device.type == "cuda":
-            raise
-        return [Row("correctness", name, status="skipped", note=f"torch._grouped_mm not on this CPU: {err}"[:120])]
-    fwd, bwd = _rel(got[0], want[0]), max(_rel(a, b) for a, b in zip(got[1:], want[1:]))
-    limit = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the two sum their products in other orders
-    note = "" if device.type == "cuda" else "CPU: rows aligned as on CUDA (tetron's CPU path leaves them in place)"
-    return [Row("correctness", f"{name} fwd", f"{fwd:.2e}", f"{limit:g}", verdict(fwd, limit), note),
-            Row("correctness", f"{name} bwd (dx, dW)", f"{bwd:.2e}", f"{limit:g}", verdict(bwd, limit), note)]
-
-
-def check_moe_models(sz: Sizes, device: torch.device) -> list[Row]:
-    """bench/moe.py's comparison, forward and backward: tetron's Qwen3-MoE against transformers'
-    Qwen3MoeForCausalLM (its default experts) on the same weights and batch, the loss first, then tokens/s;
-    and tetron with its experts grouped against the loop (forced)."""
-    moe = bench_script("moe")
-    dtype = torch.bfloat16 if sz.gpu else torch.float32
-    s = moe.GPU_SIZES if sz.gpu else MOE_TINY
-    r = moe.compare_models(s, device, dtype, rounds=3 if sz.gpu else 1, per_round=3 if sz.gpu else 1,
-                           impls=(None,), block=False)
-    times, losses = r["model"], r["losses"]
-    hf = next(n for n in times if n.startswith("transformers"))
-    forced = next(n for n in times if n.endswith("(forced)"))
-    tps = {n: r["tokens"] / moe.median(t) for n, t in times.items()}
-    grouped, loop = ("tetron", forced) if "loop" in forced else (forced, "tetron")
-    err = max(abs(v - losses["tetron"]) / losses["tetron"] for v in losses.values())
-    limit = 1e-5 if dtype == torch.float32 else 2e-2
-    shape = (f"layers {s['layers']}, experts {s['experts']} (top-{s['top_k']}, width {s['expert_width']}), "
-             f"hidden {s['hidden']}, batch {s['batch']}x{s['seq']}, {str(dtype)[6:]}")
-    return [Row("correctness", f"MoE loss vs transformers Qwen3MoeForCausalLM ({device.type})", f"{err:.2e}",
-                f"{limit:g}", verdict(err, limit), f"largest relative difference over {len(losses)} models; {shape}"),
-            Row("speed", "MoE tetron vs transformers Qwen3MoeForCausalLM", f"{tps['tetron'] / tps[hf]:.2f}x", "",
-                "info", f"fwd+bwd tok/s: tetron {tps['tetron']:,.0f}, {hf} {tps[hf]:,.0f}; {shape}"),
-            Row("speed", "MoE tetron experts grouped_mm vs per-expert loop", f"{tps[grouped] / tps[loop]:.2f}x", "",
-                "info", f"fwd+bwd tok/s: grouped {tps[grouped]:,.0f}, loop {tps[loop]:,.0f}")]
 
 
 # ------------------------------------------------------------------------------------------ main
