@@ -25,6 +25,7 @@ are in flight.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, replace
 
 from tetron.config import Config
@@ -112,6 +113,12 @@ def _loss_moments(cfg: Config, s: Sizes) -> list[tuple[str, dict[str, int]]]:
 
 
 def _layer_backward(cfg: Config, s: Sizes, chunk: Chunk) -> tuple[int, int | None]:
+    split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule) and not chunk.first
+    return _layer_backward_of(s, chunk, cfg.train.recompute, split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_backward_of(s: Sizes, chunk: Chunk, mode: str, split: bool) -> tuple[int, int | None]:
     """Temporaries of a decoder layer's backward at its worst (of the chunk's kinds of layer: dense, MoE),
     before and after an MoE layer's expert gradients begin (ZeRO-2's expert buckets start between; None:
     not in this backward, B of a split one): its
@@ -119,8 +126,8 @@ def _layer_backward(cfg: Config, s: Sizes, chunk: Chunk) -> tuple[int, int | Non
     (fitted: LAYER_BWD_*; an MoE block's, stage by stage: activations.moe_backward) and under cp the ring's
     gradient blocks (in an MoE layer attention's backward comes after the block's, whose saved tensors are
     gone by then: not at its peak). Recomputing an MoE layer under expert parallelism replays its forward's
-    all-to-alls, whose buffers (activations.moe_forward) may outweigh the backward's."""
-    mode = cfg.train.recompute
+    all-to-alls, whose buffers (activations.moe_forward) may outweigh the backward's. `split`: B of a backward
+    split into B and W (zbh1, zbv; not the first stage's, whose W is the whole backward)."""
     kinds = ([False] if chunk.layers > chunk.moe else []) + ([True] if chunk.moe else [])
     early = late = 0
     for moe in kinds:
@@ -128,7 +135,6 @@ def _layer_backward(cfg: Config, s: Sizes, chunk: Chunk) -> tuple[int, int | Non
         if moe and s.grouped:
             incoming = extra + s.n_res * s.h * s.d
             replay = moe_forward(s) - 2 * s.n_mlp * s.top_k * s.h * s.d if mode != "none" else 0
-            split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule) and not chunk.first
             before, after = moe_backward(s, split=split)
             early = max(early, incoming + max(before, replay))
             late = None if split else max(late, incoming + after)  # split: the expert gradients come in W
@@ -220,11 +226,10 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
         combine = 2 * s.n_mlp * s.top_k * s.h * s.d if cfg.train.recompute == "none" else 0
         found.append(("forward", 0, True, {"logits": -held.loss, "activations": -head - combine,
                                            "temporaries": moe_forward(s)}))
+    syncing = action.micro == walked_micro_batches(cfg) - 1 or accumulates_sharded(cfg)
     for name, index, experts, extra in found:
         extra["params"], extra["grads"] = _zero_extras(s, st, chunk, name, attached=attached, index=index,
-                                                       syncing=action.micro == walked_micro_batches(cfg) - 1
-                                                       or accumulates_sharded(cfg),
-                                                       which=action.chunk, experts=experts)
+                                                       syncing=syncing, which=action.chunk, experts=experts)
     return [(name, extra) for name, _, _, extra in found]
 
 
@@ -238,6 +243,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     base = MemoryEstimate(params=st.params, grads=st.grads, optimizer=st.optimizer, activations=ids,
                           pp_rank=pp_rank)
     best = replace(base, moment="between steps")
+    base_total = base.total
     acts = loss = 0
     buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
     split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule)
@@ -251,30 +257,35 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     rebuilt = [r + (c.moe * moe_retained(s) if split and not c.first else 0) for r, c in zip(rebuilt, chunks)]
     done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-2/3, full accumulation)
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
-    best_total = best.total
+    found: dict[tuple, list] = {}  # per kind of moment, its moments (they depend on nothing else)
+    last = walked_micro_batches(cfg) - 1
+    held_total, peak = best.total, None  # the best moment so far, as (name, acts, loss, comm, extra)
     for k, action in enumerate(actions(cfg, pp_rank)):
         chunk, h = chunks[action.chunk], held[action.chunk]
         if not action.backward:
             acts, loss = acts + h.activations, loss + h.loss
-        attached = sum(st.chunk_units[c] for c in done | ({action.chunk} if done else set()))
-        key = (action.chunk, action.backward, buffers[k], attached, action.micro == walked_micro_batches(cfg) - 1)
-        comm = buffers[k] * s.n_res * s.d * s.h
+        attached = sum(st.chunk_units[c] for c in done | ({action.chunk} if done else set())) if done else 0
+        key = (action.chunk, action.backward, action.weight, buffers[k], attached, action.micro == last)
         if acts + loss > most.get(key, -1):
             most[key] = acts + loss
-            for name, extra in _moments(cfg, s, st, chunk, h, action, attached):
-                if base.total + acts + loss + comm + sum(extra.values()) <= best_total:
-                    continue
-                best = replace(base, params=st.params + extra["params"], grads=st.grads + extra["grads"],
-                               activations=ids + acts + extra.get("activations", 0),
-                               logits=loss + extra.get("logits", 0), comm=comm,
-                               temporaries=extra.get("temporaries", 0), moment=name)
-                best_total = best.total
+            comm = buffers[k] * s.n_res * s.d * s.h
+            if key[:3] + key[4:] not in found:
+                found[key[:3] + key[4:]] = [(name, extra, sum(extra.values())) for name, extra
+                                           in _moments(cfg, s, st, chunk, h, action, attached)]
+            for name, extra, added in found[key[:3] + key[4:]]:
+                if base_total + acts + loss + comm + added > held_total:
+                    held_total, peak = base_total + acts + loss + comm + added, (name, acts, loss, comm, extra)
         if action.backward and split and not action.weight:
             acts += rebuilt[action.chunk]
         if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
             acts, loss = acts - h.activations - rebuilt[action.chunk], loss - h.loss
             if st.chunk_units and cfg.train.grad_acc > 1 and not accumulates_sharded(cfg):
                 done.add(action.chunk)
+    if peak is not None:
+        name, acts, loss, comm, extra = peak
+        best = replace(base, params=st.params + extra["params"], grads=st.grads + extra["grads"],
+                       activations=ids + acts + extra.get("activations", 0), logits=loss + extra.get("logits", 0),
+                       comm=comm, temporaries=extra.get("temporaries", 0), moment=name)
     # The optimizer step: activations gone; AdamW's temporaries (sqrt of the second moment, the update
     # denominator) and clipping's squares are each one piece in size, fp32.
     step = replace(base, temporaries=3 * F32 * st.largest, moment="optimizer step")

@@ -35,11 +35,21 @@ class Chunk:
 def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
     """The chunks pipeline rank `pp_rank` holds, in virtual-stage order (pipeline_parallel.rank_stages)."""
     p, m = cfg.parallel, cfg.model
-    stages = p.pp * p.pp_virtual
-    ranges = split_layers(m.num_hidden_layers, stages, p.pp_split)
-    held = [stage_of(c, pp_rank, pp=p.pp, style=style_of(p.pp_schedule)) for c in range(p.pp_virtual)]
-    return [Chunk(len(ranges[s]), s == 0, s == stages - 1, sum(map(m.is_moe_layer, ranges[s])) if is_moe(m) else 0)
-            for s in held]
+    kinds = tuple(map(m.is_moe_layer, range(m.num_hidden_layers))) if is_moe(m) else m.num_hidden_layers
+    split = tuple(p.pp_split) if p.pp_split is not None else None
+    return list(_rank_chunks(kinds, p.pp, p.pp_virtual, split, style_of(p.pp_schedule), pp_rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_chunks(kinds: tuple[bool, ...] | int, pp: int, virtual: int, split: tuple | None, style: str,
+                 pp_rank: int) -> tuple[Chunk, ...]:
+    """rank_chunks of a model whose layers are `kinds` (MoE or not; a dense model: their number)."""
+    layers = kinds if isinstance(kinds, int) else len(kinds)
+    stages = pp * virtual
+    ranges = split_layers(layers, stages, list(split) if split is not None else None)
+    held = [stage_of(c, pp_rank, pp=pp, style=style) for c in range(virtual)]
+    return tuple(Chunk(len(ranges[s]), s == 0, s == stages - 1,
+                       0 if isinstance(kinds, int) else sum(kinds[i] for i in ranges[s])) for s in held)
 
 
 def layer_numels(cfg: Config, *, moe: bool = False, experts: bool = True) -> list[int]:
@@ -283,12 +293,27 @@ def _starts(per_chunk: list[list[Bucket]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(itertools.accumulate((b.padded for b in bs), initial=0)) for bs in per_chunk)
 
 
+_STATES: dict[tuple, State] = {}  # state() by what it depends on: the layout search asks again for each
+# micro-batch size, recompute mode and pipeline schedule of the same parallel sizes
+
+
 def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
     """The persistent bytes of pipeline rank `pp_rank` (and dp*cp rank `dp_rank`, whose ZeRO slices
     differ from the others' by padding only). ZeRO's 1/N of optimizer state (stage 1), gradients (2) and
     parameters (3) as in Rajbhandari et al. 2020 and the Ultra-Scale Playbook, on tetron's buckets: each
     padded to a multiple of N = dp*cp (HSDP: dp_shard), every gradient in fp32 whatever the compute dtype
     (Megatron's main_grad), one bucket per decoder layer under ZeRO-3 (FSDP2's unit)."""
+    # the model, the parallel section and the dtype are all it reads (the train section's micro-batch,
+    # recompute and accumulation do not change what persists)
+    key = (repr(cfg.model), repr(cfg.parallel), cfg.train.dtype, pp_rank, dp_rank)
+    if key not in _STATES:
+        if len(_STATES) > 65536:
+            _STATES.clear()
+        _STATES[key] = _state(cfg, pp_rank, dp_rank)
+    return _STATES[key]
+
+
+def _state(cfg: Config, pp_rank: int, dp_rank: int) -> State:
     p, d = cfg.parallel, Sizes.of(cfg).d
     chunks = rank_chunks(cfg, pp_rank)
     buckets = [b for c in chunks for b in chunk_buckets(cfg, c)]
