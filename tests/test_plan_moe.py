@@ -250,11 +250,15 @@ def test_plan_measure_moe_ep2(tmp_path):
 
 
 def test_search_ranks_ep_among_the_axes():
-    """The search tries every ep dividing dp*cp and num_experts, keeps what validate() accepts, and an expert
-    shard's bytes fall as 1/ep; the arithmetic floor stays below every prediction (the search trusts it)."""
+    """The search tries every ep dividing dp*cp and num_experts, keeps what validate() accepts (ZeRO-2/3 and the
+    zero-bubble schedules too), and an expert shard's bytes fall as 1/ep; the arithmetic floor stays below every
+    prediction (the search trusts it)."""
     cfg = _model(MOE, data={"seq_len": 64}, train={"dtype": "bfloat16"})
     plans = search(cfg, gpu("H100"), nodes=1, gpus_per_node=8, batch=16)
     assert {p.layout.ep for p in plans} == {1, 2, 4, 8}
+    # with ep: every ZeRO stage and the zero-bubble schedule (zbv needs 4 layers: 2 here)
+    expert = [p.layout for p in plans if p.layout.ep > 1]
+    assert {x.zero for x in expert} == {0, 1, 2, 3} and any(x.pp_schedule == "zbh1" and x.pp > 1 for x in expert)
     for p in plans:
         validate(p.config, world_size=8)
         assert p.config.parallel.ep == p.layout.ep and (p.time.ep_s > 0) == (p.layout.ep > 1)
