@@ -5,8 +5,8 @@ the active parameters, and ep among the searched axes.
 
 The measured cases run on forked gloo ranks (tests/harness.py) or, once, through `tetron plan --measure`,
 on a 2-layer MoE of hidden 64: predicted and measured peaks agree within the dense model's 10% (here within
-3-7%: the model assumes the router spreads tokens evenly over the ep ranks, so a rank that receives fewer
-than its share holds less than predicted)."""
+3%, most within 0.2%; under ep with every token sent to every expert, so that each rank receives its share:
+the model takes the router to spread tokens evenly, and a rank that receives more holds more)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from tetron.plan.measure import measure_rank
 from tetron.plan.memory import floor, predict, predict_rank
 from tetron.plan.search import memory_limit, rank, search
 from tetron.plan.sizes import Sizes, expert_elements
-from tetron.plan.state import layer_matmul_numels, layer_numels, state
+from tetron.plan.state import layer_matmul_numels, layer_numels, rank_chunks, state
 from tetron.plan.steptime import all_to_all_bytes, estimate
 from tetron.validate import validate
 
@@ -171,41 +171,64 @@ def _counted_measure(raw: dict) -> tuple[dict, dict]:
     return measure_rank(raw, steps=2, timed_steps=1), rows
 
 
-MEASURED = {  # name: (parallel, train, model)
-    "dp2 ep2": ({"dp": 2, "ep": 2}, {}, MOE),
-    "dp2 ep2 zero1 full bf16": ({"dp": 2, "ep": 2, "zero": 1}, {"recompute": "full", "dtype": "bfloat16"}, MOE),
-    "pp2 mixed": ({"pp": 2}, {}, MIXED),
+# Every token to every expert: under ep each rank then receives exactly its share of the rows, the case the
+# planner takes (it cannot know the router's choices; a real router's imbalance moves a rank's peak by up to
+# a fifth here), so ep's terms are checked exactly; the k=2 models check the router's and the experts' terms.
+EVEN = {**MOE, "num_experts_per_tok": 8}
+EVEN_MIXED = {**MIXED, "num_experts_per_tok": 8}
+
+MEASURED = {  # name: (parallel, train, model); each axis, ZeRO stage and edp shape, recompute mode, bf16, schedule
     "single selective": ({}, {"recompute": "selective"}, MOE),
+    "tp2 full bf16": ({"tp": 2}, {"recompute": "full", "dtype": "bfloat16"}, MOE),
+    "cp2 tp2 sp ep2": ({"cp": 2, "tp": 2, "sp": True, "ep": 2}, {}, EVEN),
+    "cp2 ulysses ep2 zero1": ({"cp": 2, "cp_impl": "ulysses", "ep": 2, "zero": 1}, {}, EVEN),
+    "dp2 ep2 zero1 full bf16": ({"dp": 2, "ep": 2, "zero": 1}, {"recompute": "full", "dtype": "bfloat16"}, EVEN),
+    "dp4 ep2 zero2": ({"dp": 4, "ep": 2, "zero": 2}, {}, EVEN),  # edp_shard 2: expert slices
+    "dp4 ep4 zero2": ({"dp": 4, "ep": 4, "zero": 2}, {}, EVEN),  # edp_shard 1: whole expert buckets
+    "dp4 ep2 zero3 hsdp2": ({"dp": 4, "ep": 2, "zero": 3, "dp_shard": 2}, {}, EVEN),
+    "dp2 pp2 ep2 mixed": ({"dp": 2, "pp": 2, "ep": 2}, {}, EVEN_MIXED),  # 1f1b; dense layers, a shared expert
+    # ZeRO-1: under ZeRO-2 gloo may still hold a reduce-scatter's input when a later moment peaks (a bucket
+    # more on some runs, up to 7% here), which this layout's margin would not always absorb
+    "dp2 pp2 ep2 zbv zero1 selective": ({"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "zbv", "pp_virtual": 2,
+                                         "zero": 1}, {"recompute": "selective"}, {**EVEN, "num_hidden_layers": 4}),
 }
 
 
 def test_moe_memory_and_exchange_match_the_ranks(corpus, cache_dir, tmp_path):
-    """Each rank's peak against the prediction (10%), its parameters, gradients and optimizer state exactly
-    (expert shards 1/ep, their ZeRO-1 slices 1/edp), and under ep the rows its all-to-alls sent: every
-    assignment 4 times a step (6 with recomputation) over the ranks, and per rank the bytes that left it
-    within 10% of all_to_all_bytes (which takes the router to spread tokens evenly: measured 49% here)."""
+    """Each rank's peak against the prediction (10%; measured within 3%), its parameters, gradients and optimizer
+    state exactly (expert shards 1/ep, their ZeRO slices 1/edp_shard or whole), and under ep the rows its
+    all-to-alls sent: each of its assignments 4 times a step per MoE layer (6 with recomputation), (ep-1)/ep of
+    them away, as all_to_all_bytes says."""
+    rows_out = []
     for name, (parallel, train, model) in MEASURED.items():
         raw = tiny_config(corpus, cache_dir, tmp_path / name.replace(" ", "-"), model=model, parallel=parallel,
                           data={"seq_len": 64}, train={"micro_batch": 2, "grad_acc": 2, **train})
         cfg = from_dict(raw)
         validate(cfg)
         prepare_data(cfg)
+        # Sizes.of asks whether the experts take torch._grouped_mm, which probes the CPU kernel once, here, before
+        # the ranks fork: models/moe.py's own first probe runs inside the first MoE forward, and inside a layer
+        # under recompute=selective that breaks the layer's recomputation ("backward an extra time")
+        assert Sizes.of(cfg).grouped
         results = run_ranks(cfg.world_size, _counted_measure, raw, timeout=300)
         for r, rows in results:
             dp_rank = r["dp"] * cfg.parallel.cp + r["cp"]
             predicted = predict_rank(cfg, r["pp"], dp_rank=dp_rank).total
-            assert abs(predicted - r["peak_bytes"]) <= TOLERANCE * r["peak_bytes"], (name, r["rank"], predicted, r)
+            error = (predicted - r["peak_bytes"]) / r["peak_bytes"]
+            rows_out.append(f"{name:<32} rank {r['rank']}  {error:+6.1%}")
+            assert abs(error) <= TOLERANCE, (name, r["rank"], predicted, r)
             st = state(cfg, r["pp"], dp_rank=dp_rank)
             held = {k: round(r["state"][f"mem_{k}_mb"] * 2**20) for k in ("params", "grads", "optimizer")}
             assert held == {"params": st.params, "grads": st.grads, "optimizer": st.optimizer}, name
-            if cfg.parallel.ep > 1:
-                micro_batches = 3 * cfg.train.grad_acc * cfg.model.num_hidden_layers  # 3 steps, every layer MoE
-                away = rows["away"] * 64 * Sizes.of(cfg).d / micro_batches
-                assert away == pytest.approx(all_to_all_bytes(cfg), rel=0.1), name
-        if cfg.parallel.ep > 1:
-            exchanges = 4 + 2 * (cfg.train.recompute != "none")
-            assignments = 2 * 64 * 2 * 2  # per micro-batch: tokens x top_k, on both ranks
-            assert sum(rows["all"] for _, rows in results) == exchanges * assignments * micro_batches, name
+            layers = sum(c.moe for c in rank_chunks(cfg, r["pp"]))
+            if cfg.parallel.ep > 1 and layers:
+                s = Sizes.of(cfg)
+                micro_batches = 3 * cfg.train.grad_acc * layers  # 3 steps, this stage's MoE layers
+                exchanges = 4 + 2 * (cfg.train.recompute != "none")
+                assert rows["all"] == exchanges * s.n_mlp * s.top_k * micro_batches, name
+                away = rows["away"] * s.h * s.d / micro_batches
+                assert away == all_to_all_bytes(cfg), name
+    print("\n" + "\n".join(rows_out))
 
 
 def test_plan_measure_moe_ep2(tmp_path):
@@ -229,11 +252,15 @@ def test_plan_measure_moe_ep2(tmp_path):
 
 
 def test_search_ranks_ep_among_the_axes():
-    """The search tries every ep dividing dp*cp and num_experts, keeps what validate() accepts, and an expert
-    shard's bytes fall as 1/ep; the arithmetic floor stays below every prediction (the search trusts it)."""
+    """The search tries every ep dividing dp*cp and num_experts, keeps what validate() accepts (ZeRO-2/3 and the
+    zero-bubble schedules too), and an expert shard's bytes fall as 1/ep; the arithmetic floor stays below every
+    prediction (the search trusts it)."""
     cfg = _model(MOE, data={"seq_len": 64}, train={"dtype": "bfloat16"})
     plans = search(cfg, gpu("H100"), nodes=1, gpus_per_node=8, batch=16)
     assert {p.layout.ep for p in plans} == {1, 2, 4, 8}
+    # with ep: every ZeRO stage and the zero-bubble schedule (zbv needs 4 layers: 2 here)
+    expert = [p.layout for p in plans if p.layout.ep > 1]
+    assert {x.zero for x in expert} == {0, 1, 2, 3} and any(x.pp_schedule == "zbh1" and x.pp > 1 for x in expert)
     for p in plans:
         validate(p.config, world_size=8)
         assert p.config.parallel.ep == p.layout.ep and (p.time.ep_s > 0) == (p.layout.ep > 1)

@@ -42,14 +42,16 @@ def layer_none(s: Sizes, moe: bool = False) -> int:
     """One decoder layer's saved tensors without recomputation, for one micro-batch. Korthikanti's
     sbh(34 + 5as/h) for GPT becomes, for this Llama (no dropout, SwiGLU, RMSNorm in fp32): two norms
     (on the residual stream, 1/tp of it under sp), the two norm outputs as the column-parallel matmuls
-    see them (the whole sequence, all-gathered under sp), attention, and the MLP's gate, silu(gate),
-    up and their product (4 x intermediate/tp), or an MoE layer's block (moe_block_none). fp32, tp 1, no
-    GQA: 24h + 16hq + 16i + 4 heads + 8 bytes a token (tests/test_recompute.py measures 1,185,792 for its
-    model: this formula exactly)."""
+    see them (the whole sequence, all-gathered under sp; an MoE model's mlp, whole on every tp rank, sees
+    its n_mlp tokens instead), attention, and the MLP's gate, silu(gate), up and their product
+    (4 x intermediate/tp), or an MoE layer's block (moe_block_none). fp32, tp 1, no GQA: 24h + 16hq +
+    16i + 4 heads + 8 bytes a token (tests/test_recompute.py measures 1,185,792 for its model: this
+    formula exactly)."""
     # Under sp each block's norm output is all-gathered into one contiguous [n, h] buffer (comm.py) that
     # q, k and v (gate and up) all read and save: one per block, as without sp.
-    mlp = moe_block_none(s) if moe else s.n * 4 * s.d * s.inter
-    return 2 * norm_bytes(s, s.n_res) + 2 * s.n * s.d * s.h + _attention(s) + _head_norms(s) + mlp
+    mlp = moe_block_none(s) if moe else s.n_mlp * 4 * s.d * s.inter
+    return (2 * norm_bytes(s, s.n_res) + (s.n + s.n_mlp) * s.d * s.h + _attention(s) + _head_norms(s)
+            + mlp)
 
 
 def _head_norms(s: Sizes) -> int:
@@ -61,32 +63,41 @@ def _head_norms(s: Sizes) -> int:
 
 
 def moe_block_none(s: Sizes) -> int:
-    """What an MoE block (models/moe.py) saves beyond its input, for n tokens and M = n*k assignments: the
-    router's fp32 logits (the z-loss's logsumexp keeps them), its softmax scores, the chosen experts' weights
-    and their sum, the logsumexp per token, the top-k indices (int64) and the auxiliary loss's [B, E] counts;
-    the dispatch's sort order and token index (int64) and each assignment's weight; per assignment the
-    permuted token [M, H] each expert's first matmul reads, its gate_up output, silu's output and the product
-    (4 x moe_intermediate), the expert output and the weighted output the scatter-add keeps ([M, H] each);
-    the shared experts as a dense MLP. Expert parallelism adds the int64 orders that sort what a rank
-    receives by local expert and put its outputs back (the rows it receives: M on average)."""
-    m = s.n * s.top_k
-    router = s.n * (F32 * (2 * s.experts + s.top_k + 2) + I64 * s.top_k) + F32 * s.batch * s.experts
+    """What an MoE block (models/moe.py) saves beyond its input, for n tokens (n_mlp: 1/tp of them under sp)
+    and M = n*k assignments: the router's fp32 logits (the z-loss's logsumexp keeps them), its softmax
+    scores, the chosen experts' weights and their sum, the logsumexp per token, the top-k indices (int64) and
+    the auxiliary loss's [B, E] counts; the dispatch's sort order and token index (int64) and each
+    assignment's weight; per assignment the permuted token [M, H] each expert's first matmul reads, its
+    gate_up output, silu's output and the product (4 x moe_intermediate), the expert output and the weighted
+    output the scatter-add keeps ([M, H] each); the shared experts as a dense MLP. torch._grouped_mm (Sizes.
+    grouped) keeps each group's end (int32, one per local expert); on CUDA its first four are padded to the
+    alignment's rows and the row places (int64) kept. Expert parallelism adds the int64 orders that sort what
+    a rank receives by local expert and put its outputs back (the rows it receives: M on average)."""
+    n = s.n_mlp
+    m = n * s.top_k
+    router = n * (F32 * (2 * s.experts + s.top_k + 2) + I64 * s.top_k) + F32 * s.batch * s.experts
     dispatch = m * (F32 + 2 * I64) + (2 * I64 * m if s.ep > 1 else 0)
     experts = m * s.d * (3 * s.h + 4 * s.expert_inter)
-    return router + dispatch + experts + s.n * 4 * s.d * s.shared_inter
+    if s.grouped:
+        ends = 4 * (s.experts // s.ep)
+        places = I64 * m if s.align > 1 else 0
+        experts = s.rows(m) * s.d * (s.h + 4 * s.expert_inter) + 2 * m * s.d * s.h + ends + places
+    return router + dispatch + experts + n * 4 * s.d * s.shared_inter
 
 
 def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
     """What a layer keeps between its forward and backward under recomputation (recompute.py): its input
     always (on the residual stream); `selective` also every matmul output and attention's outputs: q, k,
     v, attention output (+ log-sum-exp), o and down (whole width: row-parallel partial sums), gate, up; in
-    an MoE layer the router's logits, each assignment's gate_up and expert output, the shared experts'."""
+    an MoE layer the router's logits and the shared experts' (the experts' own outputs only where each is a
+    matmul: torch._grouped_mm is not among the matmuls the policy keeps, so grouped experts are recomputed)."""
     kept = s.n_res * s.d * s.h
     if mode == "selective":
         attention = s.d * (2 * s.hq + 2 * s.hkv) + F32 * s.heads
-        mlp = (s.experts + s.top_k * (2 * s.expert_inter + s.h) + 2 * s.shared_inter + s.h * bool(s.shared_inter)
-               if moe else s.h + 2 * s.inter)
-        kept += s.n * (attention + s.d * s.h + s.d * mlp)
+        shared = 2 * s.shared_inter + s.h * bool(s.shared_inter)
+        experts = 0 if s.grouped else s.top_k * (2 * s.expert_inter + s.h)
+        mlp = s.experts + experts + shared if moe else s.h + 2 * s.inter
+        kept += s.n * (attention + s.d * s.h) + s.n_mlp * s.d * mlp
     return kept
 
 
@@ -95,10 +106,14 @@ def layer_weight_inputs(s: Sizes, moe: bool = False) -> int:
     this from B to W): each RMSNorm's normalized input, each matmul's input (the norm outputs as the
     column-parallel matmuls see them, attention's output, the MLP's product; an MoE layer's permuted
     tokens and each assignment's product, the shared experts' product; Qwen3's per-head norms')."""
-    inputs = 5 if s.sp else 2
-    mlp = s.top_k * (s.h + s.expert_inter) + s.shared_inter if moe else s.inter
+    # under sp each column-parallel linear keeps its own gathered input; a whole mlp reads the norm's output
+    attention = 3 if s.sp else 1
+    reads = 1 if s.mlp_whole or not s.sp else 2
+    m = s.n_mlp * s.top_k
+    mlp = (s.n_mlp * s.d * (reads * s.h + s.shared_inter) + s.rows(m) * s.d * (s.h + s.expert_inter) if moe
+           else s.n_mlp * s.d * (reads * s.h + s.inter))
     heads = (s.hq + s.hkv) * s.qk_norm  # the per-head norms' normalized inputs
-    return 2 * s.n_res * s.d * s.h + s.n * s.d * (inputs * s.h + s.hq + mlp + heads)
+    return 2 * s.n_res * s.d * s.h + s.n * s.d * (attention * s.h + s.hq + heads) + mlp
 
 
 def layer_activations(s: Sizes, mode: str, moe: bool = False) -> int:
@@ -140,13 +155,56 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
     return Held(acts, loss)
 
 
-def moe_backward(s: Sizes) -> int:
-    """What an MoE layer's backward holds beyond the dense layer's activation gradients (memory.LAYER_BWD_*;
-    the [M, H] gradients of its outputs and permuted tokens take the place of the saved [M, H] outputs it has
-    released by then, measured here): under expert parallelism the reverse all-to-all's buffer (the
-    gradients a rank received for its experts' rows, [M, H] on average), and the gradient of the rank's
-    expert tensors, whole: one expert at a time (Experts.forward's loop) each expert's gradient arrives as a
-    gradient of the whole tensor (indexing's backward) and is summed into one, so two are alive at once
-    (torch._grouped_mm's backward, on the GPU, makes one: this errs safe)."""
-    exchange = s.n * s.top_k * s.h * s.d if s.ep > 1 else 0
-    return exchange + 2 * s.d * (s.experts // s.ep) * 3 * s.h * s.expert_inter
+def moe_backward(s: Sizes, *, split: bool = False) -> tuple[int, int]:
+    """(before, after its expert gradients begin) the most an MoE block's backward adds to the layer's saved
+    tensors, beyond the incoming gradient (memory._layer_backward), for M assignments of [H] (A bytes each in
+    the compute dtype) and [I] (B). With torch._grouped_mm (Sizes.grouped; measured op by op here) the
+    backward walks the forward back: the shared experts first (a dense MLP's gradients; then its saved
+    tensors go and the gradient of its input stays); the combine (the scatter-add's gradient gathered per
+    assignment, times each weight, and the weights' gradient: 2A beside the [M, H] the scatter-add kept, 3A
+    in fp32 where bf16 upcasts to the fp32 weights); under expert parallelism the reverse all-to-all and the
+    un-permute's scatter, A beyond the [M, H] output released by then; then, once the experts' weight
+    gradients begin: the down projection (its [E_local, H, I] weight gradient and the product's B, the [M, H]
+    output released); silu and the product (2B, the outputs of both released); the gate_up projection (its
+    [E_local, 2I, H] weight gradient and the tokens' A, the [M, 2I] output and the product released). The
+    peak is the largest of these. One matmul per expert (Experts.loop) instead gathers each expert's weight
+    gradient into one of the whole tensor, two alive at once, besides the reverse all-to-all's [M, H].
+    `split`: B of a backward split into B and W (zbh1, zbv past the first stage): no weight gradient,
+    nothing saved released (W runs on the same graph), and the gradients W multiplies by stay (moe_retained:
+    A and 2B): at worst, the combine's 3A, under ep the reverse all-to-all and its scatter (3A), silu and the
+    product (A + 4B), and the tokens' gradient scattered back (under ep A and 2A more, else 2 [N, H])."""
+    m, local = s.n_mlp * s.top_k, s.experts // s.ep
+    a, b = m * s.h * s.d, s.rows(m) * s.expert_inter * s.d
+    if not s.grouped:
+        exchange = a if s.ep > 1 else 0
+        both = exchange + 2 * s.d * local * 3 * s.h * s.expert_inter
+        return both, both
+    shared = s.n_mlp * s.d * (s.h - 4 * s.shared_inter) if s.shared_inter else 0  # once its backward is done
+    combine = m * s.h * (2 * F32 + (F32 if s.d < F32 else 0)) + (m * F32 if s.d == F32 else 0)
+    down = local * s.h * s.expert_inter * s.d + b - a
+    gate_up = local * 2 * s.expert_inter * s.h * s.d + s.rows(m) * s.h * s.d - 2 * a - 2 * b
+    first = 2 * s.n_mlp * s.d * s.shared_inter  # the shared experts' own backward
+    if split:
+        combine = 3 * m * s.h * F32 + (a if s.d < F32 else m * F32)
+        scatter = 4 * a + 2 * b if s.ep > 1 else 2 * a + 2 * b + 2 * s.n_mlp * s.h * s.d
+        return max(first, max(combine, 3 * a if s.ep > 1 else 0, a + 4 * b, scatter)), 0
+    before = max(first, shared + max(combine, a if s.ep > 1 else 0))
+    return before, shared + max(down, 2 * b - 2 * a, gate_up)
+
+
+def moe_retained(s: Sizes) -> int:
+    """What an MoE layer's B keeps for its W beyond its saved tensors (zbh1, zbv: weight_grad.py records the
+    gradient flowing into each node that leads to a weight): the gradients of the grouped experts' outputs,
+    [M, H] of the down projection's and [M, 2I] of gate_up's."""
+    m = s.n_mlp * s.top_k
+    return m * s.h * s.d + 2 * s.rows(m) * s.expert_inter * s.d if s.grouped else 0
+
+
+def moe_forward(s: Sizes) -> int:
+    """What an MoE block's forward holds beyond what it saves, at its worst, under expert parallelism: at the
+    combining all-to-all the tokens sent, the rows received, the experts' output, its un-permuted copy and
+    the combine's output ([M, H] each, M on average), of which only the last is saved (and only without
+    recomputation). Without ep, the block's temporaries are its [N, H] output: as little as a dense MLP's."""
+    if s.ep == 1:
+        return 0
+    return 5 * s.n_mlp * s.top_k * s.h * s.d

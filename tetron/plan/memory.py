@@ -29,15 +29,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from tetron.config import Config
-from tetron.parallel.pipeline_schedules import (
-    Action,
-    receives,
-    replay,
-    schedule,
-    sends,
-    splits_backward,
-    style_of,
-)
+from tetron.parallel.pipeline_schedules import Action, splits_backward
 from tetron.plan.activations import (
     Held,
     chunk_held,
@@ -46,10 +38,22 @@ from tetron.plan.activations import (
     layer_none,
     layer_weight_inputs,
     moe_backward,
+    moe_forward,
+    moe_retained,
     norm_bytes,
 )
+from tetron.plan.pipeline import actions, pipeline_buffers, walked_micro_batches
 from tetron.plan.sizes import F32, I64, Sizes, expert_elements
-from tetron.plan.state import Chunk, State, accumulates_sharded, expert_shards, rank_chunks, state, zero_shards
+from tetron.plan.state import (
+    Chunk,
+    State,
+    accumulates_sharded,
+    chunk_units,
+    expert_shards,
+    rank_chunks,
+    state,
+    zero_shards,
+)
 
 # Fitted constants for short-lived tensors (bytes are these times the named size; see each use).
 LAYER_BWD_I = 2.0  # a layer's backward: MLP-width activation gradients alive at once (grad of the product,
@@ -108,28 +112,44 @@ def _loss_moments(cfg: Config, s: Sizes) -> list[tuple[str, dict[str, int]]]:
     return [("loss forward", {"logits": forward}), ("head backward", {"temporaries": backward})]
 
 
-def _layer_backward(cfg: Config, s: Sizes, chunk: Chunk) -> int:
-    """Temporaries of a decoder layer's backward at its worst (of the chunk's kinds of layer: dense, MoE):
-    its recomputed forward (all it would have saved minus what it kept), the activation gradients alive at
-    once (fitted: LAYER_BWD_*; an MoE layer's are its assignments' [M, moe_intermediate] and [M, H] ones),
-    and under cp the ring's gradient blocks."""
-    mode = cfg.train.recompute
+def _layer_backward(cfg: Config, s: Sizes, chunk: Chunk) -> tuple[int, int | None]:
+    split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule) and not chunk.first
+    return _layer_backward_of(s, chunk, cfg.train.recompute, split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_backward_of(s: Sizes, chunk: Chunk, mode: str, split: bool) -> tuple[int, int | None]:
+    """Temporaries of a decoder layer's backward at its worst (of the chunk's kinds of layer: dense, MoE),
+    before and after an MoE layer's expert gradients begin (ZeRO-2's expert buckets start between; None:
+    not in this backward, B of a split one): its
+    recomputed forward (all it would have saved minus what it kept), the activation gradients alive at once
+    (fitted: LAYER_BWD_*; an MoE block's, stage by stage: activations.moe_backward) and under cp the ring's
+    gradient blocks (in an MoE layer attention's backward comes after the block's, whose saved tensors are
+    gone by then: not at its peak). Recomputing an MoE layer under expert parallelism replays its forward's
+    all-to-alls, whose buffers (activations.moe_forward) may outweigh the backward's. `split`: B of a backward
+    split into B and W (zbh1, zbv; not the first stage's, whose W is the whole backward)."""
     kinds = ([False] if chunk.layers > chunk.moe else []) + ([True] if chunk.moe else [])
-    worst = 0
+    early = late = 0
     for moe in kinds:
         extra = 0 if mode == "none" else layer_none(s, moe) - layer_kept(s, mode, moe)
+        if moe and s.grouped:
+            incoming = extra + s.n_res * s.h * s.d
+            replay = moe_forward(s) - 2 * s.n_mlp * s.top_k * s.h * s.d if mode != "none" else 0
+            before, after = moe_backward(s, split=split)
+            early = max(early, incoming + max(before, replay))
+            late = None if split else max(late, incoming + after)  # split: the expert gradients come in W
+            continue
         width = s.top_k * s.expert_inter + s.shared_inter if moe else s.inter
-        grads = int(LAYER_BWD_I * s.n * width * s.d + LAYER_BWD_H * s.n * s.h * s.d)
+        grads = int(LAYER_BWD_I * s.n_mlp * width * s.d + LAYER_BWD_H * s.n * s.h * s.d)
         if moe:
-            grads += moe_backward(s)
-        worst = max(worst, extra + grads)
-    if s.cp > 1:
-        worst += s.n * (F32 * s.hq + 2 * F32 * s.hkv + 2 * s.d * s.hkv)  # dq, dk, dv in fp32; the next k, v
-    return worst
+            grads += moe_backward(s)[0]
+        ring = s.n * (F32 * s.hq + 2 * F32 * s.hkv + 2 * s.d * s.hkv) if s.cp > 1 else 0  # dq, dk, dv in fp32;
+        early = max(early, extra + grads + ring)  # the next k, v
+    return early, late
 
 
 def _zero_extras(s: Sizes, st: State, chunk: Chunk, moment: str, *, attached: int, index: int,
-                 syncing: bool, which: int) -> tuple[int, int]:
+                 syncing: bool, which: int, experts: bool = True) -> tuple[int, int]:
     """(params, grads) that ZeRO adds at a moment, at the backward of chunk `which`'s `index`-th layer from
     the end. A full gradient buffer (ZeRO-2/3) is allocated when its first gradient of the step arrives
     (ZeRO-3: when its unit's backward begins) and released once reduced; when `syncing` (the step's last
@@ -137,110 +157,43 @@ def _zero_extras(s: Sizes, st: State, chunk: Chunk, moment: str, *, attached: in
     reduced, so at most two are alive; before that (full accumulation) all stay, and `attached` counts
     those an earlier backward of this step left. ZeRO-3 also gathers units: the root while the chunk's
     forward or head backward runs, and on a first chunk until the embedding's gradient at the very end;
-    the current layer and the one before."""
+    the current layer (all its units) and the unit its backward prefetches of the one before. `experts`:
+    whether the layer's expert gradients have begun arriving (ZeRO-2's expert buckets under ep)."""
     if st.lazy_starts:
-        return 0, F32 * (attached or _zero2_buffers(st, chunk, moment, index=index, syncing=syncing, which=which))
+        return 0, F32 * (attached or _zero2_buffers(st, chunk, moment, index=index, syncing=syncing, which=which,
+                                                     experts=experts))
     if not st.root and not st.layer:
         return 0, 0
     backward = moment == "layer backward"
     root = st.root if moment in ("forward", "head backward") or (backward and chunk.first) else 0
-    gathered = min(2, chunk.layers - index) if backward else int(moment == "forward")
+    gathered = (st.layer + (st.prefetched if index < chunk.layers - 1 else 0) if backward
+                else st.layer * (moment == "forward"))
     layers = min(index + 1, 2) if syncing else index + 1
-    grads = (st.root if chunk.first or chunk.last else 0) + layers * st.layer if backward else root
+    grads = (st.root if chunk.first or chunk.last else 0) + layers * st.layer_grads if backward else root
     grads = 0 if moment == "forward" else grads
-    return s.d * (root + gathered * st.layer), F32 * (attached or grads)
+    return s.d * (root + gathered), F32 * (attached or grads)
 
 
-def _zero2_buffers(st: State, chunk: Chunk, moment: str, *, index: int, syncing: bool, which: int) -> int:
+def _zero2_buffers(st: State, chunk: Chunk, moment: str, *, index: int, syncing: bool, which: int,
+                   experts: bool) -> int:
     """ZeRO-2: elements of the chunk's full buffers alive at a moment of its (first) backward: those whose
-    gradients have begun arriving (the head's, then a layer's at a time, in backward order)."""
+    gradients have begun arriving (the head's, then a layer's at a time, in backward order); under ep the
+    expert shards' buckets apart, reached an MoE layer at a time (the chunk's MoE layers taken as its last),
+    each once its `experts` gradients begin."""
     if moment not in ("head backward", "layer backward"):
         return 0
-    reached = st.head[which] + (index + 1) * st.layer_elements * (moment == "layer backward")
-    starts = st.lazy_starts[which]
-    touched = bisect.bisect_left(starts, max(reached, 1), 0, len(starts) - 1)  # buckets begun: those starting before
+    layer = moment == "layer backward"
+    alive = _begun(st.lazy_starts[which], max(1, st.head[which] + (index + 1) * st.layer_elements * layer), syncing)
+    moe = min(index + experts, chunk.moe) if layer and st.expert_starts else 0
+    return alive + (_begun(st.expert_starts[which], moe * st.expert_layer, syncing) if moe else 0)
+
+
+def _begun(starts: tuple[int, ...], reached: int, syncing: bool) -> int:
+    """Elements of the buckets (starting at `starts`, in backward order) that `reached` elements of gradients
+    have begun, less those reduced and released meanwhile when `syncing` (two stay: the one being filled and
+    the one in flight)."""
+    touched = bisect.bisect_left(starts, reached, 0, len(starts) - 1)  # buckets begun: those starting before
     return starts[touched] - (starts[max(touched - 2, 0)] if syncing else 0)
-
-
-def _actions(cfg: Config, pp_rank: int) -> tuple[Action, ...]:
-    """This rank's forwards and backwards in order: the pipeline schedule, or without pp one micro-batch
-    after another (train.forward_backward), each forward followed by its backward. Walking it gives the
-    micro-batches in flight that Megatron's theoretical memory takes as a formula (the first stage: all m
-    under all-forward-all-backward, p under 1F1B, p + (p-1)/v micro-batches' worth interleaved). 1F1B and interleaved
-    reach their most micro-batches in flight within 2*pp of them and then repeat: a longer step is
-    represented by its first 2*pp (all-forward-all-backward holds every one, so it keeps them all)."""
-    p = cfg.parallel
-    return _schedule(p.pp_schedule if p.pp > 1 else "", p.pp, p.pp_virtual, _micro_batches(cfg), pp_rank)
-
-
-def _micro_batches(cfg: Config) -> int:
-    p, m = cfg.parallel, cfg.train.grad_acc
-    return m if p.pp == 1 or p.pp_schedule == "afab" else min(m, 2 * p.pp)
-
-
-@functools.lru_cache(maxsize=1024)
-def _schedule(name: str, pp: int, virtual: int, micro_batches: int, rank: int) -> tuple[Action, ...]:
-    if not name:  # the second micro-batch on are alike but for the last, which reduces: those stand for all
-        kept = sorted({0, 1, micro_batches - 1} & set(range(micro_batches)))
-        return tuple(Action(backward, 0, k) for k in kept for backward in (False, True))
-    return tuple(schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=rank))
-
-
-@functools.lru_cache(maxsize=256)
-def _timeline(name: str, pp: int, virtual: int, micro_batches: int, backward_cost: float) -> tuple:
-    """(start, end) of every action of every pipeline rank, replayed with free communication: a forward
-    takes 1, a backward `backward_cost`, each starts once its rank is free and its input has been sent
-    (pipeline_schedules.replay)."""
-    # the zero-bubble schedules' B and W take half a backward each
-    cost = backward_cost / 2 if splits_backward(name) else backward_cost
-    times = replay(name, pp=pp, virtual=virtual, micro_batches=micro_batches,
-                   duration=lambda r, k, a: cost if a.backward else 1.0)
-    return tuple(tuple(t) for t in times)
-
-
-def pipeline_buffers(cfg: Config, pp_rank: int) -> list[int]:
-    """For each action of `pp_rank`, how many [micro_batch, seq, hidden] buffers P2P holds meanwhile: the
-    receive in use or posted ahead (one while any receiving action remains), and the tensors it has sent
-    that are still held (pipeline_parallel keeps a send's tensor until the send is complete and its next
-    `_post` drops it). A send completes once the receiver has posted the matching receive, which it does
-    one at a time, in order, at the end of its previous receiving action (or at the start of the step)."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return [0] * len(_actions(cfg, pp_rank))
-    return list(_buffers(p.pp_schedule, p.pp, p.pp_virtual, _micro_batches(cfg),
-                         3.0 if cfg.train.recompute == "full" else 2.0)[pp_rank])
-
-
-@functools.lru_cache(maxsize=256)
-def _buffers(name: str, pp: int, virtual: int, micro_batches: int, backward_cost: float) -> tuple:
-    """pipeline_buffers of every rank of one schedule."""
-    times = _timeline(name, pp, virtual, micro_batches, backward_cost)
-    orders = [_schedule(name, pp, virtual, micro_batches, r) for r in range(pp)]
-    style = style_of(name)
-    posted = {}  # message -> when its receive was posted
-    for r, order in enumerate(orders):
-        previous = 0.0
-        for k, action in enumerate(order):
-            need = receives(action, pp=pp, virtual=virtual, rank=r, style=style)
-            if need is not None:
-                posted[need[0]] = previous
-                previous = times[r][k][1]
-    result = []
-    for r, order in enumerate(orders):
-        ends = [end for _, end in times[r]]
-        last = max((k for k, a in enumerate(order) if receives(a, pp=pp, virtual=virtual, rank=r, style=style)),
-                   default=-1)
-        held = [int(k <= last) for k in range(len(order))]
-        for k, action in enumerate(order):
-            out = sends(action, pp=pp, virtual=virtual, rank=r, style=style)
-            if out is None:
-                continue
-            done = max(ends[k], posted[out[0]])
-            drop = next((j for j in range(k + 1, len(ends)) if ends[j] >= done), len(ends))
-            for j in range(k + 1, min(drop + 1, len(ends))):
-                held[j] += 1
-        result.append(tuple(held))
-    return tuple(result)
 
 
 def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action: Action,
@@ -252,21 +205,32 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
     found = []
     if chunk.last:
         name, extra = _loss_moments(cfg, s)[backward]
-        found.append((name, 0, extra))
+        found.append((name, 0, True, extra))
     # A layer's backward, the last layer first; later layers only matter where ZeRO-3's buffers grow (a
     # chunk of dense and MoE layers: released at their mean).
     per_layer = chunk_layers(s, chunk, cfg.train.recompute) // max(1, chunk.layers)
+    early, late = _layer_backward(cfg, s, chunk)
+    if action.weight and chunk.moe and s.grouped and not chunk.first:
+        # W of a split backward (zbh1, zbv) past the first stage computes every weight gradient of the chunk
+        # before accumulating them in one pass (weight_grad.py): those, not B's activation gradients
+        early, late = s.d * sum(sum(u) for u in chunk_units(cfg, chunk)), None
     for index in range(chunk.layers if backward and st.chunk_units else min(1, chunk.layers * backward)):
-        found.append(("layer backward", index, {"logits": -held.loss, "activations": -head - index * per_layer,
-                                                "temporaries": _layer_backward(cfg, s, chunk)}))
+        for temporaries, experts in ((early, late is not None),) if not late else ((early, False), (late, True)):
+            found.append(("layer backward", index, experts, {"logits": -held.loss, "temporaries": temporaries,
+                                                             "activations": -head - index * per_layer}))
     if not backward:
-        found.append(("forward", 0, {}))
-    for name, index, extra in found:
+        found.append(("forward", 0, True, {}))
+    if not backward and chunk.moe and moe_forward(s):
+        # an MoE layer's combining all-to-all (its last MoE layer taken as the chunk's last layer): before the
+        # final norm, the loss and (without recomputation) the combine's two saved [M, H] outputs
+        combine = 2 * s.n_mlp * s.top_k * s.h * s.d if cfg.train.recompute == "none" else 0
+        found.append(("forward", 0, True, {"logits": -held.loss, "activations": -head - combine,
+                                           "temporaries": moe_forward(s)}))
+    syncing = action.micro == walked_micro_batches(cfg) - 1 or accumulates_sharded(cfg)
+    for name, index, experts, extra in found:
         extra["params"], extra["grads"] = _zero_extras(s, st, chunk, name, attached=attached, index=index,
-                                                       syncing=action.micro == _micro_batches(cfg) - 1
-                                                       or accumulates_sharded(cfg),
-                                                       which=action.chunk)
-    return [(name, extra) for name, _, extra in found]
+                                                       syncing=syncing, which=action.chunk, experts=experts)
+    return [(name, extra) for name, _, _, extra in found]
 
 
 def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEstimate:
@@ -279,6 +243,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     base = MemoryEstimate(params=st.params, grads=st.grads, optimizer=st.optimizer, activations=ids,
                           pp_rank=pp_rank)
     best = replace(base, moment="between steps")
+    base_total = base.total
     acts = loss = 0
     buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
     split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule)
@@ -288,32 +253,39 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     rebuilt = [sum(n * (s.n_res * s.d * s.h + layer_weight_inputs(s, moe) - layer_kept(s, mode, moe))
                    for n, moe in ((c.layers - c.moe, False), (c.moe, True)))
                if split and mode != "none" and not c.first else 0 for c in chunks]
+    # ... and an MoE layer's B keeps the gradients its W multiplies by (the first stage's W runs B's work too)
+    rebuilt = [r + (c.moe * moe_retained(s) if split and not c.first else 0) for r, c in zip(rebuilt, chunks)]
     done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-2/3, full accumulation)
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
-    best_total = best.total
-    for k, action in enumerate(_actions(cfg, pp_rank)):
+    found: dict[tuple, list] = {}  # per kind of moment, its moments (they depend on nothing else)
+    last = walked_micro_batches(cfg) - 1
+    held_total, peak = best.total, None  # the best moment so far, as (name, acts, loss, comm, extra)
+    for k, action in enumerate(actions(cfg, pp_rank)):
         chunk, h = chunks[action.chunk], held[action.chunk]
         if not action.backward:
             acts, loss = acts + h.activations, loss + h.loss
-        attached = sum(st.chunk_units[c] for c in done | ({action.chunk} if done else set()))
-        key = (action.chunk, action.backward, buffers[k], attached, action.micro == _micro_batches(cfg) - 1)
-        comm = buffers[k] * s.n_res * s.d * s.h
+        attached = sum(st.chunk_units[c] for c in done | ({action.chunk} if done else set())) if done else 0
+        key = (action.chunk, action.backward, action.weight, buffers[k], attached, action.micro == last)
         if acts + loss > most.get(key, -1):
             most[key] = acts + loss
-            for name, extra in _moments(cfg, s, st, chunk, h, action, attached):
-                if base.total + acts + loss + comm + sum(extra.values()) <= best_total:
-                    continue
-                best = replace(base, params=st.params + extra["params"], grads=st.grads + extra["grads"],
-                               activations=ids + acts + extra.get("activations", 0),
-                               logits=loss + extra.get("logits", 0), comm=comm,
-                               temporaries=extra.get("temporaries", 0), moment=name)
-                best_total = best.total
+            comm = buffers[k] * s.n_res * s.d * s.h
+            if key[:3] + key[4:] not in found:
+                found[key[:3] + key[4:]] = [(name, extra, sum(extra.values())) for name, extra
+                                           in _moments(cfg, s, st, chunk, h, action, attached)]
+            for name, extra, added in found[key[:3] + key[4:]]:
+                if base_total + acts + loss + comm + added > held_total:
+                    held_total, peak = base_total + acts + loss + comm + added, (name, acts, loss, comm, extra)
         if action.backward and split and not action.weight:
             acts += rebuilt[action.chunk]
         if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
             acts, loss = acts - h.activations - rebuilt[action.chunk], loss - h.loss
             if st.chunk_units and cfg.train.grad_acc > 1 and not accumulates_sharded(cfg):
                 done.add(action.chunk)
+    if peak is not None:
+        name, acts, loss, comm, extra = peak
+        best = replace(base, params=st.params + extra["params"], grads=st.grads + extra["grads"],
+                       activations=ids + acts + extra.get("activations", 0), logits=loss + extra.get("logits", 0),
+                       comm=comm, temporaries=extra.get("temporaries", 0), moment=name)
     # The optimizer step: activations gone; AdamW's temporaries (sqrt of the second moment, the update
     # denominator) and clipping's squares are each one piece in size, fp32.
     step = replace(base, temporaries=3 * F32 * st.largest, moment="optimizer step")

@@ -6,7 +6,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
+import torch
+
 from tetron.config import Config
+from tetron.models.moe import grouped_mm_supported
 from tetron.models.moe_models import MoeConfig
 from tetron.parallel.tensor_parallel import padded_vocab_size
 from tetron.parallel.ulysses import kv_repeats
@@ -23,7 +26,7 @@ class Sizes:
     hq: int  # query width on this rank: heads/tp * head_dim
     hkv: int  # key/value width on this rank (before GQA repetition)
     heads: int  # query heads on this rank
-    inter: int  # MLP width on this rank: intermediate/tp
+    inter: int  # MLP width on this rank: intermediate/tp (an MoE model's dense MLP stays whole: intermediate)
     vocab: int  # vocabulary rows on this rank (padded under tp)
     hd: int  # head dim
     n: int  # tokens of one micro-batch on this rank: micro_batch * seq_len/cp
@@ -49,6 +52,12 @@ class Sizes:
     shared_inter: int = 0
     ep: int = 1
     batch: int = 1
+    n_mlp: int = 0  # tokens the MLP sees: n, or n_res where it stays whole on every tp rank (an MoE model's mlp:
+    # under sp each tp rank runs it on its own n/tp tokens); set by Sizes.of
+    mlp_whole: bool = False  # the mlp is outside tp's blocks (an MoE model's: router, experts, dense MLP)
+    grouped: bool = False  # the experts run as torch._grouped_mm (models/moe.py Experts.grouped), not one matmul
+    # per expert
+    align: int = 1  # grouped_mm's rows per group start at a multiple of this (CUDA: 8 bf16 rows; the CPU: 1)
 
     @classmethod
     def of(cls, cfg: Config) -> Sizes:
@@ -59,8 +68,16 @@ class Sizes:
                       cfg.data.reset_positions, m.qk_norm)
         if not is_moe(m):
             return dense
+        cuda = p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available())
         return _moe(dense, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size,
-                    m.n_shared_experts * m.moe_intermediate_size, p.ep, t.micro_batch)
+                    m.n_shared_experts * m.moe_intermediate_size, p.ep, t.micro_batch, m.intermediate_size,
+                    _grouped(m.hidden_size, m.moe_intermediate_size, dense.d, cuda), 8 if cuda else 1)
+
+    def rows(self, m: int) -> int:
+        """Rows of grouped_mm's buffers for m assignments to the rank's experts: m, or under CUDA's alignment
+        the padded buffer (models/moe.py: m + (align-1)*experts, rounded up to a multiple of align)."""
+        local = self.experts // self.ep
+        return m if self.align == 1 else -(-(m + (self.align - 1) * local) // self.align) * self.align
 
 
 def is_moe(model: object) -> bool:
@@ -82,9 +99,28 @@ def expert_elements(model: object) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _moe(dense: Sizes, experts: int, top_k: int, inter: int, shared: int, ep: int, batch: int) -> Sizes:
+def _moe(dense: Sizes, experts: int, top_k: int, inter: int, shared: int, ep: int, batch: int, whole: int,
+         grouped: bool, align: int) -> Sizes:
+    # The mlp (router, experts, a dense layer's MLP) stays whole under tp (models/moe_models.py's plan):
+    # its full width, on the tokens of the residual stream (n/tp under sp)
     return replace(dense, experts=experts, top_k=top_k, expert_inter=inter, shared_inter=shared, ep=ep,
-                   batch=batch)
+                   batch=batch, inter=whole, n_mlp=dense.n_res, mlp_whole=True, grouped=grouped,
+                   align=align if grouped else 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _grouped(hidden: int, inter: int, d: int, cuda: bool) -> bool:
+    """Whether the experts take torch._grouped_mm (models/moe.py grouped_mm_supported): rows of 16-byte
+    multiples; on CUDA in bf16 only, on the CPU where this torch's kernel runs forward and backward. Asked
+    with zero-stride stand-ins of the expert tensors' shapes (nothing allocated)."""
+    dtype = torch.bfloat16 if d == 2 else torch.float32
+    if any(n * d % 16 for n in (hidden, inter, 2 * inter)) or not hasattr(torch, "_grouped_mm"):
+        return False
+    if cuda:
+        return dtype == torch.bfloat16
+    stand_in = torch.empty((), dtype=dtype)
+    return grouped_mm_supported(stand_in.expand(0, hidden), stand_in.expand(1, 2 * inter, hidden),
+                                stand_in.expand(1, hidden, inter))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -102,4 +138,4 @@ def _sizes(h: int, heads: int, kv_heads: int, hd: int, inter: int, vocab: int, t
                  n=n, n_res=n // tp if sp else n, seq=seq, tp=tp, cp=cp, sp=sp and tp > 1,
                  ulysses_kv=kv if ulysses else 0, ulysses_views=ulysses and cp_layout == "contiguous",
                  doc_mask=micro_batch * seq_len * seq_len * (2 if bf16 else 4) if whole_mask else 0,
-                 rope_rows=micro_batch if reset_positions else 1, qk_norm=qk_norm)
+                 rope_rows=micro_batch if reset_positions else 1, qk_norm=qk_norm, n_mlp=n)

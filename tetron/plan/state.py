@@ -35,45 +35,58 @@ class Chunk:
 def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
     """The chunks pipeline rank `pp_rank` holds, in virtual-stage order (pipeline_parallel.rank_stages)."""
     p, m = cfg.parallel, cfg.model
-    stages = p.pp * p.pp_virtual
-    ranges = split_layers(m.num_hidden_layers, stages, p.pp_split)
-    held = [stage_of(c, pp_rank, pp=p.pp, style=style_of(p.pp_schedule)) for c in range(p.pp_virtual)]
-    return [Chunk(len(ranges[s]), s == 0, s == stages - 1, sum(map(m.is_moe_layer, ranges[s])) if is_moe(m) else 0)
-            for s in held]
+    kinds = tuple(map(m.is_moe_layer, range(m.num_hidden_layers))) if is_moe(m) else m.num_hidden_layers
+    split = tuple(p.pp_split) if p.pp_split is not None else None
+    return list(_rank_chunks(kinds, p.pp, p.pp_virtual, split, style_of(p.pp_schedule), pp_rank))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_chunks(kinds: tuple[bool, ...] | int, pp: int, virtual: int, split: tuple | None, style: str,
+                 pp_rank: int) -> tuple[Chunk, ...]:
+    """rank_chunks of a model whose layers are `kinds` (MoE or not; a dense model: their number)."""
+    layers = kinds if isinstance(kinds, int) else len(kinds)
+    stages = pp * virtual
+    ranges = split_layers(layers, stages, list(split) if split is not None else None)
+    held = [stage_of(c, pp_rank, pp=pp, style=style) for c in range(virtual)]
+    return tuple(Chunk(len(ranges[s]), s == 0, s == stages - 1,
+                       0 if isinstance(kinds, int) else sum(kinds[i] for i in ranges[s])) for s in held)
 
 
 def layer_numels(cfg: Config, *, moe: bool = False, experts: bool = True) -> list[int]:
     """Elements of one decoder layer's parameters on a rank, in `parameters()` order (for Llama: q, k, v, o,
     gate, up, down, each 1/tp, then the two RMSNorm weights, whole); `moe`: of an MoE layer, whose routed
     experts' tensors hold 1/ep of the experts (without them: `experts=False`)."""
-    return [n for n, kind in _layer_params(cfg, moe) if experts or kind != "expert"]
+    return [n for n, kind, _ in _layer_params(cfg, moe) if experts or kind != "expert"]
 
 
 def expert_numels(cfg: Config) -> list[int]:
     """Elements of one MoE layer's routed-expert tensors on a rank (gate_up, down: 1/ep of the experts)."""
-    return [n for n, kind in _layer_params(cfg, True) if kind == "expert"]
+    return [n for n, kind, _ in _layer_params(cfg, True) if kind == "expert"]
 
 
-def layer_matmul_numels(cfg: Config, *, moe: bool = False) -> int:
+def layer_matmul_numels(cfg: Config, *, moe: bool = False, whole: bool | None = None) -> int:
     """Matmul weights one token's forward multiplies by in a decoder layer on a rank: its plan's column- and
     row-parallel linears, and in an MoE layer the router, the shared experts and top_k of the routed experts
-    (every rank computes its ep group's tokens' assignments to its experts: top_k experts' worth a token)."""
+    (every rank computes its ep group's tokens' assignments to its experts: top_k experts' worth a token).
+    `whole`: only those in the parts the plan keeps whole under tp (True: an MoE model's mlp, which under sp
+    sees 1/tp of the tokens) or only the others (False); None: all."""
     m = cfg.model
-    dense = sum(n for n, kind in _layer_params(cfg, moe) if kind == "matmul")
-    if not (moe and is_moe(m)):
+    dense = sum(n for n, kind, part in _layer_params(cfg, moe) if kind == "matmul" and whole in (None, part))
+    if not (moe and is_moe(m)) or whole is False:
         return dense
     return dense + sum(expert_numels(cfg)) * cfg.parallel.ep * m.num_experts_per_tok // m.num_experts
 
 
-_LAYER_PARAMS: dict[tuple[str, int, int, bool], tuple[tuple[int, str], ...]] = {}  # -> what follows
+_LAYER_PARAMS: dict[tuple[str, int, int, bool], tuple[tuple[int, str, bool], ...]] = {}  # -> what follows
 
 
-def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str], ...]:
-    """(elements on a rank, kind) of each parameter of one decoder layer (dense, or `moe`), read off the
-    family's module built on the meta device and split as its parallel plan says (ParallelPlan.tp_dim) and,
-    for a routed expert's tensor, over ep. Kinds: "matmul" (a tp-split linear's weight, or an MoE layer's
-    router and shared experts), "expert" (a routed expert's), "other" (norms, biases). Memoised: the layout
-    search asks for every chunk of every layout."""
+def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str, bool], ...]:
+    """(elements on a rank, kind, whether in a part the plan keeps whole under tp) of each parameter of one
+    decoder layer (dense, or `moe`), read off the family's module built on the meta device and split as its
+    parallel plan says (ParallelPlan.tp_dim) and, for a routed expert's tensor, over ep. Kinds: "matmul" (a
+    tp-split linear's weight, or an MoE layer's router and shared experts, or a weight of a part kept whole),
+    "expert" (a routed expert's), "other" (norms, biases). Memoised: the layout search asks for every chunk
+    of every layout."""
     p = cfg.parallel
     moe = moe and is_moe(cfg.model)
     key = (repr(cfg.model), p.tp, p.ep, moe)  # a dataclass's repr names every field
@@ -91,11 +104,13 @@ def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str], ...]
         for name, param in layer.named_parameters():
             dim = spec.plan.tp_dim(name)
             n = param.numel() if dim is None else param.numel() // p.tp
+            whole = name.split(".")[0] in spec.plan.replicated
             if id(param) in experts:
-                found.append((n // p.ep, "expert"))
+                found.append((n // p.ep, "expert", whole))
             else:
-                matmul = name.endswith(".weight") and (dim is not None or (id(param) in in_block and param.dim() == 2))
-                found.append((n, "matmul" if matmul else "other"))
+                matmul = name.endswith(".weight") and (dim is not None or (id(param) in in_block and param.dim() == 2)
+                                                       or (whole and param.dim() == 2))
+                found.append((n, "matmul" if matmul else "other", whole))
         _LAYER_PARAMS[key] = tuple(found)
     return _LAYER_PARAMS[key]
 
@@ -209,12 +224,18 @@ class State:
     optimizer: int  # fp32 master weights where they are not the parameters, AdamW's moments, its step counters
     largest: int  # elements of the largest piece AdamW updates (its step makes temporaries of that size)
     root: int = 0  # ZeRO-3: elements of a first/last chunk's non-layer unit (embedding, final norm, head), padded
-    layer: int = 0  # ZeRO-3: elements of one decoder layer's unit, padded
+    layer: int = 0  # ZeRO-3: elements of one decoder layer's units together (under ep an MoE layer has two), padded
+    layer_grads: int = 0  # ZeRO-3: elements of the gradient buffers a layer's backward attaches (`layer` less its
+    # expert shards' where they stay whole, their shard group one rank: those persist), padded
+    prefetched: int = 0  # ZeRO-3: elements of the unit a layer's backward gathers ahead of the layer before (its
+    # last unit in forward order: under ep an MoE layer's non-expert one, else the whole layer), padded
     chunk_units: tuple[int, ...] = ()  # ZeRO-2/3: elements of each chunk's gradient buffers together, padded
     lazy_starts: tuple[tuple[int, ...], ...] = ()  # ZeRO-2: where each chunk's buffers start in backward order, and
     # their total (prefix sums of their padded elements: a moment's buffers found by bisection)
     head: tuple[int, ...] = ()  # ZeRO-2: each chunk's elements before its first layer's, in backward order
-    layer_elements: int = 0  # ZeRO-2: one decoder layer's elements
+    layer_elements: int = 0  # ZeRO-2: one decoder layer's elements (under ep, those outside its expert shards)
+    expert_starts: tuple[tuple[int, ...], ...] = ()  # ZeRO-2 under ep: lazy_starts of the expert shards' buckets
+    expert_layer: int = 0  # ZeRO-2 under ep: one MoE layer's expert-shard elements
 
 
 def _optimizer_bytes(cfg: Config, buckets: list[Bucket], dp_rank: int) -> tuple[int, int]:
@@ -235,10 +256,45 @@ def _optimizer_bytes(cfg: Config, buckets: list[Bucket], dp_rank: int) -> tuple[
     return (8 + 4 * bf16) * elements + 4 * pieces, largest if p.dp_impl == "bucket" else 0
 
 
-def _mean_layer(cfg: Config) -> int:
-    """Elements of a decoder layer on a rank, averaged over the model's dense and MoE layers."""
+def _mean_layer(cfg: Config, *, experts: bool = True) -> int:
+    """Elements of a decoder layer on a rank, averaged over the model's dense and MoE layers (`experts=False`:
+    an MoE layer's without its routed experts' shards)."""
     layers, moe = cfg.model.num_hidden_layers, moe_layers(cfg.model)
-    return ((layers - moe) * sum(layer_numels(cfg)) + moe * sum(layer_numels(cfg, moe=True))) // layers
+    return ((layers - moe) * sum(layer_numels(cfg)) + moe * sum(layer_numels(cfg, moe=True, experts=experts))) \
+        // layers
+
+
+def _zero3_units(cfg: Config, chunks: list[Chunk]) -> dict[str, int]:
+    """ZeRO-3's root, layer and prefetched sizes (State's fields), padded as their buckets are, from the chunks'
+    units: a root unit, then a unit per layer (under ep an MoE layer's expert shards are a unit of their own,
+    on the same module: gathered, and given gradient buffers, together with the rest of the layer)."""
+    shards, experts = zero_shards(cfg), expert_shards(cfg)
+    apart = cfg.parallel.ep > 1
+    expert = Bucket(tuple(expert_numels(cfg)), experts, True).padded if apart else 0
+    whole = expert if apart and experts == 1 else 0  # whole expert buckets: their gradients persist
+    root = layer = prefetched = grads = 0
+    for chunk in chunks:
+        units = chunk_units(cfg, chunk, experts=not apart)
+        if chunk.first or chunk.last:
+            root = max(root, Bucket(tuple(units[0]), shards).padded)
+        kinds = ([units[1]] if chunk.layers > chunk.moe else []) + ([units[-1]] if chunk.moe else [])
+        for unit in kinds:
+            rest = Bucket(tuple(unit), shards).padded
+            moe = unit is units[-1] and chunk.moe
+            layer = max(layer, rest + (expert if moe else 0))
+            grads = max(grads, rest + (expert - whole if moe else 0))
+            prefetched = max(prefetched, rest if moe and apart else rest + (expert if moe else 0))
+    return {"root": root, "layer": layer, "prefetched": prefetched, "layer_grads": grads}
+
+
+def _starts(per_chunk: list[list[Bucket]]) -> tuple[tuple[int, ...], ...]:
+    """Where each chunk's buckets start in backward order, and their total (prefix sums of their padded
+    elements)."""
+    return tuple(tuple(itertools.accumulate((b.padded for b in bs), initial=0)) for bs in per_chunk)
+
+
+_STATES: dict[tuple, State] = {}  # state() by what it depends on: the layout search asks again for each
+# micro-batch size, recompute mode and pipeline schedule of the same parallel sizes
 
 
 def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
@@ -247,6 +303,17 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
     parameters (3) as in Rajbhandari et al. 2020 and the Ultra-Scale Playbook, on tetron's buckets: each
     padded to a multiple of N = dp*cp (HSDP: dp_shard), every gradient in fp32 whatever the compute dtype
     (Megatron's main_grad), one bucket per decoder layer under ZeRO-3 (FSDP2's unit)."""
+    # the model, the parallel section and the dtype are all it reads (the train section's micro-batch,
+    # recompute and accumulation do not change what persists)
+    key = (repr(cfg.model), repr(cfg.parallel), cfg.train.dtype, pp_rank, dp_rank)
+    if key not in _STATES:
+        if len(_STATES) > 65536:
+            _STATES.clear()
+        _STATES[key] = _state(cfg, pp_rank, dp_rank)
+    return _STATES[key]
+
+
+def _state(cfg: Config, pp_rank: int, dp_rank: int) -> State:
     p, d = cfg.parallel, Sizes.of(cfg).d
     chunks = rank_chunks(cfg, pp_rank)
     buckets = [b for c in chunks for b in chunk_buckets(cfg, c)]
@@ -256,23 +323,25 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
     optimizer, largest = _optimizer_bytes(cfg, buckets, dp_rank)
     if p.zero == 3 and shards > 1:
         units = [chunk_buckets(cfg, c) for c in chunks]
-        root = max((u[-1].padded for u, c in zip(units, chunks) if c.first or c.last), default=0)
-        layer = max((b.padded for u, c in zip(units, chunks) for b in (u[:-1] if c.first or c.last else u)),
-                    default=0)  # the largest layer unit (an MoE layer's, in a model that has dense ones too)
         # ZeRO-3: a clone of this rank's slice of every unit; the full flat buffers exist only while gathered
-        return State(params=d * slices, grads=F32 * slices, optimizer=optimizer, largest=largest, root=root,
-                     layer=layer, chunk_units=tuple(sum(b.padded for b in u) for u in units))
+        return State(params=d * slices, grads=F32 * slices, optimizer=optimizer, largest=largest,
+                     chunk_units=tuple(sum(b.padded for b in u if b.shards > 1) for u in units),
+                     **_zero3_units(cfg, chunks))
     if p.dp_impl == "naive":  # fp32 only: a .grad per parameter, AdamW over the parameters
         return State(params=F32 * padded, grads=F32 * padded, optimizer=optimizer, largest=largest)
     if p.zero >= 2 and shards > 1:  # the slices persist; a full buffer lives from its first gradient to its reduction
         per_chunk = [chunk_buckets(cfg, c) for c in chunks]
         units = [chunk_units(cfg, c) for c in chunks]
+        # under ep the expert shards' buckets (whole where their shard group is one rank: they persist, as
+        # between steps) begin once a layer's expert gradients do, mid-way through its backward
+        lazy = [[b for b in bs if not b.expert] for bs in per_chunk]
+        experts = [[b for b in bs if b.expert and b.shards > 1] for bs in per_chunk]
         return State(params=d * padded, grads=F32 * slices, optimizer=optimizer, largest=largest,
-                     chunk_units=tuple(sum(b.padded for b in bs) for bs in per_chunk),
-                     lazy_starts=tuple(tuple(itertools.accumulate((b.padded for b in bs), initial=0))
-                                       for bs in per_chunk),
+                     chunk_units=tuple(sum(b.padded for b in bs + es) for bs, es in zip(lazy, experts)),
+                     lazy_starts=_starts(lazy), expert_starts=_starts(experts),
                      head=tuple(sum(u[0][1:] if c.first else u[0]) for u, c in zip(units, chunks)),
-                     layer_elements=_mean_layer(cfg))
+                     layer_elements=_mean_layer(cfg, experts=p.ep == 1),
+                     expert_layer=sum(expert_numels(cfg)) if p.ep > 1 else 0)
     # ZeRO-0/1 (or nothing to shard): every bucket buffer is allocated once and kept; with shards > 1 the
     # parameters live in one flat buffer per bucket, padded like it.
     return State(params=d * padded, grads=F32 * padded, optimizer=optimizer, largest=largest)

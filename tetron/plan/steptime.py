@@ -76,9 +76,9 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     s, p = Sizes.of(cfg), cfg.parallel
     rate = hw.flops(cfg.train.dtype)
     # forward FLOPs of a dense and of an MoE layer: its matmul weights (an MoE layer's: those one token's
-    # top_k experts use), causal attention
-    per_layer, per_moe = (s.n * (2 * layer_matmul_numels(cfg, moe=moe) + 2 * cfg.data.seq_len * s.hq)
-                          for moe in (False, True))
+    # top_k experts use); an MoE model's mlp, whole on every tp rank, on the n_mlp tokens it sees
+    per_layer, per_moe = (s.n * (2 * layer_matmul_numels(cfg, moe=moe, whole=False) + 2 * cfg.data.seq_len * s.hq)
+                          + s.n_mlp * 2 * layer_matmul_numels(cfg, moe=moe, whole=True) for moe in (False, True))
     tp_bw = _bandwidth(hw, p.tp, gpus_per_node)
     act = s.n * s.h * s.d  # one residual-stream tensor
     # tp: two all-reduces (sp: all-gather + reduce-scatter, the same volume) per layer forward, two backward
@@ -98,6 +98,8 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     # selective recomputation redoes only element-wise work: memory-bound, its tensors written and read once
     elementwise = [2 * (layer_none(s, moe) - layer_kept(s, "selective", moe)) / (hw.hbm_gbs * 1e9)
                    for moe in (False, True)]
+    # ... but torch._grouped_mm is not a matmul the policy keeps: grouped experts' matmuls run again
+    elementwise[1] += 2 * s.n_mlp * s.top_k * 3 * s.h * s.expert_inter / rate if s.grouped else 0.0
     fwd, bwd = [], []
     for chunk in [c for r in range(p.pp) for c in rank_chunks(cfg, r)]:
         dense = chunk.layers - chunk.moe
@@ -119,13 +121,14 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
 
 def all_to_all_bytes(cfg: Config) -> int:
     """Bytes one rank sends to the other ranks of its ep group in one MoE layer's all-to-alls of one
-    micro-batch, forward and backward: its n tokens' n*top_k rows of [H] go to their experts' ranks (dispatch)
-    and come back (combine), and the backward sends their gradients the reverse ways: 4 exchanges of
-    n*top_k*H elements, of which (ep-1)/ep leave the rank when the router spreads the tokens evenly.
-    Recomputation (full or selective) replays the forward's two. 0 without expert parallelism."""
+    micro-batch, forward and backward: its n tokens' (under sp n/tp: Sizes.n_mlp) n*top_k rows of [H] go to
+    their experts' ranks (dispatch) and come back (combine), and the backward sends their gradients the
+    reverse ways: 4 exchanges of n*top_k*H elements, of which (ep-1)/ep leave the rank when the router
+    spreads the tokens evenly. Recomputation (full or selective) replays the forward's two. 0 without
+    expert parallelism."""
     s, ep = Sizes.of(cfg), cfg.parallel.ep
     exchanges = 4 + (2 if cfg.train.recompute != "none" else 0)
-    return exchanges * s.n * s.top_k * s.h * s.d * (ep - 1) // ep if ep > 1 else 0
+    return exchanges * s.n_mlp * s.top_k * s.h * s.d * (ep - 1) // ep if ep > 1 else 0
 
 
 def expert_exchange(cfg: Config, hw: Hardware, gpus_per_node: int) -> tuple[float, float]:
@@ -137,7 +140,7 @@ def expert_exchange(cfg: Config, hw: Hardware, gpus_per_node: int) -> tuple[floa
     if p.ep == 1:
         return 0.0, 0.0
     bw = _bandwidth(hw, p.tp * p.ep, gpus_per_node)
-    rows = _ring(hw, s.n * s.top_k * s.h * s.d, p.ep, 1.0, bw)
+    rows = _ring(hw, s.n_mlp * s.top_k * s.h * s.d, p.ep, 1.0, bw)
     forward = hw.latency_s + 2 * rows
     return forward, 2 * rows + (forward if cfg.train.recompute != "none" else 0.0)
 
