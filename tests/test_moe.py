@@ -177,6 +177,27 @@ def test_the_grouped_matmul_path_equals_the_loop_over_experts():
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_selective_recompute_keeps_the_grouped_experts_and_replays_the_rest(monkeypatch):
+    """Under recompute=selective an MoE layer keeps torch._grouped_mm's outputs as it keeps every matmul's, and
+    its backward equals the plain one's, in a process that has not yet asked whether the CPU runs the grouped
+    path (the question's own forward and backward, asked inside a recorded layer, once broke its replay)."""
+    from tetron.models import moe as moe_module
+    from tetron.parallel.recompute import MATMUL_OPS, apply_recompute
+
+    assert torch.ops.aten._grouped_mm.default in MATMUL_OPS
+    moe_module._cpu_grouped_mm_works.cache_clear()
+    cfg = MoeConfig(**{**TINY, "moe_intermediate_size": 32})
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for mode in ("selective", "none"):  # selective first: its forward the process's first with experts
+        model = seeded_model(cfg, seed=0, device=torch.device("cpu"))
+        apply_recompute(model, mode)
+        model(ids, targets=ids).backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_capacity_drops_the_assignments_beyond_it_and_counts_them():
     """capacity = factor * tokens * k / E; each expert keeps its first tokens, the output of a dropped
     assignment is left out of its token's sum, and the step reports the fraction dropped."""

@@ -98,6 +98,9 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # Whether the CPU can run the grouped path, found out now: inside a forward that activation
+        # recomputation records, the probe's own operations would be recorded with it
+        _cpu_grouped_mm_works()
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x [M, H], the rows of expert 0 first, then expert 1's, ...; counts [E] rows per expert -> [M, H]."""
@@ -162,10 +165,12 @@ def _cpu_grouped_mm_works() -> bool:
     """Whether this torch's CPU torch._grouped_mm runs forward and backward (tried once, on a tiny case)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        w = torch.ones(2, 4, 8, requires_grad=True)
-        torch._grouped_mm(torch.ones(5, 4), w, offs=torch.tensor([2, 5], dtype=torch.int32)).backward(
-            torch.ones(5, 8))
+    try:  # on the CPU whatever device a model is being built on (meta, say), with grad whatever the mode
+        with torch.enable_grad():
+            w = torch.ones(2, 4, 8, device="cpu", requires_grad=True)
+            torch._grouped_mm(torch.ones(5, 4, device="cpu"), w,
+                              offs=torch.tensor([2, 5], dtype=torch.int32, device="cpu")).backward(
+                torch.ones(5, 8, device="cpu"))
         return w.grad is not None
     except (RuntimeError, NotImplementedError):
         return False

@@ -56,8 +56,8 @@ def _ops(names: list[str]) -> frozenset:
 
 
 # Matmuls as they reach the dispatcher: F.linear arrives as mm (addmm with a bias), attention's math
-# path as bmm; linear itself only where a backend keeps it whole.
-MATMUL_OPS = _ops(["mm", "addmm", "bmm", "baddbmm", "linear"])
+# path as bmm; linear itself only where a backend keeps it whole; an MoE layer's experts as _grouped_mm.
+MATMUL_OPS = _ops(["mm", "addmm", "bmm", "baddbmm", "linear", "_grouped_mm"])
 # Fused attention kernels: their outputs (attention output, log-sum-exp) are O(T), not O(T^2).
 ATTENTION_OPS = _ops([
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

@@ -89,15 +89,16 @@ def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
     """What a layer keeps between its forward and backward under recomputation (recompute.py): its input
     always (on the residual stream); `selective` also every matmul output and attention's outputs: q, k,
     v, attention output (+ log-sum-exp), o and down (whole width: row-parallel partial sums), gate, up; in
-    an MoE layer the router's logits and the shared experts' (the experts' own outputs only where each is a
-    matmul: torch._grouped_mm is not among the matmuls the policy keeps, so grouped experts are recomputed)."""
+    an MoE layer the router's logits, the shared experts' and the experts' gate_up and down outputs (one matmul
+    per expert, or torch._grouped_mm's buffers: Sizes.rows of the assignments)."""
     kept = s.n_res * s.d * s.h
     if mode == "selective":
         attention = s.d * (2 * s.hq + 2 * s.hkv) + F32 * s.heads
         shared = 2 * s.shared_inter + s.h * bool(s.shared_inter)
-        experts = 0 if s.grouped else s.top_k * (2 * s.expert_inter + s.h)
-        mlp = s.experts + experts + shared if moe else s.h + 2 * s.inter
-        kept += s.n * (attention + s.d * s.h) + s.n_mlp * s.d * mlp
+        mlp = s.experts + shared if moe else s.h + 2 * s.inter
+        m = s.n_mlp * s.top_k
+        experts = (s.rows(m) if s.grouped else m) * s.d * (2 * s.expert_inter + s.h) if moe else 0
+        kept += s.n * (attention + s.d * s.h) + s.n_mlp * s.d * mlp + experts
     return kept
 
 

@@ -98,8 +98,6 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     # selective recomputation redoes only element-wise work: memory-bound, its tensors written and read once
     elementwise = [2 * (layer_none(s, moe) - layer_kept(s, "selective", moe)) / (hw.hbm_gbs * 1e9)
                    for moe in (False, True)]
-    # ... but torch._grouped_mm is not a matmul the policy keeps: grouped experts' matmuls run again
-    elementwise[1] += 2 * s.n_mlp * s.top_k * 3 * s.h * s.expert_inter / rate if s.grouped else 0.0
     fwd, bwd = [], []
     for chunk in [c for r in range(p.pp) for c in rank_chunks(cfg, r)]:
         dense = chunk.layers - chunk.moe
