@@ -30,9 +30,11 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# The linter first: a lint error fails CI before the (longer) test suite starts.
+# The linter first: a lint error fails CI before the (longer) test suite starts. One pytest worker per core
+# (pytest-xdist), each test file on one worker (its module fixtures run once): while one worker runs a
+# single-process test, the other's ranks take the second core.
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 # The GPU check: correctness, speed (tokens/s, MFU) and the memory model as one table, within 8 minutes on
 # one GPU; tiny sizes in seconds without one. No install, no network: the venv's python if there is one,

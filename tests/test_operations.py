@@ -50,7 +50,8 @@ from conftest import run_training, tiny_config, train_rank_losses
 from harness import run_ranks
 
 LAUNCH_TIMEOUT = 240  # s, a real launch of 2 ranks on a busy machine
-PREEMPT_STEPS = 200  # the preempted run's length: a SIGTERM after step 2 lands long before its end
+PREEMPT_STEPS = 60  # the preempted run's length: a SIGTERM after step 2 lands long before its end (tens of steps
+# later even on a loaded machine, where a step takes tens of milliseconds), and the reference and resume stay short
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
@@ -465,9 +466,8 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
             "single": _launch(workdir, "single", "--steps", 5000, "--dp", 1),
             "torchrun": _launch(workdir, "torchrun", "--steps", 5000, "--dp", 1, launcher=(
                 "-m", "tetron.launch", "--standalone", "--nproc-per-node", "1"))}
-    # The uninterrupted run trains while the launches import torch, and the resume starts as soon as `preempt`
-    # has ended, while the others still run: the fixture's time is its slowest launch's, not their sum.
-    reference = run_training({**raw, "out": str(workdir / "reference")})
+    # The resume starts as soon as `preempt` has ended, while the others still run, and the uninterrupted run
+    # trains here while the resume runs: the fixture's time is its slowest launch's, not their sum.
     acted, ended, pids, resumed = {}, {}, {}, None
     deadline = time.monotonic() + LAUNCH_TIMEOUT
     try:
@@ -513,6 +513,7 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
               for name, (proc, log) in runs.items()}
     if resumed is None:  # preempt never ended: the test reading it fails on its exit code
         resumed = _launch(workdir, "resumed", "--resume", "auto", out="preempt")
+    reference = run_training({**raw, "out": str(workdir / "reference")})
     resumed[0].wait(LAUNCH_TIMEOUT)
     result.update(workdir=workdir, reference=reference, orphans=orphans,
                   resumed={"code": resumed[0].returncode, "log": resumed[1].read_text()})
