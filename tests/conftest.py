@@ -47,7 +47,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 # Steps of a tiny run: the few that show a layout equals the single process (2 of warmup, then the decay).
-STEPS = 6
+STEPS = 4
 
 
 def tiny_config(corpus: Path, cache_dir: Path, out: Path, **sections) -> dict:
