@@ -80,15 +80,18 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300, **kwar
 
 
 @contextlib.contextmanager
-def saved_bytes(model: torch.nn.Module) -> Iterator[dict[int, int]]:
-    """Storage bytes of what autograd saves for the backward inside the block, by storage, the
-    model's weights left out: the activation memory held from the forward to the backward pass."""
-    params = {p.data_ptr() for p in model.parameters()}
+def saved_bytes(model: torch.nn.Module, *, by_storage: bool = False) -> Iterator[dict[int, int]]:
+    """Storage bytes of what autograd saves for the backward inside the block, the model's weights left
+    out: the activation memory held from the forward to the backward pass. Keyed by each tensor's data
+    pointer, or with `by_storage` by its storage's, so that views into one buffer at other offsets (q, k, v
+    of one all-to-all buffer; an expert's slice of its layer's fused weight) count it once."""
+    where = (lambda t: t.untyped_storage().data_ptr()) if by_storage else (lambda t: t.data_ptr())
+    params = {where(p) for p in model.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in params:
-            saved[t.data_ptr()] = t.untyped_storage().nbytes()
+        if where(t) not in params:
+            saved[where(t)] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

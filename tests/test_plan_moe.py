@@ -34,7 +34,7 @@ from tetron.plan.steptime import all_to_all_bytes, estimate
 from tetron.validate import validate
 
 from conftest import cli_in_process, tiny_config
-from harness import run_ranks
+from harness import run_ranks, saved_bytes
 
 # A 2-layer Qwen3-MoE: 8 experts of width 64, top-2, GQA heads of 16.
 MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
@@ -87,21 +87,19 @@ def _layer_saved_bytes(cfg) -> int:
     for t in net.parameters():
         torch.nn.init.normal_(t, std=0.02)
     net = net.to(getattr(torch, cfg.train.dtype))
-    params = {t.untyped_storage().data_ptr() for t in net.parameters()}
-    saved: dict[int, int] = {}
+    layer, found = net.model.layers["0"], {}
+    forward = layer.forward
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    def counted(*args, **kwargs):
+        with saved_bytes(net, by_storage=True) as saved:
+            out = forward(*args, **kwargs)
+        found.update(saved)
+        return out
 
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    layer = net.model.layers["0"]
-    layer.register_forward_pre_hook(lambda *_: hooks.__enter__())
-    layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+    layer.forward = counted
     torch.manual_seed(0)
     net(torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len)))
-    return sum(saved.values())
+    return sum(found.values())
 
 
 @pytest.mark.parametrize("model_type, dtype", [("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"),

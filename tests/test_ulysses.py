@@ -24,7 +24,7 @@ from tetron.plan.steptime import estimate
 from tetron.validate import validate
 
 from conftest import check_layout, tiny_config
-from harness import run_ranks
+from harness import run_ranks, saved_bytes
 
 # (query heads, kv heads) per tp rank: MHA, GQA with kv heads divisible by cp, and fewer kv heads than
 # cp or not divisible by it (repeated): at cp 2, 6/3 repeats each kv head twice; at cp 4, 4/1 four times.
@@ -165,17 +165,9 @@ def test_ulysses_training_matches_single_process(corpus, cache_dir, tmp_path, na
 
 
 def _saved_storage_bytes(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> int:
-    """Bytes autograd saves in one forward, weights left out, by storage (not harness.saved_bytes, which
-    keys by data pointer: q, k and v as views into one all-to-all buffer must count that buffer once)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    found: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Bytes autograd saves in one forward, weights left out, by storage (q, k and v as views into one
+    all-to-all buffer count that buffer once)."""
+    with saved_bytes(model, by_storage=True) as found:
         logits = model(ids, positions)
     logits.sum().backward()
     return sum(found.values())
