@@ -413,12 +413,18 @@ def test_ep2_trains_like_one_process_and_resumes_in_one(corpus, cache_dir, tmp_p
     _, written = check_layout(corpus, cache_dir, tmp_path, checkpoint={"save_every": 3}, logging={"timers": True},
                               **layout)
     assert all(m["time_ep_s"] > 0 for m in written["metrics"])  # the all-to-all's waits, timed as their own axis
-    ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)[1]
+    _assert_resumes_in_one_process(layout_configs(corpus, cache_dir, tmp_path, **layout)[1], tmp_path, step=3)
+
+
+def _assert_resumes_in_one_process(ref_raw: dict, tmp_path, *, step: int) -> None:
+    """The layout's checkpoint of `step` (tmp_path/run), resumed by the single process `ref_raw`, trains the
+    reference's remaining steps: the same losses and final weights."""
     ref, ref_written = reference_run(ref_raw)
     resumed = {**ref_raw, "out": str(tmp_path / "resumed"),
-               "checkpoint": {"resume": str(tmp_path / "run" / "checkpoints" / "step_3")}}
+               "checkpoint": {"resume": str(tmp_path / "run" / "checkpoints" / f"step_{step}")}}
     (got,), written = run_parallel(resumed)
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][3:]), rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][step:]), rtol=LOSS_RTOL,
+                               atol=0)
     for name, value in written["model"].items():
         torch.testing.assert_close(value, ref_written["model"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
 
@@ -490,14 +496,8 @@ def test_ep2_zero3_on_4_ranks_trains_like_one_process_and_resumes_in_one(corpus,
     process with the single process's losses and weights."""
     layout = dict(parallel={"dp": 4, "ep": 2, "zero": 3})
     _check_ep_layout(corpus, cache_dir, tmp_path, checkpoint={"save_every": 2}, **layout)
-    ref_raw = layout_configs(corpus, cache_dir, tmp_path, **_ep_layout(**layout))[1]
-    ref, ref_written = reference_run(ref_raw)
-    resumed = {**ref_raw, "out": str(tmp_path / "resumed"),
-               "checkpoint": {"resume": str(tmp_path / "run" / "checkpoints" / "step_2")}}
-    (got,), written = run_parallel(resumed)
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), rtol=LOSS_RTOL, atol=0)
-    for name, value in written["model"].items():
-        torch.testing.assert_close(value, ref_written["model"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+    _assert_resumes_in_one_process(layout_configs(corpus, cache_dir, tmp_path, **_ep_layout(**layout))[1], tmp_path,
+                                   step=2)
 
 
 def test_ep2_zero2_hsdp_trains_like_one_process(corpus, cache_dir, tmp_path):
