@@ -169,12 +169,27 @@ class TensorReader:
         return dtype, (len(stored), sum(self.info(n)[1][0] for n in stored[0]), *shape[1:])
 
     def check(self, name: str, shape: tuple[int, ...], *, dtypes: set[str]) -> None:
+        """Tensor `name` is there with `shape` and one of `dtypes`; a tensor kept in pieces (the hub's experts
+        one by one), every piece: each row's pieces split the row's first dim equally, the rest as `shape`."""
+        stored = self._stored(name)
+        if stored is not None and not isinstance(stored, str):
+            _need(len(stored) == shape[0] and len(shape) >= 2,
+                  f"{self.where}: tensor {name} is kept in {len(stored)} pieces, the model needs {list(shape)}")
+            for row in stored:
+                _need(shape[1] % len(row) == 0, f"{self.where}: tensor {name}: {len(row)} pieces cannot split "
+                                                f"{shape[1]} rows equally")
+                for piece in row:
+                    self._check_one(piece, (shape[1] // len(row), *shape[2:]), dtypes=dtypes, part_of=name)
+            return
+        self._check_one(stored or name, shape, dtypes=dtypes, part_of=name if stored else None)
+
+    def _check_one(self, name: str, shape: tuple[int, ...], *, dtypes: set[str], part_of: str | None) -> None:
         info = self.info(name)
         _need(info is not None, f"{self.where}: tensor {name} is missing")
         where = self.folder / self.file_of[name] if name in self.file_of else self.where
-        _need(info[1] == tuple(shape),
-              f"{where}: tensor {name} has shape {list(info[1])}, the model needs {list(shape)}")
-        _need(info[0] in dtypes, f"{where}: tensor {name} has dtype {info[0]}, expected one of {sorted(dtypes)}")
+        what = f"tensor {name}" + (f" (a piece of {part_of})" if part_of else "")
+        _need(info[1] == tuple(shape), f"{where}: {what} has shape {list(info[1])}, the model needs {list(shape)}")
+        _need(info[0] in dtypes, f"{where}: {what} has dtype {info[0]}, expected one of {sorted(dtypes)}")
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> Tensor:
         """The whole tensor, or rows [start, stop) along `dim`, as stored (its own dtype)."""
