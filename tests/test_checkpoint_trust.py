@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from tetron.checkpoint.check import inspect_checkpoint
 from tetron.checkpoint.load import TensorReader
 from tetron.checkpoint.save import save_model, seal
-from tetron.checkpoint.shards import data_ranges, tensor_crc32
+from tetron.checkpoint.shards import tensor_crc32
 from tetron.config import ConfigError, from_dict
 from tetron.errors import CheckpointError
 from tetron.fs import STATE_FILE, write_json
@@ -163,9 +164,10 @@ def test_a_resealed_trainer_state_is_checked_for_values_a_rank_cannot_use(saved,
 def flip_byte(folder: Path, name: str) -> str:
     """Flip one byte inside tensor `name` of the checkpoint's model shard; the line a reader refuses it with."""
     path = folder / SHARD
-    begin, end = data_ranges(path)[name]
     data = bytearray(path.read_bytes())
-    data[(begin + end) // 2] ^= 0x10
+    (n,) = struct.unpack("<Q", data[:8])
+    begin, end = json.loads(data[8:8 + n])[name]["data_offsets"]
+    data[8 + n + (begin + end) // 2] ^= 0x10
     path.write_bytes(bytes(data))
     return f"{path}: tensor {name}: its bytes differ from the crc32 in {STATE_FILE}: corrupted"
 

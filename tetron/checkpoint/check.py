@@ -8,7 +8,11 @@ checked where they are read (each tensor's crc32, by load.TensorReader), and all
 from __future__ import annotations
 
 import functools
+import json
 import math
+import os
+import struct
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,6 @@ import torch
 
 from tetron.checkpoint.load import FLOAT_DTYPES, TensorReader
 from tetron.checkpoint.save import FORMAT, model_specs, optimizer_specs, seal
-from tetron.checkpoint.shards import data_ranges, file_crc32
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check, failed
 from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
@@ -31,6 +34,7 @@ MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", 
 SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
 
 _need = functools.partial(check, error=CheckpointError)
+BLOCK = 16 << 20  # bytes read at a time by `tetron check`
 CPU_RNG_SHAPE = tuple(torch.get_rng_state().shape)  # torch's CPU generator state: (5056,) bytes
 CUDA_RNG_SHAPE = (16,)  # a CUDA generator's state: its seed and offset, 8 bytes each
 
@@ -187,6 +191,27 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
 # --------------------------------------------------------------------------- every byte, on demand (tetron check)
 
 
+def _data_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """{tensor: (first byte, end)} in the file, for a safetensors file whose header read_header accepted."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    return {name: (8 + n + entry["data_offsets"][0], 8 + n + entry["data_offsets"][1])
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def _crc32_of(path: Path, begin: int, end: int) -> int:
+    """The crc32 of bytes [begin, end) of a file, read in blocks (both the read and the sum let other
+    threads run)."""
+    crc, fd = 0, os.open(path, os.O_RDONLY)
+    try:
+        for pos in range(begin, end, BLOCK):
+            crc = zlib.crc32(os.pread(fd, min(BLOCK, end - pos), pos), crc)
+    finally:
+        os.close(fd)
+    return crc
+
+
 def _verify(folder: Path, name: str, tensor: str | None, want: int | str, span: tuple[int, int] | None) -> str | None:
     """One problem line for a tensor (or a small file, `tensor` None) whose bytes differ, else None."""
     path = folder / name
@@ -194,7 +219,7 @@ def _verify(folder: Path, name: str, tensor: str | None, want: int | str, span: 
         return None if sha256(path) == want else f"{path}: contents differ from the sha256 in {STATE_FILE}: corrupted"
     if span is None:
         return f"{path}: tensor {tensor} (listed in {STATE_FILE}) is missing"
-    if file_crc32(path, *span) != want:
+    if _crc32_of(path, *span) != want:
         return f"{path}: tensor {tensor}: its bytes differ from the crc32 in {STATE_FILE}: corrupted"
     return None
 
@@ -207,7 +232,7 @@ def verify_tensors(folder: Path, *, workers: int = 8) -> list[str]:
     jobs: list[tuple[str, str | None, int | str, tuple[int, int] | None]] = []
     for name, meta in files.items():
         if "crc32" in meta:
-            spans = data_ranges(folder / name)
+            spans = _data_ranges(folder / name)
             jobs += [(name, tensor, crc, spans.get(tensor)) for tensor, crc in meta["crc32"].items()]
         else:
             jobs.append((name, None, meta["sha256"], None))

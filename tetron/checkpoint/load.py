@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from tetron import device as dev
 from tetron.checkpoint.safetensors_stream import DTYPES
-from tetron.checkpoint.shards import data_ranges, file_crc32, tensor_crc32
+from tetron.checkpoint.shards import tensor_crc32
 from tetron.data.hub import hub_problem
 from tetron.errors import CheckpointError, check
 from tetron.fs import STATE_FILE, read_json
@@ -143,7 +143,6 @@ class TensorReader:
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
         self._verified: set[tuple[str, str]] = set()  # (file, tensor) whose bytes were checked whole
-        self._spans: dict[str, dict[str, tuple[int, int]]] = {}  # each file's tensors' byte ranges, once read
 
     def __enter__(self) -> TensorReader:
         return self
@@ -215,14 +214,13 @@ class TensorReader:
         except Exception as err:  # safetensors' own errors: the file changed or is damaged
             raise CheckpointError(f"{self.folder / f}: cannot read tensor {name} ({err})") from None
         expected = self.crc32.get(f, {}).get(name)
-        if expected is not None and dim is not None and (f, name) not in self._verified:
-            # a slice cannot be checked alone: the whole tensor's bytes are, once, from the file (page cache)
-            if f not in self._spans:
-                self._spans[f] = data_ranges(self.folder / f)
-            ok = file_crc32(self.folder / f, *self._spans[f][name]) == expected
+        if expected is not None and (f, name) not in self._verified:
+            # a slice cannot be checked alone: its whole tensor is (mapped from the file, not copied), once
+            whole = tensor if dim is None else self._handles[f].get_tensor(name)
+            ok = tensor_crc32(whole) == expected
             self._verified.add((f, name))
         else:
-            ok = expected is None or dim is not None or tensor_crc32(tensor) == expected
+            ok = True
         _need(ok, f"{self.folder / f}: tensor {name}: its bytes differ from the crc32 in {STATE_FILE}: corrupted")
         return tensor
 

@@ -22,9 +22,6 @@ generator states) are at the end.
 
 from __future__ import annotations
 
-import json
-import os
-import struct
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,7 +40,6 @@ from tetron.parallel.layout import layout_of
 
 Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
 LINE_BYTES = 2048  # the longest error line one rank hands the others
-CRC_BLOCK = 16 << 20  # bytes read at a time when a tensor's crc32 is taken from its file
 
 
 def nbytes(spec: Spec) -> int:
@@ -108,27 +104,6 @@ def tensor_crc32(tensor: Tensor) -> int:
     """The crc32 of a tensor's bytes as stored (any dtype: viewed as bytes)."""
     data = tensor.detach().contiguous().cpu().reshape(-1)
     return zlib.crc32(data.view(torch.uint8).numpy()) if data.numel() else 0
-
-
-def data_ranges(path: Path) -> dict[str, tuple[int, int]]:
-    """{tensor: (first byte, end)} in the file, for a safetensors file whose header load.read_header accepted."""
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    return {name: (8 + n + entry["data_offsets"][0], 8 + n + entry["data_offsets"][1])
-            for name, entry in header.items() if name != "__metadata__"}
-
-
-def file_crc32(path: Path, begin: int, end: int) -> int:
-    """The crc32 of bytes [begin, end) of a file (tensor_crc32 of the tensor stored there), read in blocks
-    (both the read and the sum let other threads run)."""
-    crc, fd = 0, os.open(path, os.O_RDONLY)
-    try:
-        for pos in range(begin, end, CRC_BLOCK):
-            crc = zlib.crc32(os.pread(fd, min(CRC_BLOCK, end - pos), pos), crc)
-    finally:
-        os.close(fd)
-    return crc
 
 
 def full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup,
