@@ -187,3 +187,54 @@ def test_a_flipped_byte_is_refused_when_its_tensor_is_read_in_slices(saved, tmp_
     with pytest.raises(RuntimeError) as info:  # every tp rank refuses it: none waits for another
         run_training(raw)
     assert str(info.value).count(f"CheckpointError: {line}") == 2, info.value
+
+
+# ----------------------------------------------------------------------------- tetron convert (item 9)
+
+
+def converts(src: Path, dst: Path, tmp_path: Path, match: str | None) -> None:
+    """`tetron convert SRC DST`: with `match`, refused in one line matching it, nothing written beside DST;
+    without, it succeeds."""
+    found = cli_in_process(["convert", str(src), str(dst)], tmp_path)
+    if match is None:
+        assert found.returncode == 0 and dst.is_dir(), found
+        return
+    assert found.returncode == 2 and len(found.stderr.splitlines()) == 1, found
+    assert re.search(match, found.stderr), found.stderr
+    assert not dst.exists() and not list(dst.parent.glob(f".{dst.name}.tmp-*"))
+
+
+def test_convert_copies_no_side_file_through_a_link_out_of_its_folder(saved, tmp_path):
+    """Item 9 of issue 38: a tokenizer side file that links outside the source folder (a downloaded folder
+    naming ~/.ssh/id_rsa) is refused, both ways, naming the link and its target; a link inside the folder,
+    and a Hugging Face hub cache's snapshot (every file a link into the repository's blobs/), convert."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("a private key")
+    folder, _ = resumed_from(saved, tmp_path)
+    converts(folder, tmp_path / "hf", tmp_path, None)  # the reference: as saved it converts
+    hf = tmp_path / "hf"
+    for src in (folder, hf):  # checkpoint -> HF, and HF -> checkpoint
+        (src / "special_tokens_map.json").symlink_to(secret)
+        converts(src, tmp_path / f"{src.name}-out", tmp_path,
+                 rf"{src / 'special_tokens_map.json'}: a link to {secret}, outside {src}; copy that file")
+        (src / "special_tokens_map.json").unlink()
+    (hf / "notes.json").write_text("{}")
+    (hf / "special_tokens_map.json").symlink_to("notes.json")  # inside the folder: copied
+    converts(hf, tmp_path / "ck", tmp_path, None)
+    assert (tmp_path / "ck" / "special_tokens_map.json").read_text() == "{}"
+    snapshot = tmp_path / "models--org--name" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "blobs").mkdir()
+    for f in hf.iterdir():
+        if f.is_file() and not f.is_symlink():
+            shutil.copyfile(f, snapshot.parent.parent / "blobs" / f.name)
+            (snapshot / f.name).symlink_to(Path("..", "..", "blobs", f.name))
+    converts(snapshot, tmp_path / "from-cache", tmp_path, None)
+
+
+def test_convert_checks_every_byte_of_a_checkpoint(saved, tmp_path):
+    """Item 9 of issue 38: a checkpoint converted to a model folder is checked against its checksums as
+    `tetron check` and a resume check it: a flipped tensor byte is refused naming the file and the tensor."""
+    folder, _ = resumed_from(saved, tmp_path)
+    line = flip_byte(folder, "model.layers.0.self_attn.o_proj.weight")
+    converts(folder, tmp_path / "hf", tmp_path, "^tetron: error: " + re.escape(line) + "$")

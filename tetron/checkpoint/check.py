@@ -224,11 +224,12 @@ def _verify(folder: Path, name: str, tensor: str | None, want: int | str, span: 
     return None
 
 
-def verify_tensors(folder: Path, *, workers: int = 8) -> list[str]:
+def verify_tensors(folder: Path, *, files: dict[str, Any] | None = None, workers: int = 8) -> list[str]:
     """Every byte of a checkpoint (checked first with inspect_checkpoint) against its checksums: each
     tensor's crc32, each small file's sha256, read by `workers` threads. One line per problem, naming the
-    file and the tensor; an empty list when all is whole."""
-    files = read_json(folder / STATE_FILE)["files"]
+    file and the tensor; an empty list when all is whole. `files`: the entries of its trainer state's
+    `files` to check (a copy of some of a checkpoint's files: that checkpoint's entries for them)."""
+    files = read_json(folder / STATE_FILE)["files"] if files is None else files
     jobs: list[tuple[str, str | None, int | str, tuple[int, int] | None]] = []
     for name, meta in files.items():
         if "crc32" in meta:

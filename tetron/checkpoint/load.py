@@ -373,7 +373,21 @@ def resolve_init_from(spec: str) -> Path:
                               f"from the Hugging Face hub ({type(err).__name__})") from None
 
 
+def inside(src: Path, name: str) -> Path:
+    """`src / name`, where it is a file whose real path stays in `src` (or, for a Hugging Face hub cache's
+    snapshot, whose links point into that repository's blobs/), else a CheckpointError: a downloaded folder
+    must not make a copy of it carry any other file of this machine."""
+    path = Path(src) / name
+    real, root = path.resolve(), Path(src).resolve()
+    roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    _need(any(real.is_relative_to(r) for r in roots),
+          f"{path}: a link to {real}, outside {src}; copy that file into the folder (or remove the link)")
+    return path
+
+
 def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer's and generation's side files of `src` that exist, copied into `dst` (never through a
+    link out of `src`)."""
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+            shutil.copyfile(inside(src, name), dst / name)
