@@ -258,7 +258,7 @@ class ShardWriter:
             if isinstance(err, OSError) and not err.filename and self.current is not None and self.folder is not None:
                 err.filename = str(self.folder / self.current.file)  # a failed write() names no file
             if self.writer is not None:
-                self.writer.file.close()  # the folder is removed; its descriptor must not outlive it
+                self.writer.abort()  # the folder is removed; its descriptor must not outlive it
             self.error = err
 
 
