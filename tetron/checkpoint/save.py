@@ -218,7 +218,7 @@ def checkpoint_bytes(config: Any, *, optimizer: bool = True) -> int:
 def storage_error(err: BaseException, folder: Path, *, what: str, needed: int | None) -> StorageError | None:
     """A one-line StorageError for a write that failed into `folder` (None if `err` is no failed write)."""
     line = write_failure(err, folder, needed=needed)
-    if line is not None and isinstance(err, OSError) and err.errno == errno.EFBIG:  # RLIMIT_FSIZE, or the fs's most
+    if line is not None and isinstance(err, OSError) and err.errno == errno.EFBIG:  # past RLIMIT_FSIZE, or the fs's
         line = (f"{line.rsplit(': cannot write', 1)[0]}: file too large (past this process's file-size limit, "
                 f"ulimit -f, or the file system's largest file; raise the limit or lower checkpoint.shard_mb)")
     return None if line is None else StorageError(f"{line}, while writing {what}")
