@@ -243,8 +243,11 @@ def test_every_path_the_run_writes_is_checked_before_start(ck, tmp_path, tetron_
             target.chmod(0o755)
 
 
-def _full_disk_child(raw: dict, err_path: str) -> None:
-    """One rank through run_rank; writing step_4's tensors fails as a full disk does."""
+def _full_disk_child(raw: dict, err_path: str, fault: str = "full disk") -> None:
+    """One rank through run_rank; writing step_4's tensors fails as a full disk does, or (`fault` "file size")
+    past a file-size limit: the kernel's own EFBIG, whose buffered bytes fail again when the file is closed."""
+    import resource
+
     import tetron.checkpoint.save
     from tetron.launch import run_rank
 
@@ -255,7 +258,15 @@ def _full_disk_child(raw: dict, err_path: str) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
         write(self, name, tensor)
 
-    tetron.checkpoint.save.SafetensorsWriter.write = full
+    def limited(self, name, tensor):
+        if "step_4" in str(self.path) and self.next == 1:  # past the embedding, written through: the small
+            # tensors after it wait in the file's buffer, whose flush fails, and fails again at close
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.file.tell() + 1, resource.RLIM_INFINITY))
+        write(self, name, tensor)
+
+    if fault == "file size":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, not kill
+    tetron.checkpoint.save.SafetensorsWriter.write = limited if fault == "file size" else full
     for var in LAUNCHER_VARS:
         os.environ.pop(var, None)  # this child is a single process started without a launcher
     # as tests/harness.py: one thread, since the parent's thread pool does not survive a fork (run_rank
@@ -293,6 +304,26 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     root = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]  # no half-written step_4 left
     assert find_latest(tmp_path / "run") == root / "step_2" and inspect_checkpoint(root / "step_2")["step"] == 2
+
+
+def test_a_file_size_limit_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(corpus, cache_dir, tmp_path):
+    """Item 6 of issue 38: past RLIMIT_FSIZE the write fails with EFBIG and so does closing the file (its
+    buffered bytes): one line naming the file, no step_4.tmp-* left, step_2 whole."""
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", train={"steps": 6}, checkpoint={"save_every": 2})
+    prepare_data(from_dict(raw))
+    child = mp.get_context("fork").Process(target=_full_disk_child, args=(raw, str(tmp_path / "err"), "file size"))
+    child.start()
+    child.join(120)
+    if child.exitcode is None:
+        child.kill()
+    err = (tmp_path / "err").read_text()
+    assert child.exitcode == 1 and len(err.strip().splitlines()) == 1, err
+    assert re.fullmatch(r"tetron: error: .*/checkpoints/step_4\.tmp-\w+/model-00001-of-00001\.safetensors: file too "
+                        r"large \(past this process's file-size limit, ulimit -f, .*\), while writing checkpoint "
+                        r"step_4 \(step_2 is intact\); .*--resume auto", err.strip()), err
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"]  # no half-written step_4 left
+    assert find_latest(tmp_path / "run") == root / "step_2" and verify_tensors(root / "step_2") == []
 
 
 def test_resuming_with_other_model_settings_or_data_is_refused(ck, tmp_path, tetron_cli):

@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tetron.checkpoint.load import FLOAT_DTYPES, TensorReader, read_header
+import torch
+
+from tetron.checkpoint.load import FLOAT_DTYPES, TensorReader
 from tetron.checkpoint.save import FORMAT, model_specs, optimizer_specs, seal
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check, failed
@@ -33,6 +35,8 @@ SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
 
 _need = functools.partial(check, error=CheckpointError)
 BLOCK = 16 << 20  # bytes read at a time by `tetron check`
+CPU_RNG_SHAPE = tuple(torch.get_rng_state().shape)  # torch's CPU generator state: (5056,) bytes
+CUDA_RNG_SHAPE = (16,)  # a CUDA generator's state: its seed and offset, 8 bytes each
 
 
 def read_model_config(folder: Path) -> Any:
@@ -69,15 +73,20 @@ def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
     _need(type(s.get("tokens")) is int and s["tokens"] >= 0, f"{path}: tokens must be a non-negative integer")
     loader = s.get("loader")
     _need(loader is None or (isinstance(loader, dict) and all(type(loader.get(k)) is int for k in
-          ("step", "seed", "global_batch", "seq_len", "num_tokens")) and loader["step"] == s["step"]),
-          f"{path}: loader must hold integer step (= {s['step']}), seed, global_batch, seq_len, num_tokens")
+          ("step", "seed", "global_batch", "seq_len", "num_tokens")) and loader["step"] == s["step"]
+          and loader["global_batch"] >= 1 and loader["seq_len"] >= 1 and loader["num_tokens"] >= 0),
+          f"{path}: loader must hold integer step (= {s['step']}), seed, global_batch (>= 1), seq_len (>= 1), "
+          f"num_tokens (>= 0)")
     _need(s.get("config") is None or isinstance(s["config"], dict), f"{path}: config must be a mapping")
     layout = s.get("layout")
     _need(layout is None or (isinstance(layout, dict) and all(type(layout.get(k)) is int and layout[k] >= 1
-          for k in ("dp", "tp", "pp", "cp", "pp_virtual", "world_size"))), f"{path}: bad layout")
+          for k in ("dp", "tp", "pp", "cp", "pp_virtual", "world_size"))
+          and layout["world_size"] == layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"]),
+          f"{path}: bad layout (integers dp, tp, pp, cp, pp_virtual >= 1, world_size = dp*tp*pp*cp)")
     opt = s.get("optimizer")
-    _need(isinstance(opt, dict) and type(opt.get("present")) is bool and type(opt.get("step")) in (int, float),
-          f"{path}: optimizer must be {{present: bool, step: number}}")
+    # AdamW's bias correction divides by 1 - beta**step: a NaN, negative or fractional count turns every weight NaN
+    _need(isinstance(opt, dict) and type(opt.get("present")) is bool and _is_count(opt.get("step")),
+          f"{path}: optimizer must be {{present: bool, step: a whole number >= 0}}, not {opt!r:.200}")
     files = s.get("files")
     _need(isinstance(files, dict) and files, f"{path}: files must list every file with its size and checksums")
     for name, meta in files.items():
@@ -98,6 +107,33 @@ def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
     if layout is not None:
         _need("rng.safetensors" in files, f"{path}: rng.safetensors is not listed")
     return s
+
+
+def _is_count(value: Any) -> bool:
+    """A whole number >= 0, as an int or a finite float (JSON keeps a float count as 3.0)."""
+    return (type(value) is int and value >= 0) or (
+        type(value) is float and math.isfinite(value) and value >= 0 and value.is_integer())
+
+
+def _check_rng(folder: Path, world_size: int) -> None:
+    """Every rank's generator states: the sizes and values torch accepts (set_rng_state would crash a rank
+    on anything else), read whole, so against their crc32 too (a few KiB a rank)."""
+    path = folder / "rng.safetensors"
+    with TensorReader(folder, "rng") as reader:
+        for i in range(world_size):
+            info = reader.info(f"rank_{i}")
+            _need(info is not None and info == ("U8", CPU_RNG_SHAPE),
+                  f"{path}: rank_{i} must be a U8 tensor of shape {list(CPU_RNG_SHAPE)} (a CPU generator's state), "
+                  f"not {info}")
+            try:
+                torch.Generator().set_state(reader.read(f"rank_{i}"))
+            except RuntimeError as err:
+                raise CheckpointError(f"{path}: rank_{i} is not a CPU generator's state "
+                                      f"({str(err).splitlines()[0]})") from None
+            cuda = reader.info(f"cuda_rank_{i}")
+            _need(cuda is None or cuda == ("U8", CUDA_RNG_SHAPE),
+                  f"{path}: cuda_rank_{i} must be a U8 tensor of shape {list(CUDA_RNG_SHAPE)} (a CUDA generator's "
+                  f"seed and offset), not {cuda}")
 
 
 def _is_ids(value: Any) -> bool:
@@ -148,9 +184,7 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
         total = sum(math.prod(s) * 4 for f, h in r.headers.items() for n, (_, s) in h.items() if r.file_of.get(n) == f)
         _need(r.total_size in (None, total), f"{r.where}: total_size={r.total_size}, its tensors hold {total} bytes")
     if state is not None and state.get("layout") is not None:
-        rng = read_header(folder / "rng.safetensors")
-        for i in range(state["layout"]["world_size"]):
-            _need(f"rank_{i}" in rng and rng[f"rank_{i}"][0] == "U8", f"{folder / 'rng.safetensors'}: no rank_{i}")
+        _check_rng(folder, state["layout"]["world_size"])
     return state
 
 
@@ -190,11 +224,12 @@ def _verify(folder: Path, name: str, tensor: str | None, want: int | str, span: 
     return None
 
 
-def verify_tensors(folder: Path, *, workers: int = 8) -> list[str]:
+def verify_tensors(folder: Path, *, files: dict[str, Any] | None = None, workers: int = 8) -> list[str]:
     """Every byte of a checkpoint (checked first with inspect_checkpoint) against its checksums: each
     tensor's crc32, each small file's sha256, read by `workers` threads. One line per problem, naming the
-    file and the tensor; an empty list when all is whole."""
-    files = read_json(folder / STATE_FILE)["files"]
+    file and the tensor; an empty list when all is whole. `files`: the entries of its trainer state's
+    `files` to check (a copy of some of a checkpoint's files: that checkpoint's entries for them)."""
+    files = read_json(folder / STATE_FILE)["files"] if files is None else files
     jobs: list[tuple[str, str | None, int | str, tuple[int, int] | None]] = []
     for name, meta in files.items():
         if "crc32" in meta:

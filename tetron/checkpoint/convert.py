@@ -1,9 +1,11 @@
 """`tetron convert SRC DST`: a tetron checkpoint to a standalone Hugging Face folder, and back.
 
 Checkpoint -> HF: the model files, config.json and tokenizer files are copied (the checkpoint's model part
-already is a HF model folder). HF -> checkpoint: the weights are streamed, one tensor at a time, into a
-step-0 checkpoint with no optimizer state, which `--resume` accepts (the optimizer then starts fresh).
-DST is written under a temporary name and renamed; an existing DST is never touched.
+already is a HF model folder) and checked against the checkpoint's checksums, every byte, as `tetron check`
+checks them. No file is copied through a link that leaves the source folder. HF -> checkpoint: the weights
+are streamed, one tensor at a time, into a step-0 checkpoint with no optimizer state, which `--resume`
+accepts (the optimizer then starts fresh). DST is written under a temporary name and renamed; an existing
+DST is never touched.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from tetron.checkpoint.check import inspect_checkpoint, read_model_config
-from tetron.checkpoint.load import TensorReader, copy_tokenizer
+from tetron.checkpoint.check import inspect_checkpoint, read_model_config, verify_tensors
+from tetron.checkpoint.load import TensorReader, copy_tokenizer, inside
 from tetron.checkpoint.save import FORMAT, checkpoint_bytes, model_specs, seal, storage_error, write_tensors
 from tetron.errors import CheckpointError
 from tetron.fs import STATE_FILE, read_json, replace_folder, sha256, write_json
@@ -73,8 +75,14 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
 
         def copy() -> None:
             for name in names:
-                shutil.copyfile(src / name, tmp / name)
+                shutil.copyfile(inside(src, name), tmp / name)
             copy_tokenizer(src, tmp)
+            # every byte copied, against the checksums a resume and `tetron check` hold it to
+            listed = read_json(src / STATE_FILE)["files"]
+            problems = verify_tensors(tmp, files={n: meta for n, meta in listed.items() if (tmp / n).is_file()})
+            if problems:
+                more = f" (and {len(problems) - 1} more: tetron check {src} lists them)" if len(problems) > 1 else ""
+                raise CheckpointError(problems[0].replace(str(tmp), str(src)) + more)
 
         tmp = _tmp_for(dst)
         _written(tmp, dst, copy, needed=sum((src / name).stat().st_size for name in names))

@@ -103,8 +103,9 @@ def tensor_checksums(folder: Path) -> dict[str, dict[str, int]]:
 
 class TensorReader:
     """Tensors of `{prefix}.safetensors` or `{prefix}-*.safetensors` + `{prefix}.safetensors.index.json`
-    in `folder`, read whole or one slice at a time; every header is checked on opening. A tensor read
-    whole is checked against its crc32 in the checkpoint's trainer_state.json, where one is listed."""
+    in `folder`, read whole or one slice at a time; every header is checked on opening. Every tensor read,
+    whole or in part, is checked against its crc32 in the checkpoint's trainer_state.json, where one is
+    listed (a slice's tensor once, all of its bytes)."""
 
     def __init__(self, folder: Path, prefix: str = "model", *,
                  stored_as: Callable[[str], str | list[list[str]] | None] | None = None) -> None:
@@ -141,6 +142,7 @@ class TensorReader:
         self.crc32 = tensor_checksums(self.folder)
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
+        self._verified: set[tuple[str, str]] = set()  # (file, tensor) whose bytes were checked whole
 
     def __enter__(self) -> TensorReader:
         return self
@@ -169,12 +171,27 @@ class TensorReader:
         return dtype, (len(stored), sum(self.info(n)[1][0] for n in stored[0]), *shape[1:])
 
     def check(self, name: str, shape: tuple[int, ...], *, dtypes: set[str]) -> None:
+        """Tensor `name` is there with `shape` and one of `dtypes`; a tensor kept in pieces (the hub's experts
+        one by one), every piece: each row's pieces split the row's first dim equally, the rest as `shape`."""
+        stored = self._stored(name)
+        if stored is not None and not isinstance(stored, str):
+            _need(len(stored) == shape[0] and len(shape) >= 2,
+                  f"{self.where}: tensor {name} is kept in {len(stored)} pieces, the model needs {list(shape)}")
+            for row in stored:
+                _need(shape[1] % len(row) == 0, f"{self.where}: tensor {name}: {len(row)} pieces cannot split "
+                                                f"{shape[1]} rows equally")
+                for piece in row:
+                    self._check_one(piece, (shape[1] // len(row), *shape[2:]), dtypes=dtypes, part_of=name)
+            return
+        self._check_one(stored or name, shape, dtypes=dtypes, part_of=name if stored else None)
+
+    def _check_one(self, name: str, shape: tuple[int, ...], *, dtypes: set[str], part_of: str | None) -> None:
         info = self.info(name)
         _need(info is not None, f"{self.where}: tensor {name} is missing")
         where = self.folder / self.file_of[name] if name in self.file_of else self.where
-        _need(info[1] == tuple(shape),
-              f"{where}: tensor {name} has shape {list(info[1])}, the model needs {list(shape)}")
-        _need(info[0] in dtypes, f"{where}: tensor {name} has dtype {info[0]}, expected one of {sorted(dtypes)}")
+        what = f"tensor {name}" + (f" (a piece of {part_of})" if part_of else "")
+        _need(info[1] == tuple(shape), f"{where}: {what} has shape {list(info[1])}, the model needs {list(shape)}")
+        _need(info[0] in dtypes, f"{where}: {what} has dtype {info[0]}, expected one of {sorted(dtypes)}")
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int = 0) -> Tensor:
         """The whole tensor, or rows [start, stop) along `dim`, as stored (its own dtype)."""
@@ -196,9 +213,15 @@ class TensorReader:
             raise
         except Exception as err:  # safetensors' own errors: the file changed or is damaged
             raise CheckpointError(f"{self.folder / f}: cannot read tensor {name} ({err})") from None
-        expected = self.crc32.get(f, {}).get(name) if dim is None else None
-        _need(expected is None or tensor_crc32(tensor) == expected,
-              f"{self.folder / f}: tensor {name}: its bytes differ from the crc32 in {STATE_FILE}: corrupted")
+        expected = self.crc32.get(f, {}).get(name)
+        if expected is not None and (f, name) not in self._verified:
+            # a slice cannot be checked alone: its whole tensor is (mapped from the file, not copied), once
+            whole = tensor if dim is None else self._handles[f].get_tensor(name)
+            ok = tensor_crc32(whole) == expected
+            self._verified.add((f, name))
+        else:
+            ok = True
+        _need(ok, f"{self.folder / f}: tensor {name}: its bytes differ from the crc32 in {STATE_FILE}: corrupted")
         return tensor
 
 
@@ -350,7 +373,21 @@ def resolve_init_from(spec: str) -> Path:
                               f"from the Hugging Face hub ({type(err).__name__})") from None
 
 
+def inside(src: Path, name: str) -> Path:
+    """`src / name`, where it is a file whose real path stays in `src` (or, for a Hugging Face hub cache's
+    snapshot, whose links point into that repository's blobs/), else a CheckpointError: a downloaded folder
+    must not make a copy of it carry any other file of this machine."""
+    path = Path(src) / name
+    real, root = path.resolve(), Path(src).resolve()
+    roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    _need(any(real.is_relative_to(r) for r in roots),
+          f"{path}: a link to {real}, outside {src}; copy that file into the folder (or remove the link)")
+    return path
+
+
 def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer's and generation's side files of `src` that exist, copied into `dst` (never through a
+    link out of `src`)."""
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+            shutil.copyfile(inside(src, name), dst / name)

@@ -45,6 +45,7 @@ class SafetensorsWriter:
             self.file.write(struct.pack("<Q", len(raw)) + raw)
         except OSError as err:
             err.filename = err.filename or str(self.path)
+            self.abort()
             raise
         self.next = 0
 
@@ -65,14 +66,20 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self.next != len(self.expected):
             missing = self.expected[self.next][0]
-            self.file.close()
+            self.abort()
             raise ValueError(f"{self.path}: closed before {missing} was written")
         try:
             self.file.flush()
             os.fsync(self.file.fileno())
         except OSError as err:
             err.filename = err.filename or str(self.path)
-            with contextlib.suppress(OSError):
-                self.file.close()
+            self.abort()
             raise
         self.file.close()
+
+    def abort(self) -> None:
+        """Close the file after a failed write, without raising: the bytes still buffered fail again on a
+        full disk or past a file-size limit (the descriptor is closed all the same), and the caller reports
+        the first error and removes the file."""
+        with contextlib.suppress(OSError):
+            self.file.close()

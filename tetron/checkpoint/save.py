@@ -19,6 +19,7 @@ load.py, checking before start-up in check.py.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import secrets
@@ -48,7 +49,6 @@ from tetron.checkpoint.shards import (
     plan_files,
     send_line,
     stage_of,
-    tensor_crc32,
 )
 from tetron.data.tokenizer import Tokenizer
 from tetron.errors import StorageError
@@ -218,6 +218,9 @@ def checkpoint_bytes(config: Any, *, optimizer: bool = True) -> int:
 def storage_error(err: BaseException, folder: Path, *, what: str, needed: int | None) -> StorageError | None:
     """A one-line StorageError for a write that failed into `folder` (None if `err` is no failed write)."""
     line = write_failure(err, folder, needed=needed)
+    if line is not None and isinstance(err, OSError) and err.errno == errno.EFBIG:  # past RLIMIT_FSIZE, or the fs's
+        line = (f"{line.rsplit(': cannot write', 1)[0]}: file too large (past this process's file-size limit, "
+                f"ulimit -f, or the file system's largest file; raise the limit or lower checkpoint.shard_mb)")
     return None if line is None else StorageError(f"{line}, while writing {what}")
 
 
@@ -338,9 +341,11 @@ class CheckpointWrite:
             for shard in shards:
                 files[shard.file] = {"size": (tmp / shard.file).stat().st_size, "writer": shard.writer,
                                      "crc32": {key: crc32[key] for key, *_ in shard.specs}}
-        save_file(rng, tmp / "rng.safetensors")
+        # streamed as the shards are: a failed write is an OSError naming the file, as theirs
+        crc32 = write_tensors(tmp, "rng", [(k, k, v.dtype, tuple(v.shape)) for k, v in rng.items()], iter(rng.items()),
+                              shard_bytes=1 << 62, single_file=True)
         files["rng.safetensors"] = {"size": (tmp / "rng.safetensors").stat().st_size, "writer": 0,
-                                    "crc32": {key: tensor_crc32(v) for key, v in rng.items()}}
+                                    "crc32": crc32["rng.safetensors"]}
         write_configs(tmp, self.cfg.model, self.tokenizer)
         for f in sorted(tmp.iterdir()):  # the small files: config, indexes, tokenizer
             if f.name not in files:

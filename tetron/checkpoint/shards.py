@@ -15,9 +15,9 @@ writes it again. Gathering each tensor to its writer costs the same traffic as t
 leaves files transformers loads as they are, with no second pass.
 
 Each tensor's crc32 is computed from the bytes in memory as they are written (the file is never read back)
-and listed in trainer_state.json; the rank that reads a tensor whole checks it (load.TensorReader). The
-few collectives of a save besides the gathers (the temporary folder's name, who failed, the crc32s, the
-generator states) are at the end.
+and listed in trainer_state.json; every rank that reads a tensor, whole or a slice, checks it
+(load.TensorReader). The few collectives of a save besides the gathers (the temporary folder's name, who
+failed, the crc32s, the generator states) are at the end.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ class ShardWriter:
             if isinstance(err, OSError) and not err.filename and self.current is not None and self.folder is not None:
                 err.filename = str(self.folder / self.current.file)  # a failed write() names no file
             if self.writer is not None:
-                self.writer.file.close()  # the folder is removed; its descriptor must not outlive it
+                self.writer.abort()  # the folder is removed; its descriptor must not outlive it
             self.error = err
 
 
