@@ -617,7 +617,7 @@ def test_what_a_rank_would_meet_is_refused_before_start(ck, tmp_path, tetron_cli
              (["--model", tmp_path / "list.json"], r"expected a JSON object"),
              (["--model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 4, high_freq_factor: 4}"],
               r"high_freq_factor must be above low_freq_factor"),
-             (["--checkpoint.stop_signal=SIGKILL"], r"stop_signal=SIGKILL: use one of"),
+             (["--checkpoint.stop_signal=SIGKILL"], r"stop_signal='SIGKILL': use one of"),
              (["--model.eos_token_id=999"], r"eos_token_id=999: ids must be in \[0, vocab_size=256\)")]
     if not torch.cuda.is_available():
         cases.append((["--parallel.device=cuda"], r"no CUDA device is available"))
