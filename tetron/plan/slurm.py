@@ -118,6 +118,14 @@ def _shown(value: str | None, limit: int = 40) -> str:
     return text if value is None or len(value) <= limit else text + "..."
 
 
+def _control_part(text: str, around: int = 20) -> str:
+    """The stretch of `text` around its first control character, quoted: what an error line shows of a long path."""
+    match = CONTROL.search(text)
+    i = match.start() if match else 0
+    start, end = max(0, i - around), i + around
+    return ("..." if start else "") + repr(text[start:end]) + ("..." if end < len(text) else "")
+
+
 def _slurm_value(text: str) -> str:
     """`text` as one argument of an #SBATCH line: sbatch splits the line at blanks and honours double quotes
     and backslashes; in a file name `%` starts a pattern (%j: the job id) and `%%` is a percent sign. A
@@ -255,10 +263,12 @@ def write_job(cfg: Config, job: SlurmJob, *, workdir: Path | None = None) -> Pat
     setup = read_setup(job.setup) if job.setup is not None else None
     resolved = _absolute(cfg, workdir)
     # checked as the scripts name them, after symbolic links are resolved: a link's target is text too
-    for what, path in (("out", cfg.out), ("out", resolved.out), ("the current folder", str(workdir)),
-                       ("this Python", sys.executable)):
-        check(CONTROL.search(path) is None, f"{what}={_shown(path)}: a path with a control character (a newline, "
-                                            f"a tab) cannot be named in a job script; choose another")
+    for what, given, path in (("out", cfg.out, cfg.out), ("out", cfg.out, resolved.out),
+                              ("the current folder", str(workdir), str(workdir)),
+                              ("this Python", sys.executable, sys.executable)):
+        where = "" if path == given or CONTROL.search(given) else f" (the path it names: {_control_part(path)})"
+        check(CONTROL.search(path) is None, f"{what}={_shown(given)}{where}: a path with a control character (a "
+                                            f"newline, a tab) cannot be named in a job script; choose another")
     cfg = resolved
     out = Path(cfg.out)
     slurm_dir = out / "slurm"
