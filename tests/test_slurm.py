@@ -167,8 +167,9 @@ def test_a_two_node_job_runs_and_a_requeued_job_resumes(slurm, corpus, cache_dir
     # hands the job: Slurm's, and this checkout importable by the job's ranks
     for name, value in {**slurm, "PYTHONPATH": str(REPO)}.items():
         monkeypatch.setenv(name, value)
+    # one core per node: the test's nodes have this machine's cores (CORES_PER_RANK would ask for more)
     submitted = cli_in_process(["slurm", "run.yaml", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:10:00",
-                                "--submit"], tmp_path)
+                                "--cpus-per-task", "1", "--submit"], tmp_path)
     assert submitted.returncode == 0, submitted.stderr
     job = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
     out = tmp_path / "run"
