@@ -347,6 +347,14 @@ def test_a_linked_run_folder_or_a_stop_signal_cannot_add_lines_to_the_job(tmp_pa
     directives = [line for line in lines if line.startswith("#SBATCH")]
     assert lines[1:1 + len(directives)] == directives  # all of them before the script's first other line
     assert {"#SBATCH --signal=TERM@120", "#SBATCH --partition=cpu", "#SBATCH --time=01:00:00"} <= set(directives)
+    # the last guard, whatever checked a value before: no value with a control character reaches a script
+    from tetron.errors import ConfigError
+    from tetron.plan.slurm import _slurm_value, _word
+
+    for value in ("USR1\n", "a\rb", "x\x1b[2J", "tab\there"):
+        for quote in (_slurm_value, _word):
+            with pytest.raises(ConfigError, match="a control character"):
+                quote(value)
 
 
 def test_the_job_gives_ranks_cores_and_takes_sbatch_options_and_a_setup_script(tmp_path, monkeypatch, capsys):
