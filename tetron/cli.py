@@ -63,6 +63,7 @@ USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] 
                    [--seq-len S] [--batch-tokens T] [axes] [--json] [--write CONFIG.yaml] [--measure K]
                    (tetron plan --help: rank the layouts that fit, predicted memory and step time)
        tetron slurm CONFIG --nodes N --gpus-per-node G [--partition P --time T --account A] [--submit]
+                    [--cpus-per-task C] [--sbatch OPT ...] [--setup FILE]   (tetron slurm --help)
        tetron convert SRC DST   (a checkpoint to a Hugging Face folder, or a HF folder to a checkpoint)
        tetron check RUN_OR_CHECKPOINT   (every byte of a run's checkpoints against their checksums)
        tetron tokenize SOURCE --tokenizer T --out STORE [--workers N] [--shard-mb M]   (a token store)
