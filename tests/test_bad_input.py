@@ -330,6 +330,27 @@ def test_plan_write_and_report_out_never_replace_what_is_there(tmp_path):
         assert picture.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_new_file_is_never_written_over_or_through_what_is_there(tmp_path, monkeypatch, hard_links):
+    """fs.write_bytes(replace=False) links the finished file to its name, or where the file system has no hard
+    links creates the name exclusively: either way an existing name (a FIFO here) is an error and stays."""
+    import errno
+
+    from tetron.fs import write_bytes
+
+    if not hard_links:
+        def no_link(src, dst):
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
+    os.mkfifo(tmp_path / "fifo")
+    write_bytes(tmp_path / "new", b"written", replace=False)
+    with pytest.raises(FileExistsError):
+        write_bytes(tmp_path / "fifo", b"never", replace=False)
+    assert (tmp_path / "new").read_bytes() == b"written" and stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "new"]
+
+
 def test_a_run_folder_is_named_on_one_line_and_known_by_a_runs_own_marks(tmp_path):
     """`--out` with a newline is refused (every log line and message names the folder); a `tetron.lock` file
     does not make a folder holding anything else a run folder (a run that wrote more than its lock wrote its
