@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import re
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -288,3 +291,92 @@ def test_fuzz_corrupted_checkpoints_and_configs(good, tmp_path):
             assert what.startswith("overwrite") and verify_tensors(folder), f"case {case} ({what}): no error"
         assert hashes(where) == before, (case, what)
         shutil.rmtree(where)
+
+
+# ----------------------------------------------------------------------------- files a user names
+
+
+def test_plan_write_and_report_out_never_replace_what_is_there(tmp_path):
+    """`tetron plan --write PATH` and `tetron report --out PATH`: a user's file, a folder, a FIFO (in place of a
+    device node, which a rename run as root would turn into a plain file) or a link is refused in one line and
+    kept as it was; a new name is written, and the report's own PNG is drawn again."""
+    from test_report import fake_run
+
+    fake_run(tmp_path / "run", parallel={"dp": 1}, steps=3, timers=False)
+    (tmp_path / "README.md").write_text("the user's own")
+    (tmp_path / "docs").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "README.md")
+    before = hashes(tmp_path)
+    plan = ["plan", "--model", "demo", "--nodes", "1", "--gpus-per-node", "2", "--top", "1"]
+    for name, what in (("README.md", "a file"), ("docs", "a folder"), ("fifo", "a FIFO"), ("link", "a symbolic link")):
+        for argv in ([*plan, "--write", name], ["report", "run", "--out", name]):
+            result = cli_in_process(argv, tmp_path)
+            lines = result.stderr.strip().splitlines()
+            assert result.returncode == 2 and len(lines) == 1, (argv, result.stderr)
+            assert lines[0].startswith(f"tetron: error: {argv[-2]} {name}: {what}") and "nothing is overwritten" in \
+                lines[0], (argv, lines)
+    assert hashes(tmp_path) == before
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode) and (tmp_path / "link").is_symlink()
+    assert not any((tmp_path / "docs").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "docs", "fifo", "link", "run"]  # no temporaries
+
+    assert cli_in_process([*plan, "--write", "new.yaml"], tmp_path).returncode == 0
+    assert (tmp_path / "new.yaml").read_text().startswith("# tetron plan #1: ")
+    for argv in (["report", "run"], ["report", "run"], ["report", "run", "--out", "pic.png"]):
+        result = cli_in_process(argv, tmp_path)
+        assert result.returncode == 0, result.stderr
+    for picture in (tmp_path / "run" / "report.png", tmp_path / "pic.png"):
+        assert picture.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_new_file_is_never_written_over_or_through_what_is_there(tmp_path, monkeypatch, hard_links):
+    """fs.write_bytes(replace=False) links the finished file to its name, or where the file system has no hard
+    links creates the name exclusively: either way an existing name (a FIFO here) is an error and stays."""
+    import errno
+
+    from tetron.fs import write_bytes
+
+    if not hard_links:
+        def no_link(src, dst):
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
+    os.mkfifo(tmp_path / "fifo")
+    write_bytes(tmp_path / "new", b"written", replace=False)
+    with pytest.raises(FileExistsError):
+        write_bytes(tmp_path / "fifo", b"never", replace=False)
+    assert (tmp_path / "new").read_bytes() == b"written" and stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "new"]
+
+
+def test_a_run_folder_is_named_on_one_line_and_known_by_a_runs_own_marks(tmp_path):
+    """`--out` with a newline is refused (every log line and message names the folder); a `tetron.lock` file
+    does not make a folder holding anything else a run folder (a run that wrote more than its lock wrote its
+    log), while a lock alone, or with the ranks' logs (a run killed early), still is."""
+    from tetron.fs import RUN_LOCK, is_run_folder
+
+    (tmp_path / "data.txt").write_text("x = 1\n" * 100)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("years of work")
+    (home / RUN_LOCK).write_text("")
+    before = hashes(tmp_path)
+    train = ["train", "--model", "demo", "--data", "data.txt", "--tokenizer", "bytes"]
+    for out, pattern in (("home", r"out=home: a folder that is neither empty nor a tetron run"),
+                         ("runs/a\nb", r"out='runs/a\\nb': a run folder's path with a control character")):
+        result = cli_in_process([*train, "--out", out], tmp_path)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and re.match(rf"tetron: error: {pattern}", lines[0]), \
+            result.stderr
+    assert hashes(tmp_path) == before and not (tmp_path / "runs").exists()
+
+    killed = tmp_path / "killed"
+    (killed / "logs").mkdir(parents=True)
+    (killed / RUN_LOCK).write_text("")
+    assert is_run_folder(killed)
+    (killed / "logs" / "rank_0.log").write_text("step 1")
+    assert is_run_folder(killed)
+    (killed / "notes.txt").write_text("not a run's")
+    assert not is_run_folder(killed)

@@ -243,3 +243,36 @@ def test_torchrun_with_the_wrong_world_size_fails(workdir):
     assert result.returncode != 0
     assert "tetron: error: world size 1 is not dp*tp*pp*cp = 2*1*1*1 = 2" in result.stdout + result.stderr
     assert not (out / "metrics.jsonl").exists()
+
+
+# Ctrl-C while `tetron` loads torch (seconds, before any of its own code runs): an import hook raises what
+# SIGINT would, in the middle of that import, deterministically.
+INTERRUPT_WHILE_LOADING = """
+import importlib.abc, runpy, sys
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            raise KeyboardInterrupt
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["tetron", "train", "--model", "demo"]
+runpy.run_module("tetron.cli", run_name="__main__")
+"""
+
+
+def test_ctrl_c_before_a_run_starts_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
+    """While torch loads, and in any command once loaded (here plan's search): `tetron: interrupted`, exit
+    130 as for a shell's interrupted command, no traceback."""
+    from tetron.cli import COMMANDS, main
+
+    proc = subprocess.run([sys.executable, "-c", INTERRUPT_WHILE_LOADING], cwd=tmp_path, env=user_env(),
+                          capture_output=True, text=True, timeout=ERROR_TIMEOUT)
+    assert (proc.returncode, proc.stderr) == (130, "tetron: interrupted\n"), proc.stderr
+
+    def interrupted(args: list[str]) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(COMMANDS, "plan", interrupted)
+    capsys.readouterr()
+    assert main(["plan", "--nodes", "1"]) == 130
+    assert capsys.readouterr().err == "tetron: interrupted\n"

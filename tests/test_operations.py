@@ -482,7 +482,7 @@ def _steps(workdir: Path, name: str) -> int:
 def launches(tmp_path_factory, corpus, cache_dir) -> dict:
     """Real launches of 2 ranks at once. `preempt` (saving in the background): SIGTERM to tetron once step 2
     is logged, then `--resume auto` to the end. `abort`: SIGINT twice. `stopped`: rank 1 gets SIGSTOP, timeout_s=5.
-    `killed`: tetron itself gets SIGKILL. `single`: one rank, SIGTERM. `torchrun`: one rank under torchrun
+    `killed`: tetron itself gets SIGKILL. `single`: one rank, SIGHUP. `torchrun`: one rank under torchrun
     (python -m tetron.launch), its agent gets SIGTERM. Each records its exit code, log, how long it took to
     end after the signal, and its ranks' pids."""
     workdir = tmp_path_factory.mktemp("launches")
@@ -511,8 +511,10 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
                 ranks = {0: proc.pid} if alone else _rank_pids(proc.pid) if ready else {}
                 if name not in acted and ready and len(ranks) == (1 if alone else 2):
                     pids[name] = ranks
-                    if name in ("preempt", "single", "torchrun"):
+                    if name in ("preempt", "torchrun"):
                         proc.send_signal(signal.SIGTERM)
+                    elif name == "single":  # a closed terminal: the same stop as SIGTERM's
+                        proc.send_signal(signal.SIGHUP)
                     elif name == "abort":
                         proc.send_signal(signal.SIGINT)
                         time.sleep(0.05)
@@ -599,11 +601,12 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(launches):
 
 
 @pytest.mark.timeout(600)
-def test_sigterm_to_a_single_process_run_saves_and_exits_0(launches):
-    """One rank runs in the `tetron train` process itself: the same stop, said by the rank."""
+def test_sighup_to_a_single_process_run_saves_and_exits_0(launches):
+    """One rank runs in the `tetron train` process itself: the same stop, said by the rank. SIGHUP (the
+    terminal closed) stops a run as SIGTERM does (the other launches get SIGTERM)."""
     run = launches["single"]
     assert run["code"] == 0 and "Traceback" not in run["log"], run["log"]
-    assert re.fullmatch(r"tetron: stopped by SIGTERM after step (\d+) of 5000: saved single/checkpoints/step_\1; "
+    assert re.fullmatch(r"tetron: stopped by SIGHUP after step (\d+) of 5000: saved single/checkpoints/step_\1; "
                         r"continue with the same command and --resume auto", run["log"].strip().splitlines()[-1])
     assert inspect_checkpoint(find_latest(launches["workdir"] / "single"))["step"] >= 2
 
@@ -648,7 +651,7 @@ def test_what_a_rank_would_meet_is_refused_before_start(ck, tmp_path, tetron_cli
              (["--model", tmp_path / "list.json"], r"expected a JSON object"),
              (["--model.rope_scaling={rope_type: llama3, factor: 8, low_freq_factor: 4, high_freq_factor: 4}"],
               r"high_freq_factor must be above low_freq_factor"),
-             (["--checkpoint.stop_signal=SIGKILL"], r"stop_signal=SIGKILL: use one of"),
+             (["--checkpoint.stop_signal=SIGKILL"], r"stop_signal='SIGKILL': use one of"),
              (["--model.eos_token_id=999"], r"eos_token_id=999: ids must be in \[0, vocab_size=256\)")]
     if not torch.cuda.is_available():
         cases.append((["--parallel.device=cuda"], r"no CUDA device is available"))
@@ -862,3 +865,22 @@ def test_validate_refuses_resume_below_the_checkpoint(ck):
     run, raw = ck
     with pytest.raises(ConfigError, match=r"train\.steps=3 is below step 4"):
         validate(from_dict({**raw, "train": {**raw["train"], "steps": 3}, "checkpoint": {"resume": "auto"}}))
+
+
+def test_after_sighup_a_terminal_that_closed_gets_no_more_writes():
+    """The terminal a SIGHUP reports closed fails every write (EIO), which would end the save that follows:
+    stop.leave_lost_terminal points such a descriptor at /dev/null, and leaves a file or a live terminal."""
+    from tetron.stop import leave_lost_terminal
+
+    master, lost = os.openpty()
+    live_master, live = os.openpty()
+    os.close(master)  # the terminal closes: its other end hangs up
+    with pytest.raises(OSError, match="Input/output error"):
+        os.write(lost, b"x")
+    with tempfile.TemporaryFile() as file:
+        leave_lost_terminal((lost, live, file.fileno()))
+        assert os.readlink(f"/proc/self/fd/{lost}") == os.devnull and os.write(lost, b"saved") == 5
+        assert os.write(live, b"ok") == 2 and os.read(live_master, 2) == b"ok"
+        assert os.write(file.fileno(), b"kept") == 4 and os.readlink(f"/proc/self/fd/{file.fileno()}") != os.devnull
+    for fd in (lost, live, live_master):
+        os.close(fd)

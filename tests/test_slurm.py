@@ -167,8 +167,9 @@ def test_a_two_node_job_runs_and_a_requeued_job_resumes(slurm, corpus, cache_dir
     # hands the job: Slurm's, and this checkout importable by the job's ranks
     for name, value in {**slurm, "PYTHONPATH": str(REPO)}.items():
         monkeypatch.setenv(name, value)
+    # one core per node: the test's nodes have this machine's cores (CORES_PER_RANK would ask for more)
     submitted = cli_in_process(["slurm", "run.yaml", "--nodes", "2", "--gpus-per-node", "1", "--time", "00:10:00",
-                                "--submit"], tmp_path)
+                                "--cpus-per-task", "1", "--submit"], tmp_path)
     assert submitted.returncode == 0, submitted.stderr
     job = re.search(r"submitted job (\d+)", submitted.stdout).group(1)
     out = tmp_path / "run"
@@ -242,7 +243,8 @@ STUBS = {  # Slurm's commands and the node's python, recording what they were gi
             'SLURM_NODEID=0 exec "$@"\n',
     "scontrol": '#!/bin/bash\nif [ "$2" = hostnames ]; then echo node1; else echo "NodeName=node1 NodeAddr=10.0.0.1"; '
                 'fi\n',
-    "python": '#!/bin/bash\nprintf "%s\\0" "$@" > "$STUB_LOG/python.args"\npwd > "$STUB_LOG/cwd"\n',
+    "python": '#!/bin/bash\nprintf "%s\\0" "$@" > "$STUB_LOG/python.args"\npwd > "$STUB_LOG/cwd"\n'
+              'printf "%s" "${TETRON_TEST_SETUP-unset}" > "$STUB_LOG/setup"\n',
 }
 
 
@@ -296,3 +298,98 @@ def test_hostile_values_never_run_as_shell_code(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["x $(touch "]  # nothing else written
     for time_limit in ("90", "30:00", "02:00:00", "2-0", "1-12:00", "1-00:00:00", "UNLIMITED"):
         _check_job(SlurmJob(nodes=1, gpus_per_node=1, time=time_limit, partition="gpu,debug", job_name="my.job-1"))
+
+
+def _stubbed(tmp_path: Path, monkeypatch) -> dict[str, str]:
+    """Stub srun, scontrol and python (STUBS) in tmp_path/stubs, this process's python the stub; returns the
+    environment job.sh runs in."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name, text in STUBS.items():
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(stubs / "python"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.txt").write_text("x = 1\n" * 100)
+    return {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(tmp_path),
+            "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
+
+
+CPU_JOB = ["slurm", "demo", "--data", "data.txt", "--tokenizer", "bytes", "--parallel.device=cpu", "--dp", "2",
+           "--nodes", "2", "--gpus-per-node", "1", "--time", "01:00:00"]
+
+
+def _one_error(code: int, err: str, pattern: str) -> None:
+    assert code == 2 and len(err.strip().splitlines()) == 1 and re.match(rf"tetron: error: {pattern}", err), err
+
+
+def test_a_linked_run_folder_or_a_stop_signal_cannot_add_lines_to_the_job(tmp_path, monkeypatch, capsys):
+    """A run folder that is a link to a path holding a newline and shell code is refused as its target (the
+    scripts name the resolved path); so is `--checkpoint.stop_signal=$'USR1\\n'`, which would have put a bare
+    `@120` line among the directives, where sbatch stops reading them; the signal is written as Slurm names it."""
+    from tetron.cli import main
+
+    _stubbed(tmp_path, monkeypatch)
+    canary = tmp_path / "pwned"
+    target = tmp_path / "t\ntouch pwned\n"  # job.sh runs where it is submitted from, here
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    capsys.readouterr()
+    _one_error(main([*CPU_JOB, "--out", "link"]), capsys.readouterr().err,
+               r"out='link' \(the path it names: \.\.\..*/t\\ntouch pwned\\n'\): a path with a control character")
+    assert not any(target.iterdir()) and not canary.exists()
+    _one_error(main([*CPU_JOB, "--out", "runs/s", "--checkpoint.stop_signal=USR1\n"]), capsys.readouterr().err,
+               r"checkpoint.stop_signal='USR1\\n': use one of")
+    assert not (tmp_path / "runs").exists()
+
+    assert main([*CPU_JOB, "--out", "runs/s", "--checkpoint.stop_signal=sigterm", "--partition", "cpu"]) == 0
+    lines = (tmp_path / "runs" / "s" / "slurm" / "job.sh").read_text().splitlines()
+    directives = [line for line in lines if line.startswith("#SBATCH")]
+    assert lines[1:1 + len(directives)] == directives  # all of them before the script's first other line
+    assert {"#SBATCH --signal=TERM@120", "#SBATCH --partition=cpu", "#SBATCH --time=01:00:00"} <= set(directives)
+    # the last guard, whatever checked a value before: no value with a control character reaches a script
+    from tetron.errors import ConfigError
+    from tetron.plan.slurm import _slurm_value, _word
+
+    for value in ("USR1\n", "a\rb", "x\x1b[2J", "tab\there"):
+        for quote in (_slurm_value, _word):
+            with pytest.raises(ConfigError, match="a control character"):
+                quote(value)
+
+
+def test_the_job_gives_ranks_cores_and_takes_sbatch_options_and_a_setup_script(tmp_path, monkeypatch, capsys):
+    """Each node's task asks for cores for its ranks (CORES_PER_RANK each, or --cpus-per-task), in sbatch's
+    directives and in srun's (which does not inherit them); `--sbatch` adds checked, quoted options; `--setup`
+    is the user's script, copied beside the job and sourced on every node before torchrun (under `set +u`)."""
+    from tetron.cli import main
+    from tetron.plan.slurm import CORES_PER_RANK
+
+    env = _stubbed(tmp_path, monkeypatch)
+    (tmp_path / "setup.sh").write_text('export TETRON_TEST_SETUP="from setup"\nunset_is_fine="$NOT_SET_ANYWHERE"\n')
+    extra = ["--sbatch", "exclusive", "--sbatch=--mem=64G", "--sbatch", "constraint=a100&ib", "--setup", "setup.sh"]
+    assert main([*CPU_JOB, "--out", "runs/c", *extra]) == 0, capsys.readouterr().err
+    slurm_dir = tmp_path / "runs" / "c" / "slurm"
+    job, node = (slurm_dir / "job.sh").read_text(), (slurm_dir / "node.sh").read_text()
+    for line in (f"#SBATCH --cpus-per-task={CORES_PER_RANK}", "#SBATCH --exclusive", "#SBATCH --mem=64G",
+                 '#SBATCH --constraint="a100&ib"'):
+        assert re.search(rf"^{re.escape(line)}( |$)", job, re.M), (line, job)
+    assert f"srun --nodes=2 --ntasks-per-node=1 --cpus-per-task={CORES_PER_RANK} " in job
+    assert "same paths on every node" in node and "same paths on each" in job
+    assert (slurm_dir / "setup.sh").read_text() == (tmp_path / "setup.sh").read_text()
+    result = subprocess.run(["bash", str(slurm_dir / "job.sh")], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "setup").read_text() == "from setup"  # what the setup exported reached the launcher
+
+    assert main([*CPU_JOB, "--out", "runs/d", "--cpus-per-task", "16"]) == 0
+    job = (tmp_path / "runs" / "d" / "slurm" / "job.sh").read_text()
+    assert "#SBATCH --cpus-per-task=16 " in job and " --cpus-per-task=16 " in job.splitlines()[-1]
+    capsys.readouterr()
+    for option, pattern in (("nodes=3", r"--sbatch='nodes=3': tetron writes --nodes itself; use --nodes"),
+                            ("mem=1G\n#SBATCH --x", r"--sbatch='mem=1G\\n#SBATCH --x': a control character"),
+                            ("-N3", r"--sbatch='-N3': give one long sbatch option"),
+                            ("signal=USR2", r"--sbatch='signal=USR2': tetron writes --signal itself")):
+        _one_error(main([*CPU_JOB, "--out", "runs/e", f"--sbatch={option}"]), capsys.readouterr().err, pattern)
+    _one_error(main([*CPU_JOB, "--out", "runs/e", "--setup", "missing.sh"]), capsys.readouterr().err,
+               r"--setup missing.sh: cannot read it")
+    assert not (tmp_path / "runs" / "e").exists()

@@ -16,31 +16,46 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-import yaml
+# Loading torch takes seconds: a Ctrl-C meanwhile ends the command in one line, as one later does (main).
+try:
+    import yaml
 
-from tetron.config import SECTIONS, Config, from_dict, load_config
-from tetron.data.loader import (
-    check_tokenizer_pairing,
-    data_specs,
-    fit_vocab,
-    load_tokens,
-    prepare_data,
-    start_folder,
-    tokenizer_spec,
-    yield_tokenizer,
-)
-from tetron.data.mixture import check_mixture
-from tetron.device import cuda_count
-from tetron.errors import ConfigError, DataError, UserError, check, failed, quoted
-from tetron.fs import RUN_LOCK, STATE_FILE, FolderLock, aside_name, earlier_run, find_latest, read_json, set_aside
-from tetron.launch import launch
-from tetron.observe.evaluate import check_held_out, training_tokens
-from tetron.observe.metrics import say
-from tetron.observe.step_report import check_outputs
-from tetron.overrides import SHORT_FLAGS, OneLineParser, apply_overrides, field_docs
-from tetron.plan.fit import check_fits
-from tetron.schedule import schedule_change
-from tetron.validate import validate
+    from tetron.config import SECTIONS, Config, from_dict, load_config
+    from tetron.data.loader import (
+        check_tokenizer_pairing,
+        data_specs,
+        fit_vocab,
+        load_tokens,
+        prepare_data,
+        start_folder,
+        tokenizer_spec,
+        yield_tokenizer,
+    )
+    from tetron.data.mixture import check_mixture
+    from tetron.device import cuda_count
+    from tetron.errors import ConfigError, DataError, UserError, check, failed, quoted
+    from tetron.fs import (
+        RUN_LOCK,
+        STATE_FILE,
+        FolderLock,
+        aside_name,
+        earlier_run,
+        find_latest,
+        has_control,
+        read_json,
+        set_aside,
+    )
+    from tetron.launch import launch
+    from tetron.observe.evaluate import check_held_out, training_tokens
+    from tetron.observe.metrics import say
+    from tetron.observe.step_report import check_outputs
+    from tetron.overrides import SHORT_FLAGS, OneLineParser, apply_overrides, field_docs
+    from tetron.plan.fit import check_fits
+    from tetron.schedule import schedule_change
+    from tetron.validate import validate
+except KeyboardInterrupt:
+    print("tetron: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] [--print-config]
                     (tetron train --help lists every field and short flag)
@@ -48,6 +63,7 @@ USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] 
                    [--seq-len S] [--batch-tokens T] [axes] [--json] [--write CONFIG.yaml] [--measure K]
                    (tetron plan --help: rank the layouts that fit, predicted memory and step time)
        tetron slurm CONFIG --nodes N --gpus-per-node G [--partition P --time T --account A] [--submit]
+                    [--cpus-per-task C] [--sbatch OPT ...] [--setup FILE]   (tetron slurm --help)
        tetron convert SRC DST   (a checkpoint to a Hugging Face folder, or a HF folder to a checkpoint)
        tetron check RUN_OR_CHECKPOINT   (every byte of a run's checkpoints against their checksums)
        tetron tokenize SOURCE --tokenizer T --out STORE [--workers N] [--shard-mb M]   (a token store)
@@ -160,6 +176,9 @@ def train_command(args: list[str]) -> int:
     notes: list[str] = []
     try:
         cfg, notes = _fit_tokenizer(load_config(config_path, args), args)
+        # every line that names the run folder (its logs, messages, job scripts) must stay one line
+        check(not has_control(cfg.out), f"out={quoted(cfg.out)}: a run folder's path with a control character "
+                                        f"(a newline, a tab) cannot be named on one line; choose another")
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
         note = _schedule_note(cfg)  # reads the checkpoint's saved config: refused before anything is written
         # the memory model's peak per rank against this node's memory, before any rank allocates
@@ -336,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         code = _main(argv)
         sys.stdout.flush()  # a reader that went away shows here, inside the try, not at the interpreter's exit
         return code
+    except KeyboardInterrupt:  # Ctrl-C before a run's own signal handling starts (or in any other command)
+        print("tetron: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except BrokenPipeError:  # `tetron train --help | head -1`: stop quietly, as a command killed by SIGPIPE does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that exit's own flush fails no more
         return 128 + signal.SIGPIPE

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tetron.errors import CheckpointError
+from tetron.errors import CheckpointError, StorageError, quoted
 
 
 def fsync_file(path: Path) -> None:
@@ -44,18 +44,45 @@ def temp_name(path: Path, tag: str = "") -> Path:
     return path.with_name(f"{path.name}.tmp-{tag}{secrets.token_hex(4)}")
 
 
-def write_text(path: Path, text: str) -> None:
-    """`text` written to a temporary name, synced, then renamed over `path`."""
+def write_bytes(path: Path, data: bytes, *, replace: bool = True) -> None:
+    """`data` written to a temporary name, synced, then renamed over `path`; with `replace=False`, linked to
+    `path` instead, which raises FileExistsError when anything (a file, a folder, a link, a device) has that
+    name: a user-named file never replaces what is there, and never writes through it."""
     tmp = temp_name(path)
     try:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
         fsync_file(tmp)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _link_new(tmp, path)
     except OSError as err:
         err.filename = err.filename or str(path)  # a failed write() names no file: name the one meant
         raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """Give the complete file `tmp` the new name `path`, atomically and never over an existing one."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        # a file system without hard links: create the name exclusively, then copy the bytes in
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(tmp.read_bytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def write_text(path: Path, text: str, *, replace: bool = True) -> None:
+    """`text` written atomically (see write_bytes)."""
+    write_bytes(path, text.encode("utf-8"), replace=replace)
 
 
 def write_json(path: Path, obj: Any, *, indent: int = 1) -> None:
@@ -141,6 +168,64 @@ def missing_reason(path: Path) -> str:
     kinds = {stat.S_ISFIFO: "a FIFO (a named pipe)", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device",
              stat.S_ISBLK: "a device", stat.S_ISDIR: "a folder"}
     return next((f"{what}, not a file" for test, what in kinds.items() if test(mode)), "not a regular file")
+
+
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # characters that end or disturb a line: newline, tab, escape, ...
+
+
+def what_exists(path: Path) -> str | None:
+    """What has the name `path`, in words ("a file", "a folder", "a FIFO (a named pipe)", "a device", "a
+    symbolic link", ...), not following a final symbolic link; None when nothing has it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # a path through a file, a name too long: something stands in the way
+        return err.strerror or str(err)
+    kinds = {stat.S_ISREG: "a file", stat.S_ISDIR: "a folder", stat.S_ISLNK: "a symbolic link",
+             stat.S_ISFIFO: "a FIFO (a named pipe)", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device",
+             stat.S_ISBLK: "a device"}
+    return next((what for test, what in kinds.items() if test(mode)), "something that is not a file")
+
+
+def has_control(text: str) -> bool:
+    """Whether `text` holds a control character (a newline, a tab, an escape): such a path or value cannot be
+    named on one line of a log, a message or a script."""
+    return CONTROL.search(text) is not None
+
+
+def check_new_file(name: str, flag: str, *, replaces: bytes | None = None) -> bool:
+    """Where a command writes the file `flag` names: only where nothing is (a user's file, a folder, a device
+    or FIFO is never replaced, never written through), in a folder this user can write. With `replaces`, a
+    regular file whose bytes begin so (what the command wrote there before, such as a PNG) may be replaced:
+    returns whether one is there. Anything else is a StorageError naming the flag."""
+    path = Path(name).expanduser()
+    if name.strip() == "" or has_control(name):
+        raise StorageError(f"{flag}={quoted(name)}: give a file name (on one line, without control characters)")
+    what = what_exists(path)
+    if what is not None:
+        if replaces is not None and what == "a file" and _begins(path, replaces):
+            return True
+        mine = " (not one this command wrote)" if replaces is not None and what == "a file" else ""
+        raise StorageError(f"{flag} {name}: {what} is already there{mine}; give a new file name (nothing is "
+                           f"overwritten)")
+    parent = path.parent
+    if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+        raise StorageError(f"{flag} {name}: {parent} is not a folder this user can write; give a file in a "
+                           f"writable folder")
+    return False
+
+
+def _begins(path: Path, prefix: bytes) -> bool:
+    """Whether the regular file `path` (not a link) begins with `prefix`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(prefix), 0) == prefix
+    finally:
+        os.close(fd)
 
 
 def describe_size(n: float) -> str:
@@ -357,13 +442,18 @@ def find_latest(out: Path) -> Path | None:
 
 
 def is_run_folder(out: Path) -> bool:
-    """Whether the folder `out` is empty or recognisably a tetron run folder: its log, its lock, only
-    its ranks' logs, a checkpoints/ with `latest` or a step_N, or a model/ with tetron's tokenizer file."""
+    """Whether the folder `out` is empty or recognisably a tetron run folder: its log, only its lock and its
+    ranks' logs (a run killed before it wrote anything else), a checkpoints/ with `latest` or a step_N, or a
+    model/ with tetron's tokenizer file. A lock beside anything else marks nothing: any folder can hold a file
+    of that name, and a run that wrote more than its lock wrote one of these marks."""
     names = {p.name for p in out.iterdir()}
-    if not names or names & {"metrics.jsonl", RUN_LOCK}:
+    if "metrics.jsonl" in names:
+        return True
+    rest = names - {RUN_LOCK}
+    if not rest:
         return True
     logs = out / "logs"  # the ranks' logs come first: under torchrun another rank may have begun them
-    if names == {"logs"} and logs.is_dir() and all(re.fullmatch(r"rank_\d+\.log", p.name) for p in logs.iterdir()):
+    if rest == {"logs"} and logs.is_dir() and all(re.fullmatch(r"rank_\d+\.log", p.name) for p in logs.iterdir()):
         return True
     root = checkpoints_dir(out)
     if root.is_dir() and any(p.name == "latest" or STEP_DIR.match(p.name.split(".tmp-")[0]) for p in root.iterdir()):

@@ -1,10 +1,11 @@
 """Stopping a run on a signal, as clusters preempt jobs: finish the step, save, exit 0.
 
-SIGTERM, SIGINT and `checkpoint.stop_signal` (SIGUSR1 by default: Slurm's `--signal=USR1@120` sends it
-before the time limit) ask a run to stop. Every rank notes the request; the ranks agree on it through the
-all-reduce that already carries each step's loss (train.global_loss), so all of them finish the same
-step, save a checkpoint together and exit 0. A second such signal aborts at once: the previous
-checkpoint is whole, because saves are atomic.
+SIGTERM, SIGINT, SIGHUP (a closed terminal) and `checkpoint.stop_signal` (SIGUSR1 by default: Slurm's
+`--signal=USR1@120` sends it before the time limit) ask a run to stop. Every rank notes the request; the
+ranks agree on it through the all-reduce that already carries each step's loss (train.global_loss), so all
+of them finish the same step, save a checkpoint together and exit 0. A second such signal aborts at once:
+the previous checkpoint is whole, because saves are atomic. After a SIGHUP, output to the terminal that
+closed goes to /dev/null (every write to it fails), so that the save's lines cannot end the save.
 
 A signal is seen by a thread reading Python's signal wakeup fd, not by a Python handler, so that it
 counts even while the main thread is blocked inside a collective: the second one can end the process
@@ -16,8 +17,10 @@ own launcher passes requests on as FORWARDED, which never aborts.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import termios
 import threading
 import time
 from typing import Callable
@@ -31,7 +34,7 @@ _UNCATCHABLE = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", 
 def parse_signal(name: str) -> signal.Signals:
     """`USR1`, `SIGUSR1` or `sigusr1` -> signal.SIGUSR1; ValueError naming the choices for anything that
     cannot ask a run to stop (unknown, uncatchable, or tetron's own FORWARDED)."""
-    key = name.strip().upper()
+    key = name.upper()  # not stripped: the name lands in job.sh as given to Slurm, where a newline ends a line
     key = key if key.startswith("SIG") else f"SIG{key}"
     usable = sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE and s != FORWARDED
                     and not s.name.startswith("SIGRT") and s.name not in ("SIGIOT", "SIGCLD", "SIGPOLL"))
@@ -41,8 +44,9 @@ def parse_signal(name: str) -> signal.Signals:
 
 
 def stop_signals(extra: str | None) -> list[signal.Signals]:
-    """SIGTERM, SIGINT and the configured extra signal (already checked by validate)."""
-    signals = [signal.SIGTERM, signal.SIGINT]
+    """SIGTERM, SIGINT, SIGHUP (the terminal closed, an ssh session dropped) and the configured extra signal
+    (already checked by validate)."""
+    signals = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
     if extra:
         sig = parse_signal(extra)
         if sig not in signals:
@@ -86,6 +90,8 @@ def watch_signals(signals: list[signal.Signals], *, on_stop: Callable[[str], Non
         while data := _read(read_fd):
             for number in data:
                 sig = signal.Signals(number)
+                if sig == signal.SIGHUP:
+                    leave_lost_terminal()
                 if sig == FORWARDED and forwarded:
                     on_stop(sig.name)
                 elif sig in signals and not first:
@@ -104,6 +110,24 @@ def watch_signals(signals: list[signal.Signals], *, on_stop: Callable[[str], Non
         os.close(write_fd)  # the watcher reads end-of-file and ends
 
     return restore
+
+
+def leave_lost_terminal(fds: tuple[int, ...] = (1, 2)) -> None:
+    """Point those of `fds` that are a terminal that hung up (it closed: the SIGHUP's cause) at /dev/null: every
+    write to it fails with EIO, and the lines of a save after the SIGHUP must not end the save."""
+    for fd in fds:
+        try:
+            termios.tcgetattr(fd)
+        except termios.error as err:
+            if err.args[0] != errno.EIO:  # ENOTTY: a file or a pipe, which still works
+                continue
+        except OSError:
+            continue
+        else:
+            continue  # a terminal still there (a SIGHUP sent by kill): keep writing to it
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
 
 
 def _read(fd: int) -> bytes:

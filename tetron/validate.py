@@ -19,7 +19,7 @@ from tetron.data.loader import data_specs, tokenizer_spec
 from tetron.data.sources import resolve_files
 from tetron.data.token_store import is_store
 from tetron.device import compile_problem, device_problem
-from tetron.errors import CheckpointError, ConfigError, DataError
+from tetron.errors import CheckpointError, ConfigError, DataError, quoted
 from tetron.errors import check as _check
 from tetron.fs import find_latest, is_run_folder
 from tetron.models.moe_models import MoeConfig
@@ -101,7 +101,7 @@ def _validate_checkpoint(cfg: Config) -> None:
         try:
             parse_signal(c.stop_signal)
         except ValueError as err:
-            raise ConfigError(f"checkpoint.stop_signal={c.stop_signal}: {err}") from None
+            raise ConfigError(f"checkpoint.stop_signal={quoted(c.stop_signal)}: {err}") from None
     try:
         if c.resume is not None:
             _validate_resume(cfg)

@@ -13,6 +13,7 @@ a window.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import statistics
@@ -23,8 +24,10 @@ from typing import Any, NoReturn
 import yaml
 
 from tetron.errors import ConfigError, UserError
-from tetron.fs import STATE_FILE, find_latest, read_bounded, read_json
+from tetron.fs import STATE_FILE, check_new_file, find_latest, read_bounded, read_json, write_bytes
 from tetron.parallel.timers import CATEGORIES
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file
 
 # (panel title, y label, metrics drawn, log scale)
 PANELS = [("loss", "loss", ("loss", "val_loss"), False),
@@ -239,11 +242,19 @@ def report(args: list[str]) -> str:
     parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the x axis (default: step)")
     ns = parser.parse_args(args)
     runs = [read_run(folder) for folder in ns.runs]
-    out = Path(ns.out) if ns.out else runs[0].folder / "report.png"
+    out = Path(ns.out).expanduser() if ns.out else runs[0].folder / "report.png"
     fig = figure(runs, x=ns.x)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=100)
+        # a picture tetron wrote is drawn again; anything else there (a user's file, a folder, a device) is kept
+        replace = check_new_file(str(out), "--out", replaces=PNG_MAGIC)
+        picture = io.BytesIO()
+        fig.savefig(picture, dpi=100, format="png")
+        write_bytes(out, picture.getvalue(), replace=replace)
+    except UserError:
+        raise
+    except FileExistsError:  # made meanwhile, by another process: still never replaced
+        raise UserError(f"--out {out}: already exists; give a new file name (nothing is overwritten)") from None
     except (OSError, ValueError) as err:
         raise UserError(f"--out {out}: cannot write the picture ({getattr(err, 'strerror', None) or err})") from None
     return f"{table(runs)}\n\ntetron: wrote {out}"

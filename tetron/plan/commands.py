@@ -7,9 +7,10 @@ import typing
 
 from tetron.config import PpSchedule, Recompute, ZeroAccumulate, load_config
 from tetron.errors import UserError, failed
+from tetron.fs import check_new_file
 from tetron.overrides import OneLineParser, split_known
 from tetron.plan.report import PlanRequest, check_plan_numbers, fixed_axes, run
-from tetron.plan.slurm import SlurmJob, submit, write_job
+from tetron.plan.slurm import CORES_PER_RANK, SlurmJob, submit, write_job
 
 
 def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -43,6 +44,8 @@ def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     mine, rest = split_known(parser, args)
     ns = parser.parse_args(mine)
     check_plan_numbers(ns)
+    if ns.write is not None:
+        check_new_file(ns.write, "--write")  # before the search: refused in a moment, not after it
     return ns, rest
 
 
@@ -57,6 +60,8 @@ def plan_command(args: list[str]) -> int:
                               top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
                               steps=ns.steps)
         text, code = run(request)
+    except FileExistsError:  # made meanwhile, by another process: still never replaced
+        return failed(f"--write {ns.write}: already exists; give a new file name (nothing is overwritten)")
     except (UserError, ValueError) as err:
         return failed(str(err))
     print(text)
@@ -67,6 +72,7 @@ def slurm_command(args: list[str]) -> int:
     parser = OneLineParser(prog="tetron slurm", description=(
         "Write OUT/slurm/job.sh (and node.sh, config.yaml): one srun task per node starting torchrun with a "
         "c10d rendezvous on the first node, per-rank logs under OUT/logs, --resume auto; --submit runs sbatch. "
+        "Every node runs this checkout with this Python: both must be at the same paths on every node. "
         "Other --section.key=value and short flags override the config."))
     parser.add_argument("config", help="the run's config (YAML file or configs/ name)")
     parser.add_argument("--nodes", type=int, required=True)
@@ -74,15 +80,23 @@ def slurm_command(args: list[str]) -> int:
     parser.add_argument("--partition")
     parser.add_argument("--time", help="wall-clock limit (HH:MM:SS or D-HH:MM)")
     parser.add_argument("--account")
-    parser.add_argument("--cpus-per-task", type=int, help="CPU cores for each node's ranks")
+    parser.add_argument("--cpus-per-task", type=int,
+                        help=f"CPU cores for each node's ranks, all together (default {CORES_PER_RANK} per rank)")
     parser.add_argument("--job-name")
+    parser.add_argument("--sbatch", action="append", default=[], metavar="OPT",
+                        help="one more sbatch option, as name or name=value: --sbatch exclusive --sbatch mem=64G "
+                             "--sbatch qos=high --sbatch constraint=a100 (repeat the flag for each)")
+    parser.add_argument("--setup", metavar="FILE",
+                        help="a shell script of yours that every node sources before torchrun (module load, "
+                             "NCCL_* settings); copied to OUT/slurm/setup.sh and run as it is")
     parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
     try:
         mine, overrides = split_known(parser, args)
         ns = parser.parse_args(mine)
         cfg = load_config(ns.config, overrides)
         job = SlurmJob(nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition, time=ns.time,
-                       account=ns.account, cpus_per_task=ns.cpus_per_task, job_name=ns.job_name)
+                       account=ns.account, cpus_per_task=ns.cpus_per_task, job_name=ns.job_name,
+                       sbatch=tuple(ns.sbatch), setup=ns.setup)
         script = write_job(cfg, job)
         print(f"tetron: wrote {script} (and node.sh, config.yaml beside it)")
         if ns.submit:

@@ -120,7 +120,8 @@ def run(req: PlanRequest) -> tuple[str, int]:
         check(len(fit) >= req.pick, f"--write: {len(fit)} layouts fit, no layout #{req.pick} to write")
         chosen = fit[req.pick - 1]
         text = yaml.safe_dump(chosen.config.to_dict(), sort_keys=False)
-        write_text(Path(req.write), f"# tetron plan #{req.pick}: {chosen.layout.label()}\n{text}")
+        write_text(Path(req.write).expanduser(), f"# tetron plan #{req.pick}: {chosen.layout.label()}\n{text}",
+                   replace=False)
     if req.json:
         data = as_json(fit, hw=hw, nodes=req.nodes, gpus_per_node=req.gpus_per_node, considered=len(plans))
         if req.measure:
