@@ -36,7 +36,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd.variable import Variable
 
 from tetron.config import Config
 from tetron.data.batch import MicroBatch
@@ -57,6 +56,7 @@ from tetron.parallel.pipeline_schedules import (
 )
 from tetron.parallel.timers import timer
 from tetron.parallel.weight_grad import backward_input, backward_weight
+from tetron.torch_private import run_backward
 
 # --------------------------------------------------------------------------------------- stages
 
@@ -159,8 +159,7 @@ def _run_backward(output: Tensor, grad: Tensor | None) -> None:
     engine itself checks against the shape recorded in the graph (Megatron's custom_backward)."""
     if grad is None:
         grad = torch.ones_like(output)  # the loss: a scalar
-    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), allow_unreachable=True,
-                                            accumulate_grad=True)
+    run_backward((output,), (grad,))
 
 
 class Pipeline:
