@@ -145,3 +145,25 @@ def test_storage_swap_moves_memory_and_the_pool_resizes_without_it():
         assert storage.nbytes() == 0
         pool.fill(storage, 32)
         assert storage.nbytes() == 32 and t.untyped_storage() is storage
+
+
+def test_is_view_and_its_safe_fallback():
+    base = torch.ones(4, requires_grad=True) * 2
+    assert tp.is_view(base[1:]) and not tp.is_view(base)
+    assert tp.is_view(base, fallback=True)  # unknown: treated as a view, whose data is never released
+
+
+def test_materialize_keeps_tied_parameters_tied_and_zeroes_meta_buffers():
+    """parallel/init.py's materialize_ through public nn.Module calls: one new Parameter per old one wherever it
+    is registered, its attributes kept; meta buffers become zeros."""
+    from tetron.parallel.init import materialize_
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+        model[1].weight = model[0].weight
+        model[1].register_buffer("bias_state", torch.ones(5))
+    model[0].weight.marker = "kept"
+    materialize_(model, torch.device("cpu"))
+    assert model[0].weight is model[1].weight and model[0].weight.device.type == "cpu"
+    assert model[0].weight.marker == "kept" and model[1].bias_state.equal(torch.zeros(5))
+    assert [n for n, _ in model.named_parameters()] == ["0.weight"]

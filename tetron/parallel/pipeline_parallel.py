@@ -56,7 +56,7 @@ from tetron.parallel.pipeline_schedules import (
 )
 from tetron.parallel.timers import timer
 from tetron.parallel.weight_grad import backward_input, backward_weight
-from tetron.torch_private import run_backward
+from tetron.torch_private import is_view, run_backward
 
 # --------------------------------------------------------------------------------------- stages
 
@@ -224,7 +224,7 @@ class Pipeline:
             else:
                 # contiguous: P2P sends flat memory (sequence parallelism leaves a strided residual stream)
                 payload = tensor.detach().contiguous()
-            if tensor.requires_grad and tensor._base is None:
+            if tensor.requires_grad and not is_view(tensor):
                 # Release the data: the P2P op (or the hand-over) holds its own reference; autograd
                 # needs only the graph.
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)

@@ -7,8 +7,9 @@ batched `_foreach` kernels. Their names and signatures may change in any release
 names them: each capability here is one function that checks once whether this torch has the API (its
 version and the API's presence), calls it when it does, and otherwise runs the same computation with public
 PyTorch (a loop of matmuls, plain-math attention with its log-sum-exp, `torch.autograd.backward` over
-gradient edges, one kernel per tensor). Every function takes `fallback=True` to run the public path even
-where the private one exists: the tests check the two agree.
+gradient edges, one kernel per tensor). Each function with a public path takes `fallback=True` to run it even
+where the private one exists (tests/test_torch_private.py checks the two agree); swap_storages' public path is
+its caller's (StoragePool(reuse=False) resizes), and queue_after_backward has none (it says so when absent).
 
     grouped.py     torch._grouped_mm                                   -> a matmul per group
     attention.py   aten._scaled_dot_product_flash_attention_for_cpu,   -> plain-math attention with lse
@@ -16,7 +17,8 @@ where the private one exists: the tests check the two agree.
     autograd.py    Variable._execution_engine.run_backward,             -> torch.autograd.backward / grad
                    .queue_callback, torch._C._current_graph_task_id,      over gradient edges
                    UntypedStorage._swap_data_ptr_, torch._foreach_*,     (see each function for the rest)
-                   torch._subclasses' is_fake, torch.utils._pytree's tree_leaves, OpOverload._opname
+                   torch._subclasses' is_fake, torch.utils._pytree's tree_leaves,
+                   OpOverload._opname, Tensor._base
 
 This package sits on the ground floor: models, parallel, observe and plan may all import it.
 """
@@ -37,6 +39,7 @@ from tetron.torch_private.autograd import (
     foreach_scale_,
     in_backward,
     is_fake,
+    is_view,
     op_name,
     queue_after_backward,
     run_backward,
@@ -50,7 +53,7 @@ from tetron.torch_private.version import TORCH_VERSION, torch_at_least
 __all__ = [
     "LSE_ALIGN", "TORCH_VERSION", "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention",
     "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "foreach_norm",
-    "foreach_scale_", "grouped_mm", "grouped_mm_available", "in_backward", "is_fake", "math_attention",
+    "foreach_scale_", "grouped_mm", "grouped_mm_available", "in_backward", "is_fake", "is_view", "math_attention",
     "math_attention_backward", "op_name", "queue_after_backward", "run_backward", "storage_swap_available",
     "swap_storages", "torch_at_least", "tree_leaves",
 ]

@@ -13,6 +13,7 @@
   keep referring to theirs. Public path: the caller resizes its storage instead (storage_swap_available).
 - foreach_norm, foreach_scale_: `torch._foreach_norm`, `torch._foreach_mul_`, one kernel for many tensors.
   Public path: one kernel per tensor.
+- is_view: `Tensor._base`. Public path: True (what it is asked for: may this tensor's data be released).
 - is_fake, tree_leaves, op_name: `torch._subclasses.fake_tensor.is_fake`, `torch.utils._pytree.tree_leaves`,
   `OpOverload._opname`. Public paths: False (no fake tensors without the module), a walk over lists, tuples
   and dicts, the op's name() cut to its base name.
@@ -91,6 +92,14 @@ def foreach_scale_(tensors: list[Tensor], scale: Tensor | float, *, fallback: bo
         return
     for t in tensors:
         t.mul_(scale)
+
+
+def is_view(t: Tensor, *, fallback: bool = False) -> bool:
+    """Whether `t` views another tensor's memory (`Tensor._base`); the public path answers True, the safe
+    answer for its one use: the data of a view is not released."""
+    if not fallback and hasattr(t, "_base"):
+        return t._base is not None
+    return True
 
 
 def is_fake(t: Tensor, *, fallback: bool = False) -> bool:
