@@ -46,6 +46,7 @@ from tetron.parallel.p2p_order import Op, orders_posting_plan, posting_plan
 from tetron.parallel.pipeline_schedules import (
     Action,
     Message,
+    forward_only,
     rank_of,
     receives,
     schedule,
@@ -325,10 +326,9 @@ class Pipeline:
     @torch.no_grad()
     def forward_only(self, batches: list[MicroBatch], *,
                      loss_fn: Callable[[Tensor], Tensor] = lambda summed: summed) -> Tensor:
-        """Forward of every micro-batch through the stages, nothing kept for a backward (validation): each rank
-        takes (micro-batch, chunk) pairs in that order, which every stage's inputs follow, so no rank waits
-        on one that waits on it. Returns the fp64 sum of loss_fn(each micro-batch's summed loss) on the last
-        stage, zero elsewhere."""
+        """Forward of every micro-batch through the stages, nothing kept for a backward (validation), in
+        pipeline_schedules.forward_only's order, with its own P2P plan. Returns the fp64 sum of loss_fn(each
+        micro-batch's summed loss) on the last stage, zero elsewhere."""
         actions, plan = self._forward_order(len(batches))
         self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._run(actions, plan, batches, loss_fn=loss_fn, keep=False)
@@ -337,7 +337,7 @@ class Pipeline:
     def _forward_order(self, micro_batches: int) -> tuple[list[Action], list[list[Op]]]:
         """This rank's forward-only actions for `micro_batches` and their P2P plan (made once per count)."""
         if micro_batches not in self.forward_orders:
-            orders = [[Action(False, c, i) for i in range(micro_batches) for c in range(self.v)]] * self.p
+            orders = [forward_only(self.v, micro_batches)] * self.p
             plan = orders_posting_plan(orders, pp=self.p, virtual=self.v, rank=self.rank, style=self.style,
                                        split=False)
             self.forward_orders[micro_batches] = (orders[self.rank], plan)

@@ -266,6 +266,13 @@ def schedule_spec(name: str) -> ScheduleSpec:
     return SCHEDULES[name]
 
 
+def forward_only(virtual: int, micro_batches: int) -> list[Action]:
+    """Every rank's actions of a forward-only pass (validation): (micro-batch, chunk) pairs in that order, which
+    every stage's inputs follow (each needs only an earlier micro-batch or an earlier stage), so no rank waits
+    on one that waits on it, whatever the placement."""
+    return [Action(False, c, i) for i in range(micro_batches) for c in range(virtual)]
+
+
 def schedule(name: str, *, pp: int, virtual: int, micro_batches: int, rank: int) -> list[Action]:
     """The actions of pipeline rank `rank` under schedule `name` (afab, 1f1b, interleaved, zbh1, zbv, ...)."""
     return schedule_spec(name).actions(pp=pp, virtual=virtual, micro_batches=micro_batches, rank=rank)
