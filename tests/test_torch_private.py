@@ -167,3 +167,22 @@ def test_materialize_keeps_tied_parameters_tied_and_zeroes_meta_buffers():
     assert model[0].weight is model[1].weight and model[0].weight.device.type == "cpu"
     assert model[0].weight.marker == "kept" and model[1].bias_state.equal(torch.zeros(5))
     assert [n for n, _ in model.named_parameters()] == ["0.weight"]
+
+
+def test_view_base_version_and_wrapped_tensors_against_their_fallbacks():
+    """The activation meter's helpers: the private answers, and what the public paths answer instead."""
+    base = torch.ones(4)
+    view = base[1:]
+    assert tp.view_base(view) is base and tp.view_base(base) is None and tp.view_base(view, fallback=True) is None
+    before = tp.version(base)
+    base.add_(1)
+    assert tp.version(base) == before + 1 and tp.version(base, fallback=True) == 0
+    assert tp.wrapped_tensors(base) is None and tp.wrapped_tensors(base, fallback=True) is None
+
+
+def test_wrapped_tensors_finds_a_wrapper_subclass_inner_tensor():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.ones(3), torch.zeros(3)
+    inner = tp.wrapped_tensors(TwoTensor(a, b))
+    assert inner is not None and [t.data_ptr() for t in inner] == [a.data_ptr(), b.data_ptr()]

@@ -18,7 +18,7 @@ its caller's (StoragePool(reuse=False) resizes), and queue_after_backward has no
                    .queue_callback, torch._C._current_graph_task_id,      over gradient edges
                    UntypedStorage._swap_data_ptr_, torch._foreach_*,     (see each function for the rest)
                    torch._subclasses' is_fake, torch.utils._pytree's tree_leaves,
-                   OpOverload._opname, Tensor._base
+                   OpOverload._opname, Tensor._base and _version, torch.utils._python_dispatch
 
 This package sits on the ground floor: models, parallel, observe and plan may all import it.
 """
@@ -35,6 +35,7 @@ from tetron.torch_private.attention import (
     math_attention_backward,
 )
 from tetron.torch_private.autograd import (
+    TorchDispatchMode,
     foreach_norm,
     foreach_scale_,
     in_backward,
@@ -46,6 +47,9 @@ from tetron.torch_private.autograd import (
     storage_swap_available,
     swap_storages,
     tree_leaves,
+    version,
+    view_base,
+    wrapped_tensors,
 )
 from tetron.torch_private.grouped import grouped_mm, grouped_mm_available
 from tetron.torch_private.version import TORCH_VERSION, torch_at_least
@@ -55,5 +59,6 @@ __all__ = [
     "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "foreach_norm",
     "foreach_scale_", "grouped_mm", "grouped_mm_available", "in_backward", "is_fake", "is_view", "math_attention",
     "math_attention_backward", "op_name", "queue_after_backward", "run_backward", "storage_swap_available",
-    "swap_storages", "torch_at_least", "tree_leaves",
+    "swap_storages", "torch_at_least", "tree_leaves", "TorchDispatchMode", "version", "view_base",
+    "wrapped_tensors",
 ]

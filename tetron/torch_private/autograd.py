@@ -13,7 +13,10 @@
   keep referring to theirs. Public path: the caller resizes its storage instead (storage_swap_available).
 - foreach_norm, foreach_scale_: `torch._foreach_norm`, `torch._foreach_mul_`, one kernel for many tensors.
   Public path: one kernel per tensor.
-- is_view: `Tensor._base`. Public path: True (what it is asked for: may this tensor's data be released).
+- is_view, view_base, version: `Tensor._base`, `Tensor._version`. Public paths: True for is_view (then no
+  data is released), None and 0 for the others (see each).
+- wrapped_tensors, TorchDispatchMode: torch.utils._python_dispatch's wrapper subclasses (DTensor's inner
+  tensors) and dispatch modes (the planner's op-by-op measurement). No public dispatch mode: re-exported.
 - is_fake, tree_leaves, op_name: `torch._subclasses.fake_tensor.is_fake`, `torch.utils._pytree.tree_leaves`,
   `OpOverload._opname`. Public paths: False (no fake tensors without the module), a walk over lists, tuples
   and dicts, the op's name() cut to its base name.
@@ -26,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported: no public equivalent)
 
 
 def _engine() -> Any:
@@ -100,6 +104,34 @@ def is_view(t: Tensor, *, fallback: bool = False) -> bool:
     if not fallback and hasattr(t, "_base"):
         return t._base is not None
     return True
+
+
+def view_base(t: Tensor, *, fallback: bool = False) -> Tensor | None:
+    """The tensor whose memory `t` views (`Tensor._base`), None for a tensor that is no view. Public path:
+    None (every tensor counted as its own)."""
+    return None if fallback or not hasattr(t, "_base") else t._base
+
+
+def version(t: Tensor, *, fallback: bool = False) -> int:
+    """`t`'s version counter (`Tensor._version`), raised by every in-place change. Public path: 0 (an in-place
+    change then goes unnoticed by a check that compares versions)."""
+    return 0 if fallback or not hasattr(t, "_version") else t._version
+
+
+def wrapped_tensors(t: Tensor, *, fallback: bool = False) -> list[Tensor] | None:
+    """The inner tensors of a wrapper subclass (DTensor: its local shard; `__tensor_flatten__`), None for a
+    plain tensor. Public path: None (every tensor taken as plain)."""
+    if fallback:
+        return None
+    try:
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    except ImportError:
+        return None
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    inner, _ = t.__tensor_flatten__()
+    parts = [getattr(t, name) for name in inner]  # DTensor also lists its device mesh: not a tensor
+    return [part for part in parts if isinstance(part, Tensor)]
 
 
 def is_fake(t: Tensor, *, fallback: bool = False) -> bool:
