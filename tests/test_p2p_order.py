@@ -10,8 +10,8 @@ from nccl_order import Recorder, deadlocked
 from tetron.config import from_dict
 from tetron.data.loader import prepare_data
 from tetron.mesh import Mesh
-from tetron.parallel.p2p_order import posting_plan
-from tetron.parallel.pipeline_schedules import receives, schedule, style_of
+from tetron.parallel.p2p_order import orders_posting_plan, posting_plan
+from tetron.parallel.pipeline_schedules import forward_only, receives, schedule, style_of
 from tetron.train import train
 
 from conftest import tiny_config
@@ -63,14 +63,19 @@ def test_pipeline_order(corpus, cache_dir, tmp_path, schedule, pp, virtual):
     assert deadlocked(programs) == []
 
 
-def _planned_programs(name: str, pp: int, virtual: int, m: int) -> dict[int, list]:
-    """Each rank's program under posting_plan: a batch at each point, then the wait for the next action's
-    input (its compute follows the wait; the next batch follows the compute)."""
+def _planned_programs(name: str, pp: int, virtual: int, m: int, *, forward: bool = False) -> dict[int, list]:
+    """Each rank's program under posting_plan (`forward`: of the forward-only pass, validation's, with the
+    schedule's placement): a batch at each point, then the wait for the next action's input (its compute
+    follows the wait; the next batch follows the compute)."""
     style = style_of(name)
     programs = {}
     for rank in range(pp):
-        plan = posting_plan(name, pp=pp, virtual=virtual, micro_batches=m, rank=rank)
-        actions = schedule(name, pp=pp, virtual=virtual, micro_batches=m, rank=rank)
+        if forward:
+            actions = forward_only(virtual, m)
+            plan = orders_posting_plan([actions] * pp, pp=pp, virtual=virtual, rank=rank, style=style, split=False)
+        else:
+            plan = posting_plan(name, pp=pp, virtual=virtual, micro_batches=m, rank=rank)
+            actions = schedule(name, pp=pp, virtual=virtual, micro_batches=m, rank=rank)
         events, posted_in, index = [], {}, 0
         for point, batch in enumerate(plan):
             if batch:
@@ -95,7 +100,8 @@ def test_posting_plan_cannot_deadlock(name, pp, virtual):
     for m in sorted({1, pp, 2 * pp, 2 * pp + 1} if name != "interleaved" else {pp, 2 * pp, 3 * pp}):
         if name == "zbv" and m < pp:
             continue
-        programs = _planned_programs(name, pp, virtual, m)
-        assert deadlocked(programs) == [], (name, pp, virtual, m)
+        for forward in (False, True):
+            programs = _planned_programs(name, pp, virtual, m, forward=forward)
+            assert deadlocked(programs) == [], (name, pp, virtual, m, forward)
         sends = sum(kind == "send" for e in programs.values() for ev in e if ev[0] == "post" for kind, _ in ev[2])
         assert sends > 0

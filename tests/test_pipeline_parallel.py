@@ -10,15 +10,23 @@ import pytest
 import torch
 
 from tetron.checkpoint.load import load_model
+from tetron.config import from_dict
+from tetron.errors import ConfigError
 from tetron.parallel.pipeline_parallel import split_layers
 from tetron.parallel.pipeline_schedules import (
+    SCHEDULES,
+    Action,
+    ScheduleSpec,
     peak_in_flight,
     receives,
+    register_schedule,
     schedule,
     sends,
     simulate,
     theoretical_bubble,
 )
+from tetron.plan.pipeline import walked_micro_batches
+from tetron.validate import validate
 
 from conftest import STEPS, reference_run, run_parallel, tiny_config
 
@@ -150,6 +158,38 @@ def test_pipeline_matches_single_process(corpus, cache_dir, tmp_path, pp, name, 
     results, written = run_parallel(raw, trace=True, timeout=120)
     assert_matches(results, written, reference(corpus, cache_dir, tmp_path, global_batch=m, model=model))
     assert_schedule_ran(results, name, pp=pp, virtual=virtual, micro_batches=m)
+
+
+def _forwards_then_backwards_last_first(pp: int, micro_batches: int, rank: int) -> list[Action]:
+    """A schedule only this test knows: every forward, then the backwards from the last micro-batch down."""
+    return ([Action(False, 0, i) for i in range(micro_batches)]
+            + [Action(True, 0, i) for i in reversed(range(micro_batches))])
+
+
+@pytest.fixture
+def registered_schedule():
+    """One function and one registration make a schedule; taken out again after the test."""
+    spec = register_schedule(ScheduleSpec("last_first", _forwards_then_backwards_last_first,
+                                          holds_every_micro_batch=True))
+    yield spec.name
+    del SCHEDULES[spec.name]
+
+
+def test_a_schedule_registered_in_a_test_trains_like_one_process(corpus, cache_dir, tmp_path, registered_schedule):
+    """The config accepts it, the checks before start read its declarations, the runner and its P2P plan run
+    it, the planner walks it (all micro-batches: it declares it holds them all), and pp2 trains like one process."""
+    name, model = registered_schedule, {"num_hidden_layers": 4}
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model,
+                      parallel={"pp": 2, "pp_schedule": name}, train={"micro_batch": 1, "grad_acc": 4, "lr": LR})
+    assert walked_micro_batches(from_dict(raw)) == 4
+    with pytest.raises(ConfigError, match=r"pp_schedule='nope': use afab, 1f1b, interleaved, zbh1, zbv or last_first"):
+        validate(from_dict({**raw, "parallel": {"pp": 2, "pp_schedule": "nope"}}))
+    assert theoretical_bubble(name, pp=2, virtual=1, micro_batches=4) == pytest.approx(1 / 5)
+    results, written = run_parallel(raw, trace=True, timeout=120)
+    assert_matches(results, written, reference(corpus, cache_dir, tmp_path, global_batch=4, model=model))
+    assert_schedule_ran(results, name, pp=2, virtual=1, micro_batches=4)
+    with pytest.raises(ValueError, match="runs one chunk per rank, not 2"):
+        schedule(name, pp=2, virtual=2, micro_batches=4, rank=0)
 
 
 @pytest.mark.parametrize("layers, split", [(5, None), (4, [1, 3])], ids=["5-layers", "split-1-3"])

@@ -24,7 +24,7 @@ from tetron.overrides import apply_overrides, build_section, check_expansion, co
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # Every choice a config field offers, in one place: the field's type says it, from_dict checks it.
-PpSchedule = Literal["afab", "1f1b", "interleaved", "zbh1", "zbv"]
+PpSchedule = str  # a registered pipeline schedule (parallel/pipeline_schedules.py; validate.py checks the name)
 DpImpl = Literal["naive", "bucket"]
 CpLayout = Literal["zigzag", "contiguous"]
 CpImpl = Literal["ring", "ulysses"]
@@ -44,8 +44,9 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     cp: int = 1  # context-parallel ranks (ring attention)
     ep: int = 1  # expert-parallel ranks, out of dp*cp (dividing it): each MoE layer's experts split over them
-    pp_schedule: PpSchedule = "1f1b"  # pipeline schedule: "afab" (all forward, all backward), "1f1b",
-    # "interleaved", or zero-bubble "zbh1" (1F1B's memory) and "zbv" (two chunks per rank in a V; pp_virtual=2)
+    pp_schedule: PpSchedule = "1f1b"  # pipeline schedule, one registered in parallel/pipeline_schedules.py: "afab" (all
+    # forward, all backward), "1f1b", "interleaved", or zero-bubble "zbh1" (1F1B's memory) and "zbv" (two chunks per
+    # rank in a V; pp_virtual=2)
     pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank: above 1 with interleaved; 2 with zbv
     pp_split: list[int] | None = None  # layers per pipeline stage (virtual-stage order); None: as even as possible
     cp_layout: CpLayout = "zigzag"  # the sequence over cp: "zigzag" (balanced for causal attention) or "contiguous"

@@ -24,44 +24,73 @@ from tetron.errors import check as _check
 from tetron.fs import find_latest, is_run_folder
 from tetron.models.moe_models import MoeConfig
 from tetron.observe.profiling import parse_steps
+from tetron.overrides import one_of, quoted
+from tetron.parallel.pipeline_schedules import SCHEDULES, ScheduleSpec
 from tetron.stop import parse_signal
 
 
-def _validate_zero_bubble(cfg: Config) -> None:
-    """zbh1 and zbv split each backward into B (input gradient) and W (weight gradients, later)."""
-    p, name = cfg.parallel, f"parallel.pp_schedule={cfg.parallel.pp_schedule}"
-    if p.pp_schedule == "zbv":
-        _check(p.pp_virtual == 2, f"{name} runs exactly two chunks per pipeline rank (a V): set "
-               f"parallel.pp_virtual=2, not {p.pp_virtual}")
-        layers = cfg.model.num_hidden_layers
-        works = ("use pp_schedule=zbh1 or 1f1b (zbv needs at least 4 layers)" if layers < 4 else
-                 ("use pp=2" if layers // 2 == 2 else f"use pp from 2 to {layers // 2}") + ", or pp_schedule=zbh1")
-        _check(2 <= p.pp <= layers // 2, f"{name} cuts the model into 2*pp={2 * p.pp} stages, two on each of pp >= 2 "
-               f"ranks, and model.num_hidden_layers={layers} must fill them; {works}")
-    _check(not cfg.train.compile, f"{name} with train.compile: a compiled layer's backward cannot be split into "
-           f"B and W; use compile=false or pp_schedule=1f1b")
+def _word(n: int) -> str:
+    return ("two", "three", "four")[n - 2] if 2 <= n <= 4 else str(n)
 
 
-def _validate_pipeline(cfg: Config) -> None:
-    """The pipeline checks: stages vs layers, the schedule's needs in micro-batches, the split."""
+def _chunks_needed(spec: ScheduleSpec) -> str:
+    """What pp_virtual above 1 needs, from the registered schedules: "pp_schedule=interleaved (or zbv, with 2)"."""
+    anything = [n for n, s in SCHEDULES.items() if s.virtual is None]
+    fixed = [f"{n}, with {s.virtual}" for n, s in SCHEDULES.items() if s.virtual is not None and s.virtual > 1]
+    return f"pp_schedule={' or '.join(anything)}" + (f" (or {'; or '.join(fixed)})" if fixed else "")
+
+
+def _validate_schedule_chunks(cfg: Config, spec: ScheduleSpec) -> None:
+    """What the schedule declares it needs (pipeline_schedules.register_schedule): a fixed number of chunks per
+    rank with the layers to fill them, and for a split backward no compiled layers."""
+    p, layers = cfg.parallel, cfg.model.num_hidden_layers
+    name = f"parallel.pp_schedule={p.pp_schedule}"
+    if spec.virtual is not None and spec.virtual > 1:
+        _check(p.pp_virtual == spec.virtual, f"{name} runs exactly {_word(spec.virtual)} chunks "
+               f"per pipeline rank{' (a V)' if spec.style == 'v' else ''}: set parallel.pp_virtual={spec.virtual}, "
+               f"not {p.pp_virtual}")
+        stages, most = spec.virtual * p.pp, layers // spec.virtual
+        works = (f"use pp_schedule=zbh1 or 1f1b ({p.pp_schedule} needs at least {2 * spec.virtual} layers)"
+                 if most < spec.min_pp else ("use pp=2" if most == 2 else f"use pp from {spec.min_pp} to {most}")
+                 + ", or pp_schedule=zbh1")
+        _check(spec.min_pp <= p.pp <= most, f"{name} cuts the model into {spec.virtual}*pp={stages} stages, "
+               f"{_word(spec.virtual)} on each of pp >= {spec.min_pp} ranks, and "
+               f"model.num_hidden_layers={layers} must fill them; {works}")
+    if spec.splits_backward:
+        _check(not cfg.train.compile, f"{name} with train.compile: a compiled layer's backward cannot be split "
+               f"into B and W; use compile=false or pp_schedule=1f1b")
+
+
+def _validate_schedule_stages(cfg: Config, spec: ScheduleSpec) -> None:
+    """What a schedule of any number of chunks per rank declares it needs: pp, layers, micro-batches."""
     p, layers, m = cfg.parallel, cfg.model.num_hidden_layers, cfg.train.grad_acc
-    _check(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be at least 1")
-    _check(p.pp_virtual == 1 or p.pp_schedule in ("interleaved", "zbv"),
-           f"parallel.pp_virtual={p.pp_virtual} (layer chunks per pipeline rank) needs pp_schedule=interleaved "
-           f"(or zbv, with 2); pp_schedule={p.pp_schedule} runs one chunk per rank: use pp_virtual=1 with it")
-    if p.pp_schedule in ("zbh1", "zbv"):
-        _validate_zero_bubble(cfg)
-    _check(p.pp <= layers, f"parallel.pp={p.pp} is more than model.num_hidden_layers={layers}; use pp <= {layers}")
-    stages = p.pp * p.pp_virtual
-    if p.pp_schedule == "interleaved":
-        _check(p.pp >= 2, f"parallel.pp_schedule=interleaved needs pp >= 2, not pp={p.pp}; use pp >= 2 or 1f1b")
+    name = f"parallel.pp_schedule={p.pp_schedule}"
+    if spec.virtual is None:
+        _check(p.pp >= spec.min_pp, f"{name} needs pp >= {spec.min_pp}, not pp={p.pp}; use pp >= {spec.min_pp} or 1f1b")
+        stages = p.pp * p.pp_virtual
         _check(stages <= layers,
                f"parallel.pp_virtual={p.pp_virtual} x pp={p.pp} = {stages} virtual stages is more than "
                f"model.num_hidden_layers={layers}; use pp_virtual <= {layers // p.pp}")
+    if spec.micro_batches_per_pp:
         # Micro-batches go round the ring in groups of pp, one group per chunk in turn (Megatron's order).
         _check(m % p.pp == 0,
-               f"train.grad_acc={m} micro-batches: pp_schedule=interleaved needs a multiple of pp={p.pp}; "
+               f"train.grad_acc={m} micro-batches: {name.removeprefix('parallel.')} needs a multiple of pp={p.pp}; "
                f"use grad_acc={max(1, -(-m // p.pp)) * p.pp} (or pp_schedule=1f1b, which takes any number)")
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """The pipeline checks: the schedule's name and needs, stages vs layers, the split."""
+    p, layers = cfg.parallel, cfg.model.num_hidden_layers
+    _check(p.pp_schedule in SCHEDULES, f"parallel.pp_schedule={quoted(p.pp_schedule)}: use {one_of(tuple(SCHEDULES))}")
+    spec = SCHEDULES[p.pp_schedule]
+    _check(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be at least 1")
+    _check(p.pp_virtual == 1 or spec.virtual != 1,
+           f"parallel.pp_virtual={p.pp_virtual} (layer chunks per pipeline rank) needs {_chunks_needed(spec)}; "
+           f"pp_schedule={p.pp_schedule} runs one chunk per rank: use pp_virtual=1 with it")
+    _validate_schedule_chunks(cfg, spec)
+    _check(p.pp <= layers, f"parallel.pp={p.pp} is more than model.num_hidden_layers={layers}; use pp <= {layers}")
+    _validate_schedule_stages(cfg, spec)
+    stages = p.pp * p.pp_virtual
     # afab and 1f1b take any number of micro-batches (grad_acc >= 1 is checked below); with fewer
     # than pp, stages idle most of the step: the bubble is (pp-1)/(grad_acc+pp-1) of it.
     if p.pp_split is not None:

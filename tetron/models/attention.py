@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tetron.torch_private import cpu_flash_attention, cpu_flash_attention_backward
+
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None,
                    window: int | None = None) -> Tensor:
@@ -92,15 +94,14 @@ class _CausalMaskedCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, attn_mask=bias)
+        out, lse = cpu_flash_attention(q, k, v, True, bias=bias)
         ctx.save_for_backward(q, k, v, out, lse, bias)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, bias = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out, lse, 0.0, True, attn_mask=bias)
+        dq, dk, dv = cpu_flash_attention_backward(dout.contiguous(), q, k, v, out, lse, True, bias=bias)
         return dq, dk, dv, None
 
 

@@ -25,7 +25,6 @@ comparing with transformers in one process.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -33,6 +32,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from tetron.torch_private import grouped_mm, grouped_mm_available, in_backward
 
 
 @dataclass
@@ -100,7 +101,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         # Whether the CPU can run the grouped path, found out now: inside a forward that activation
         # recomputation records, the probe's own operations would be recorded with it
-        _cpu_grouped_mm_works()
+        grouped_mm_available("cpu")
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x [M, H], the rows of expert 0 first, then expert 1's, ...; counts [E] rows per expert -> [M, H]."""
@@ -131,8 +132,8 @@ class Experts(nn.Module):
             if not x.shape[0]:  # the CPU kernel's backward refuses zero rows
                 return self._nothing(x)
             ends = counts.cumsum(0).to(torch.int32)
-            gate, up = torch._grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-            return _DenseGrad.apply(torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends))
+            gate, up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
+            return _DenseGrad.apply(grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), ends))
         M, E = x.shape[0], counts.shape[0]
         aligned = (counts + align - 1) // align * align
         rows = (M + (align - 1) * E + align - 1) // align * align  # >= aligned.sum(), a multiple of align
@@ -143,8 +144,8 @@ class Experts(nn.Module):
         ends[-1] = rows
         ends = ends.to(torch.int32)
         padded = x.new_zeros(rows, x.shape[1]).index_copy(0, place, x)  # [rows, H]
-        gate, up = torch._grouped_mm(padded, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)[place]
+        gate, up = grouped_mm(padded, self.gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
+        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), ends)[place]
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -160,30 +161,14 @@ class _DenseGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-@functools.cache
-def _cpu_grouped_mm_works() -> bool:
-    """Whether this torch's CPU torch._grouped_mm runs forward and backward (tried once, on a tiny case)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:  # on the CPU whatever device a model is being built on (meta, say), with grad whatever the mode
-        with torch.enable_grad():
-            w = torch.ones(2, 4, 8, device="cpu", requires_grad=True)
-            torch._grouped_mm(torch.ones(5, 4, device="cpu"), w,
-                              offs=torch.tensor([2, 5], dtype=torch.int32, device="cpu")).backward(
-                torch.ones(5, 8, device="cpu"))
-        return w.grad is not None
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
 def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
     """torch._grouped_mm where it runs forward and backward: rows of 16-byte multiples (its kernels' strides); on
     CUDA in bf16 (fp32 is not among its CUDA kernels), on the CPU in fp32 and bf16 where this torch has it."""
     if any(w.dtype != x.dtype or any(d * x.element_size() % 16 for d in w.shape[1:]) for w in weights):
         return False
     if x.is_cuda:
-        return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
-    return x.device.type == "cpu" and _cpu_grouped_mm_works()
+        return grouped_mm_available("cuda") and x.dtype == torch.bfloat16
+    return grouped_mm_available(x.device.type)
 
 
 class SwiGLU(nn.Module):
@@ -240,7 +225,7 @@ def add_loss_gradient(out: Tensor, loss: Tensor, scale: float) -> Tensor:
 def in_recomputation() -> bool:
     """True while autograd runs a backward pass, where activation recomputation replays a forward: its
     statistics are already counted."""
-    return torch._C._current_graph_task_id() != -1
+    return in_backward()
 
 
 def sequence_balance_losses(route: Routing, batch: int, num_experts: int, *, pieces: int = 1,

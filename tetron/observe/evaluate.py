@@ -12,10 +12,8 @@ the batch or the layout.
 
 Evaluation. Each global batch is cut like a training batch (each dp rank its rows, micro-batches of
 `train.micro_batch`, each cp rank its positions) and run forward only, under `torch.no_grad`: through
-this rank's chunk, or under pipeline parallelism through the stages in a forward-only order (every
-rank takes (micro-batch, virtual stage) pairs in the same global order, receives its input, runs the
-chunk, sends its output on: each receive is matched by a send posted earlier in that order, so no
-rank waits on one that waits on it). The summed token losses travel in one all-reduce.
+this rank's chunk, or under pipeline parallelism through the stages by the training's own runner,
+`Pipeline.forward_only` (parallel/pipeline_parallel.py). The summed token losses travel in one all-reduce.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ from tetron.data.loader import default_cache_dir, load_tokens, micro_batches, op
 from tetron.data.token_store import is_store
 from tetron.data.tokenizer import Tokenizer
 from tetron.mesh import Mesh
-from tetron.parallel.pipeline_parallel import activation_shape
-from tetron.parallel.pipeline_schedules import rank_of, stage_of, style_of
+from tetron.parallel.pipeline_parallel import Pipeline, activation_shape
 
 Batch = list[MicroBatch]  # one global batch's micro-batches on this rank, whole windows (cut when used)
 
@@ -123,6 +120,11 @@ class Evaluator:
         self.positions = positions.to(device)  # the same on the device: RoPE positions
         self.batches = rank_batches(val_tokens, cfg, dp_rank=mesh.local_rank("dp"))
         self.tokens = len(eval_windows(val_tokens, cfg)) * cfg.data.seq_len  # target tokens in all
+        self.pipeline = None  # under pp: the stages run by the training's runner, forward only
+        if mesh.size("pp") > 1:
+            self.pipeline = Pipeline(chunks, mesh, schedule_name=cfg.parallel.pp_schedule,
+                                     micro_batches=cfg.train.grad_acc, shape=activation_shape(cfg),
+                                     loss_fn=lambda summed: summed, positions=positions, dtype=dtype, device=device)
 
     @torch.no_grad()
     def __call__(self) -> float:
@@ -133,7 +135,11 @@ class Evaluator:
         try:
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             for batch in self.batches:
-                total += self._pipeline(batch) if self.mesh.size("pp") > 1 else self._local(batch)
+                if self.pipeline is not None:  # the last stage's sum, zero on the others
+                    total += self.pipeline.forward_only([self._cut(mb) for mb in batch],
+                                                        loss_fn=lambda summed: summed.double())
+                else:
+                    total += self._local(batch)
         finally:  # training goes on in the modes it had
             for m, mode in zip((m for chunk in self.chunks for m in chunk.modules()), modes):
                 m.training = mode
@@ -153,40 +159,6 @@ class Evaluator:
 
     def _cut(self, mb: MicroBatch) -> MicroBatch:
         return rank_micro_batch(mb, self.mine, self.positions, self.cfg.data, self.device)
-
-    def _pipeline(self, batch: Batch) -> Tensor:
-        """Forward only through the stages: (micro-batch, virtual stage) in lexicographic order on every
-        rank; blocking receives, asynchronous sends (kept until the end, with their tensors)."""
-        mesh, p = self.mesh, self.mesh.size("pp")
-        rank, last = mesh.local_rank("pp"), p * len(self.chunks) - 1
-        group, shape = mesh.group("pp"), activation_shape(self.cfg)
-        loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        sent: list[tuple[Tensor, dist.Work]] = []
-        style = style_of(self.cfg.parallel.pp_schedule)  # zbv places its stages in a V
-        handed: Tensor | None = None  # zbv at rank p-1: chunk 0's output is chunk 1's input, no P2P
-        for mb in map(self._cut, batch):
-            for c, chunk in enumerate(self.chunks):
-                s = stage_of(c, rank, pp=p, style=style)  # the virtual stage
-                if s == 0:
-                    x = mb.inputs  # [B, T/cp] token ids
-                elif rank_of(s - 1, pp=p, style=style) == rank:
-                    x, handed = handed, None
-                else:
-                    x = torch.empty(shape, dtype=self.dtype, device=self.device)  # [B, T', hidden]
-                    dist.recv(x, mesh.stage_rank(rank_of(s - 1, pp=p, style=style)), group=group)
-                if s == last:
-                    loss += chunk(x, mb.positions, mb.docs, targets=mb.targets).double()
-                    continue
-                out = chunk(x, mb.positions, mb.docs)
-                if rank_of(s + 1, pp=p, style=style) == rank:
-                    handed = out
-                else:
-                    out = out.contiguous()
-                    sent.append((out, dist.isend(out, mesh.stage_rank(rank_of(s + 1, pp=p, style=style)),
-                                                 group=group)))
-        for _, work in sent:
-            work.wait()
-        return loss
 
 
 def build_evaluator(cfg: Config, mesh: Mesh, chunks: list[nn.Module], tokenizer: Tokenizer, *,

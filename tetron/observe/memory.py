@@ -31,7 +31,8 @@ from typing import Any, Iterable
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from tetron.torch_private import version, view_base, wrapped_tensors
 
 # (device, address): CPU and accelerator addresses could in principle coincide, so the device is part of the key.
 StorageKey = tuple[torch.device, int]
@@ -40,10 +41,9 @@ StorageKey = tuple[torch.device, int]
 def _storages(t: Tensor) -> list[tuple[StorageKey, int]]:
     """(key, bytes) of each storage behind `t`: one for a plain tensor, the inner tensors' for a
     wrapper subclass (DTensor: its local shard), none for meta tensors or layouts without one storage."""
-    if is_traceable_wrapper_subclass(t):
-        inner, _ = t.__tensor_flatten__()
-        parts = [getattr(t, name) for name in inner]  # DTensor also lists its device mesh: not a tensor
-        return [s for part in parts if isinstance(part, Tensor) for s in _storages(part)]
+    inner = wrapped_tensors(t)
+    if inner is not None:
+        return [s for part in inner for s in _storages(part)]
     if t.is_meta:
         return []  # no memory behind it
     try:
@@ -136,7 +136,7 @@ class _Saved:
         # autograd's C++ graph that Python's collector cannot see, leaking it when a graph is dropped
         # unrun. The detached alias shares the storage and the version counter.
         self.tensor = tensor.detach()
-        self.version = tensor._version
+        self.version = version(tensor)
         self.keys = keys
         self.meter = meter
 
@@ -206,7 +206,8 @@ class ActivationMeter:
             self.peak_bytes = self.live_bytes
 
     def _pack(self, tensor: Tensor) -> _Saved:
-        base = tensor._base if tensor._base is not None else tensor
+        base = view_base(tensor)
+        base = tensor if base is None else base
         is_param = id(tensor) in self._param_ids or id(base) in self._param_ids
         keys = [] if is_param else [(key, n) for key, n in _storages(tensor) if n > 0 and key not in self._excluded]
         if keys:
@@ -222,11 +223,11 @@ class ActivationMeter:
 
     @staticmethod
     def _unpack(saved: _Saved) -> Tensor:
-        if saved.tensor._version != saved.version:
+        if version(saved.tensor) != saved.version:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by an inplace "
                 f"operation: {tuple(saved.tensor.shape)} {saved.tensor.dtype} is at version "
-                f"{saved.tensor._version}; expected version {saved.version} instead")
+                f"{version(saved.tensor)}; expected version {saved.version} instead")
         return saved.tensor
 
     def _release(self, keys: list[tuple[StorageKey, int]]) -> None:

@@ -41,4 +41,4 @@ def apply_compile(model: nn.Module, enabled: bool) -> nn.Module:
 def reset_compiled() -> None:
     """Forget every compiled graph (between benchmark runs of different models in one process, so that
     Dynamo's cache limit is not reached by graphs that will never run again)."""
-    torch._dynamo.reset()
+    torch.compiler.reset()

@@ -40,6 +40,7 @@ from tetron.config import DpImpl, ZeroAccumulate
 from tetron.parallel.comm import reduce_scatter_flat
 from tetron.parallel.layout import layout_of
 from tetron.parallel.timers import timer
+from tetron.torch_private import queue_after_backward
 
 # Gloo and NCCL both average natively; a sum followed by a division would cost an extra pass.
 AVG = dist.ReduceOp.AVG
@@ -281,7 +282,7 @@ class DataParallelBucket(DataParallel):
             return
         if not self._callback_queued:
             # Runs once the whole backward pass has finished: wait for every bucket there.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            queue_after_backward(self._finish)
             self._callback_queued = True
         bucket.pending.discard(param)
         if not bucket.pending:

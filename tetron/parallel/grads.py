@@ -8,13 +8,14 @@ from torch import Tensor, nn
 
 from tetron.mesh import Mesh
 from tetron.parallel.layout import layout_of
+from tetron.torch_private import foreach_norm, foreach_scale_
 
 
 def _sum_of_squares(grads: list[Tensor], device: torch.device) -> Tensor:
     """The sum of the squares of every element of `grads`, in fp32: one batched norm per call."""
     if not grads:
         return torch.zeros((), device=device, dtype=torch.float32)
-    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+    return torch.stack(foreach_norm(grads, dtype=torch.float32)).square().sum()
 
 
 @torch.no_grad()
@@ -51,7 +52,7 @@ def clip_grads_(grads: list[tuple[Tensor, nn.Parameter]], max_norm: float, mesh:
     norm = total.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([g for g, _ in grads], coef)
+        foreach_scale_([g for g, _ in grads], coef)
     return norm
 
 

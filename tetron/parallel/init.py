@@ -41,17 +41,17 @@ def materialize_(model: nn.Module, device: torch.device) -> None:
     tied parameters tied: one new Parameter per old one, wherever it is registered. Buffers start at zero."""
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
+        # each registration of a parameter (a tied one is registered twice), replaced where it is registered
+        for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if id(param) not in new:
                 fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 fresh.__dict__.update(param.__dict__)
                 new[id(param)] = fresh
-            module._parameters[name] = new[id(param)]
-        for name, buffer in module._buffers.items():  # state that is no parameter (an MoE routing bias): zeros,
-            if buffer is not None and buffer.is_meta:  # as transformers initialises it
-                module._buffers[name] = torch.zeros_like(buffer, device=device)
+            setattr(module, name, new[id(param)])
+        # state that is no parameter (an MoE routing bias): zeros, as transformers initialises it
+        for name, buffer in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if buffer.is_meta:
+                setattr(module, name, torch.zeros_like(buffer, device=device))
 
 
 @torch.no_grad()

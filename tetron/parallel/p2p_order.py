@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tetron.parallel.pipeline_schedules import Message, receives, schedule, sends, splits_backward, style_of
+from tetron.parallel.pipeline_schedules import Action, Message, receives, schedule, sends, splits_backward, style_of
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,9 @@ class Op:
     key: tuple  # (send time, sender, kind, stage, micro): the same on both ends
 
 
-def _send_times(name: str, pp: int, virtual: int, micro_batches: int) -> dict[Message, tuple[float, int]]:
-    """Each message's (send time, sender rank) in a replay of every rank's schedule with free communication."""
-    orders = [schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=r) for r in range(pp)]
-    style, split = style_of(name), splits_backward(name)
+def _send_times(orders: list[list[Action]], *, pp: int, virtual: int, style: str,
+                split: bool) -> dict[Message, tuple[float, int]]:
+    """Each message's (send time, sender rank) in a replay of every rank's actions with free communication."""
     sent: dict[Message, tuple[float, int]] = {}
     clock, done, moved = [0.0] * pp, [0] * pp, True
     while moved:
@@ -56,16 +55,24 @@ def _send_times(name: str, pp: int, virtual: int, micro_batches: int) -> dict[Me
                 done[r] += 1
                 moved = True
     if done != [len(order) for order in orders]:
-        raise RuntimeError(f"schedule {name} (pp={pp}, virtual={virtual}, micro_batches={micro_batches}) deadlocks")
+        raise RuntimeError(f"pipeline actions (pp={pp}, virtual={virtual}) deadlock: {orders}")
     return sent
 
 
 def posting_plan(name: str, *, pp: int, virtual: int, micro_batches: int, rank: int) -> list[list[Op]]:
     """The P2P operations pipeline rank `rank` posts, as one batch each, at each point of its step: point 0
     before its first action, point k+1 right after action k. Messages to itself (zbv's turn) are no P2P."""
-    times = _send_times(name, pp, virtual, micro_batches)
-    style = style_of(name)
-    actions = schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=rank)
+    orders = [schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=r) for r in range(pp)]
+    return orders_posting_plan(orders, pp=pp, virtual=virtual, rank=rank, style=style_of(name),
+                               split=splits_backward(name))
+
+
+def orders_posting_plan(orders: list[list[Action]], *, pp: int, virtual: int, rank: int, style: str,
+                        split: bool) -> list[list[Op]]:
+    """posting_plan for given actions of every rank (`orders[r]`: rank r's), such as a forward-only pass."""
+    times = _send_times(orders, pp=pp, virtual=virtual, style=style, split=split)
+    actions = orders[rank]
+    name = f"pipeline rank {rank}"
     key = lambda m: (*times[m], m.kind, m.stage, m.micro)  # noqa: E731
     pending: list[Op] = []  # every op of this rank, in key order
     for action in actions:

@@ -36,17 +36,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd.variable import Variable
 
 from tetron.config import Config
 from tetron.data.batch import MicroBatch
 from tetron.mesh import Mesh
 from tetron.models.spec import ParallelPlan, spec_of
 from tetron.parallel.layout import set_layout
-from tetron.parallel.p2p_order import posting_plan
+from tetron.parallel.p2p_order import Op, orders_posting_plan, posting_plan
 from tetron.parallel.pipeline_schedules import (
     Action,
     Message,
+    forward_only,
     rank_of,
     receives,
     schedule,
@@ -57,6 +57,7 @@ from tetron.parallel.pipeline_schedules import (
 )
 from tetron.parallel.timers import timer
 from tetron.parallel.weight_grad import backward_input, backward_weight
+from tetron.torch_private import is_view, run_backward
 
 # --------------------------------------------------------------------------------------- stages
 
@@ -159,8 +160,7 @@ def _run_backward(output: Tensor, grad: Tensor | None) -> None:
     engine itself checks against the shape recorded in the graph (Megatron's custom_backward)."""
     if grad is None:
         grad = torch.ones_like(output)  # the loss: a scalar
-    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), allow_unreachable=True,
-                                            accumulate_grad=True)
+    run_backward((output,), (grad,))
 
 
 class Pipeline:
@@ -203,14 +203,15 @@ class Pipeline:
         self.arrived: dict[Message, Tensor] = {}  # handed over on this rank (zbv's turn), not yet used
         self.tracing = trace  # record each action's times and the activations held (tests, benchmarks)
         self.trace: PipelineTrace | None = None  # the last step's, when tracing
+        self.forward_orders: dict[int, tuple[list[Action], list[list[Op]]]] = {}  # forward_only's, by micro-batches
 
     def _stage(self, chunk: int) -> int:
         return stage_of(chunk, self.rank, pp=self.p, style=self.style)
 
     # --- P2P: one batch after each action ---
 
-    def _post(self, point: int, outbound: tuple[Tensor, Message, int] | None) -> None:
-        """Post the batch planned at `point` (0 before the first action, k+1 right after action k): the
+    def _post(self, plan: list[list[Op]], point: int, outbound: tuple[Tensor, Message, int] | None) -> None:
+        """Post the batch `plan` has at `point` (0 before the first action, k+1 right after action k): the
         send of `outbound` (action k's output: a tensor, its name, a pipeline rank) and the receives whose
         turn has come."""
         payload = None
@@ -224,11 +225,11 @@ class Pipeline:
             else:
                 # contiguous: P2P sends flat memory (sequence parallelism leaves a strided residual stream)
                 payload = tensor.detach().contiguous()
-            if tensor.requires_grad and tensor._base is None:
+            if tensor.requires_grad and not is_view(tensor):
                 # Release the data: the P2P op (or the hand-over) holds its own reference; autograd
                 # needs only the graph.
                 tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-        batch = self.plan[point]
+        batch = plan[point]
         ops = []
         for op in batch:
             if op.kind == "send":
@@ -263,8 +264,10 @@ class Pipeline:
 
     # --- compute ---
 
-    def _forward(self, action: Action, received: Tensor | None,
-                 batch: MicroBatch | tuple[Tensor, Tensor]) -> tuple[Tensor, Message, int] | None:
+    def _forward(self, action: Action, received: Tensor | None, batch: MicroBatch | tuple[Tensor, Tensor], *,
+                 loss_fn: Callable[[Tensor], Tensor], keep: bool = True) -> tuple[Tensor, Message, int] | None:
+        """F: one micro-batch through one chunk; the last stage adds loss_fn(its summed loss) to self.loss.
+        `keep`: the input and output stay for the backward (not in a forward-only pass)."""
         s, mb = self._stage(action.chunk), MicroBatch(*batch)
         if s == 0:
             x = mb.inputs.to(self.device)  # [B, T] token ids
@@ -272,12 +275,14 @@ class Pipeline:
             x = received.requires_grad_()  # [B, T', hidden], a leaf: its gradient is what goes back
         positions = self.positions if mb.positions is None else mb.positions
         if s == self.stages - 1:  # the head and the loss, chunked: the logits never exist whole
-            loss = self.loss_fn(self.chunks[action.chunk](x, positions, mb.docs, targets=mb.targets.to(self.device)))
+            loss = loss_fn(self.chunks[action.chunk](x, positions, mb.docs, targets=mb.targets.to(self.device)))
             self.loss += loss.detach()
-            self.stored[(action.chunk, action.micro)] = (x, loss)
+            if keep:
+                self.stored[(action.chunk, action.micro)] = (x, loss)
             return None
         out = self.chunks[action.chunk](x, positions, mb.docs)  # [B, T', hidden]
-        self.stored[(action.chunk, action.micro)] = (None if s == 0 else x, out)
+        if keep:
+            self.stored[(action.chunk, action.micro)] = (None if s == 0 else x, out)
         message, dst = sends(action, pp=self.p, virtual=self.v, rank=self.rank, style=self.style)
         return out, message, dst
 
@@ -315,23 +320,48 @@ class Pipeline:
             raise ValueError(f"the schedule was built for {self.m} micro-batches, got {len(batches)}")
         self.loss = torch.zeros((), device=self.device)
         self.trace = PipelineTrace(rank=self.rank) if self.tracing else None
-        self._post(0, None)
-        for k, action in enumerate(self.actions):
+        self._run(self.actions, self.plan, batches, loss_fn=self.loss_fn, keep=True)
+        return self.loss
+
+    @torch.no_grad()
+    def forward_only(self, batches: list[MicroBatch], *,
+                     loss_fn: Callable[[Tensor], Tensor] = lambda summed: summed) -> Tensor:
+        """Forward of every micro-batch through the stages, nothing kept for a backward (validation), in
+        pipeline_schedules.forward_only's order, with its own P2P plan. Returns the fp64 sum of loss_fn(each
+        micro-batch's summed loss) on the last stage, zero elsewhere."""
+        actions, plan = self._forward_order(len(batches))
+        self.loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._run(actions, plan, batches, loss_fn=loss_fn, keep=False)
+        return self.loss
+
+    def _forward_order(self, micro_batches: int) -> tuple[list[Action], list[list[Op]]]:
+        """This rank's forward-only actions for `micro_batches` and their P2P plan (made once per count)."""
+        if micro_batches not in self.forward_orders:
+            orders = [forward_only(self.v, micro_batches)] * self.p
+            plan = orders_posting_plan(orders, pp=self.p, virtual=self.v, rank=self.rank, style=self.style,
+                                       split=False)
+            self.forward_orders[micro_batches] = (orders[self.rank], plan)
+        return self.forward_orders[micro_batches]
+
+    def _run(self, actions: list[Action], plan: list[list[Op]], batches: list, *,
+             loss_fn: Callable[[Tensor], Tensor], keep: bool) -> None:
+        """Each action in turn: take its input (a receive, waited for), compute, post the next P2P batch."""
+        self._post(plan, 0, None)
+        for k, action in enumerate(actions):
             received = self._take(action)
             start = time.perf_counter()
             if action.backward:
                 outbound = self._backward(k, action, received)
             else:
-                outbound = self._forward(action, received, batches[action.micro])
+                outbound = self._forward(action, received, batches[action.micro], loss_fn=loss_fn, keep=keep)
             end = time.perf_counter()
-            self._post(k + 1, outbound)
-            if self.trace:
+            self._post(plan, k + 1, outbound)
+            if self.trace and keep:
                 self._record(action, start, end)  # after the post: a sent output is released by then
         with timer("pp"):
             for work in self.sends:
                 work.wait()
         self.sends.clear()
-        return self.loss
 
     def _record(self, action: Action, start: float, end: float) -> None:
         trace = self.trace

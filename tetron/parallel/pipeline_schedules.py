@@ -30,14 +30,18 @@ what would otherwise be bubble. With equal F, B and W times:
   chunk 1. Warm-up forwards fill the V, then each rank alternates F, B, W on its two chunks: the bubble
   is p-1 chunk passes (half a forward each; 1F1B: 3(p-1) forwards) once m >= (3p-1)/2, with at most
   2p (chunk, micro-batch) pairs in flight, p micro-batches of a rank's layers like 1F1B's rank 0.
+
+Registered. A schedule is one function (the actions of one rank) and one `register_schedule(ScheduleSpec(...))`
+that declares what the code around it needs to know: how many chunks per rank it runs, whether it splits
+backwards into B and W, how it places stages, what it needs of pp and the micro-batches. The config's
+allowed values, the checks before start (validate.py), the runner and the planner read those declarations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, get_args
+from typing import Callable
 
-from tetron.config import PpSchedule
 from tetron.overrides import one_of
 
 
@@ -74,7 +78,7 @@ def _w(chunk: int, micro: int) -> Action:
 
 def style_of(name: str) -> str:
     """How a schedule places virtual stages on ranks: "v" for zbv, else "loop" (stage = chunk*p + rank)."""
-    return "v" if name == "zbv" else "loop"
+    return SCHEDULES[name].style if name in SCHEDULES else "loop"
 
 
 def stage_of(chunk: int, rank: int, *, pp: int, style: str = "loop") -> int:
@@ -213,42 +217,102 @@ def zbv(pp: int, micro_batches: int, rank: int) -> list[Action]:
     return [a for a in order if a.micro < micro_batches]
 
 
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A pipeline schedule: its actions, and what the runner, the checks before start and the planner need to
+    know of it. `order` gives one rank's actions: order(pp, micro_batches, rank) for a schedule with a fixed
+    number of chunks per rank (`virtual`), order(pp, virtual, micro_batches, rank) for one that takes any
+    number (virtual None: parallel.pp_virtual chooses)."""
+
+    name: str
+    order: Callable[..., list[Action]]
+    virtual: int | None = 1  # chunks (virtual stages) per rank; None: any number
+    splits_backward: bool = False  # each backward is B, then W later (weight_grad.py)
+    style: str = "loop"  # how stages sit on ranks: "loop" (stage = chunk*p + rank) or "v" (zbv's V)
+    min_pp: int = 1  # the fewest pipeline ranks it runs on
+    micro_batches_per_pp: bool = False  # needs micro_batches to be a multiple of pp
+    holds_every_micro_batch: bool = False  # a rank holds all m micro-batches at once (afab): the planner walks all m
+    # the idle fraction of a step with equal stages and free communication (pp, virtual, micro_batches);
+    # None: (p-1)/(v*m+p-1), 1F1B's and the interleaved schedule's
+    bubble: Callable[[int, int, int], float] | None = None
+
+    def actions(self, *, pp: int, virtual: int, micro_batches: int, rank: int) -> list[Action]:
+        """The actions of pipeline rank `rank`; raises ValueError for a number of chunks it does not run."""
+        if self.virtual is None:
+            return self.order(pp, virtual, micro_batches, rank)
+        if virtual != self.virtual:
+            if self.style == "v":
+                raise ValueError(f"schedule {self.name!r} runs exactly two chunks per rank (a V), not {virtual}")
+            runs = "one chunk" if self.virtual == 1 else f"{self.virtual} chunks"
+            raise ValueError(f"schedule {self.name!r} runs {runs} per rank, not {virtual}; use interleaved")
+        return self.order(pp, micro_batches, rank)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {}  # name -> schedule; filled by register_schedule()
+
+
+def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
+    """Make `spec` a schedule parallel.pp_schedule can name."""
+    if spec.style not in ("loop", "v"):
+        raise ValueError(f"schedule {spec.name!r}: style {spec.style!r} is not 'loop' or 'v'")
+    SCHEDULES[spec.name] = spec
+    return spec
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registered schedule `name`; ValueError naming the registered ones for another name."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; use {one_of(tuple(SCHEDULES))}")
+    return SCHEDULES[name]
+
+
+def forward_only(virtual: int, micro_batches: int) -> list[Action]:
+    """Every rank's actions of a forward-only pass (validation): (micro-batch, chunk) pairs in that order, which
+    every stage's inputs follow (each needs only an earlier micro-batch or an earlier stage), so no rank waits
+    on one that waits on it, whatever the placement."""
+    return [Action(False, c, i) for i in range(micro_batches) for c in range(virtual)]
+
+
 def schedule(name: str, *, pp: int, virtual: int, micro_batches: int, rank: int) -> list[Action]:
-    """The actions of pipeline rank `rank` under schedule `name` (afab, 1f1b, interleaved, zbh1, zbv)."""
-    if name == "interleaved":
-        return interleaved(pp, virtual, micro_batches, rank)
-    if name == "zbv":
-        if virtual != 2:
-            raise ValueError(f"schedule 'zbv' runs exactly two chunks per rank (a V), not {virtual}")
-        return zbv(pp, micro_batches, rank)
-    if virtual != 1:
-        raise ValueError(f"schedule {name!r} runs one chunk per rank, not {virtual}; use interleaved")
-    orders = {"afab": afab, "1f1b": one_f_one_b, "zbh1": zbh1}
-    if name not in orders:
-        raise ValueError(f"unknown pipeline schedule {name!r}; use {one_of(get_args(PpSchedule))}")
-    return orders[name](pp, micro_batches, rank)
+    """The actions of pipeline rank `rank` under schedule `name` (afab, 1f1b, interleaved, zbh1, zbv, ...)."""
+    return schedule_spec(name).actions(pp=pp, virtual=virtual, micro_batches=micro_batches, rank=rank)
 
 
 def splits_backward(name: str) -> bool:
     """Whether schedule `name` runs each backward as a B and a later W (the zero-bubble schedules)."""
-    return name in ("zbh1", "zbv")
+    return name in SCHEDULES and SCHEDULES[name].splits_backward
+
+
+def _zbh1_bubble(pp: int, virtual: int, micro_batches: int) -> float:
+    """ZB-H1 idles p-1 forward times once m >= p (1F1B: 3(p-1)), p-m more with fewer micro-batches (too few
+    W's to fill the drain)."""
+    idle = 2 * pp - 1 - min(micro_batches, pp)  # forward times
+    return idle / (3 * micro_batches + idle)
+
+
+def _zbv_bubble(pp: int, virtual: int, micro_batches: int) -> float:
+    """ZB-V idles p-1 chunk passes (half a forward each) once m >= (3p-1)/2, and 4p-2-2m with fewer
+    micro-batches (the V is not full)."""
+    idle = max(pp - 1, 4 * pp - 2 - 2 * micro_batches)  # chunk passes; a rank does 6 per micro-batch
+    return idle / (6 * micro_batches + idle)
+
+
+register_schedule(ScheduleSpec("afab", afab, holds_every_micro_batch=True))
+register_schedule(ScheduleSpec("1f1b", one_f_one_b))
+register_schedule(ScheduleSpec("interleaved", interleaved, virtual=None, min_pp=2, micro_batches_per_pp=True))
+register_schedule(ScheduleSpec("zbh1", zbh1, splits_backward=True, bubble=_zbh1_bubble))
+register_schedule(ScheduleSpec("zbv", zbv, virtual=2, splits_backward=True, style="v", min_pp=2, bubble=_zbv_bubble))
 
 
 def theoretical_bubble(name: str, *, pp: int, virtual: int, micro_batches: int) -> float:
     """Fraction of a step a rank idles with equal stages and no communication cost, a backward taking
-    twice a forward (B and W one forward each): (p-1)/(v*m+p-1) for afab, 1f1b and interleaved.
-    ZB-H1 idles p-1 forward times once m >= p (1F1B: 3(p-1)), p-m more with fewer micro-batches (too
-    few W's to fill the drain). ZB-V idles p-1 chunk passes (half a forward each) once m >= (3p-1)/2,
-    and 4p-2-2m with fewer micro-batches (the V is not full)."""
-    p, m = pp, micro_batches
-    if name == "zbh1":
-        idle = 2 * p - 1 - min(m, p)  # forward times
-        return idle / (3 * m + idle)
-    if name == "zbv":
-        idle = max(p - 1, 4 * p - 2 - 2 * m)  # chunk passes; a rank does 6 per micro-batch
-        return idle / (6 * m + idle)
-    v = virtual if name == "interleaved" else 1
-    return (p - 1) / (v * m + p - 1)
+    twice a forward (B and W one forward each): (p-1)/(v*m+p-1) for afab, 1f1b and interleaved; a
+    schedule's own `bubble` where it declares one (the zero-bubble schedules)."""
+    spec = schedule_spec(name)
+    if spec.bubble is not None:
+        return spec.bubble(pp, virtual, micro_batches)
+    v = virtual if spec.virtual is None else spec.virtual
+    return (pp - 1) / (v * micro_batches + pp - 1)
 
 
 def peak_in_flight(actions: list[Action]) -> int:

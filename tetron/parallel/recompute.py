@@ -31,9 +31,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -44,6 +42,7 @@ from torch.utils.checkpoint import (
 from tetron.config import Recompute
 from tetron.models.spec import spec_of
 from tetron.parallel.weight_grad import backward_input, weight_nodes
+from tetron.torch_private import is_fake, op_name, tree_leaves
 
 aten = torch.ops.aten
 
@@ -104,7 +103,7 @@ class _KeepMatmuls:
         write their first argument without declaring it in their schema, so torch's own check that kept
         tensors stay unmodified misses them; tensor parallelism all-reduces row-parallel matmul outputs
         in place."""
-        if op.namespace != "c10d" or not op._opname.endswith("_") or not args:
+        if op.namespace != "c10d" or not op_name(op).endswith("_") or not args:
             return set()
         return _storages(args[0]) & self.kept
 

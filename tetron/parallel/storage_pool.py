@@ -13,9 +13,9 @@ unit that runs and the one prefetched; the rest of the chunk, embedding and head
 allocated in the first step, never again. They stay allocated between steps (about 135 MB for
 SmolLM-135M in fp32), which adds little to the peak (1.4% on that run), when they are all in use anyway.
 
-The memory moves by swapping the data pointers of two storages (`UntypedStorage._swap_data_ptr_`,
-the call FSDP2 and CUDA graph trees use): the unit's storage object stays the one its parameters,
-and whatever autograd saved of them, refer to. On a GPU the caching allocator already reuses freed
+The memory moves by swapping the data pointers of two storages (`UntypedStorage._swap_data_ptr_`, through
+tetron.torch_private; the call FSDP2 and CUDA graph trees use): the unit's storage object stays the one its
+parameters, and whatever autograd saved of them, refer to. On a GPU the caching allocator already reuses freed
 blocks, so there (and on a torch without the call) a unit's storage is simply resized, as before.
 """
 
@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import torch
 
+from tetron.torch_private import storage_swap_available, swap_storages
+
 
 class StoragePool:
     """Idle storages by (bytes, device), lent to emptied storages and taken back from them."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.reuse = device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    def __init__(self, device: torch.device, *, reuse: bool | None = None) -> None:
+        # reuse None: swap memory where torch_private can (the CPU); False: resize, the public path
+        self.reuse = storage_swap_available(device) if reuse is None else reuse
         self._idle: dict[int, list[torch.UntypedStorage]] = {}
         self.allocations = 0  # storages this pool has allocated: flat after the first step
 
@@ -42,7 +45,7 @@ class StoragePool:
         if spare is None:
             spare = torch.UntypedStorage(nbytes, device=storage.device)
             self.allocations += 1
-        storage._swap_data_ptr_(spare)  # `storage` holds the memory now, `spare` nothing: dropped
+        swap_storages(storage, spare)  # `storage` holds the memory now, `spare` nothing: dropped
 
     def empty(self, storage: torch.UntypedStorage) -> None:
         """Take `storage`'s memory back (it is left with none) and keep it for the next `fill` of that size."""
@@ -51,5 +54,5 @@ class StoragePool:
             storage.resize_(0)
             return
         keeper = torch.UntypedStorage(0, device=storage.device)
-        storage._swap_data_ptr_(keeper)
+        swap_storages(storage, keeper)
         self._idle.setdefault(nbytes, []).append(keeper)

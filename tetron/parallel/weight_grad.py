@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
-from torch.autograd.variable import Variable
 
-_engine = Variable._execution_engine
+from tetron.torch_private import run_backward
 
 
 @dataclass(eq=False)
@@ -161,8 +160,7 @@ def backward_input(output: Tensor, grad: Tensor | None, stage_input: Tensor | No
 
     handles = [node.register_prehook(capture(node)) for group in groups for node in group.nodes]
     try:
-        (dx,) = _engine.run_backward((root,), (grad,), True, False, (input_edge,), allow_unreachable=True,
-                                     accumulate_grad=False)
+        (dx,) = run_backward((root,), (grad,), keep_graph=True, inputs=(input_edge,), accumulate=False)
     finally:
         for handle in handles:  # a hook holds its node: left in place it would keep the graph alive
             handle.remove()
@@ -184,8 +182,7 @@ def backward_weight(pending: PendingWeightGrad) -> None:
     grads: list[Tensor] = []
     _weight_grads(pending, weights, grads)
     if weights:
-        _engine.run_backward(tuple(weights), tuple(grads), False, False, (), allow_unreachable=True,
-                             accumulate_grad=True)
+        run_backward(weights, grads)
 
 
 def _weight_grads(pending: PendingWeightGrad, weights: list[nn.Parameter], grads: list[Tensor]) -> None:
@@ -194,8 +191,7 @@ def _weight_grads(pending: PendingWeightGrad, weights: list[nn.Parameter], grads
     if pending.whole is not None:
         edge, grad, params = pending.whole
         pending.whole = None
-        dws = _engine.run_backward((edge,), (grad,), False, False, tuple(get_gradient_edge(p) for p in params),
-                                   allow_unreachable=True, accumulate_grad=False)
+        dws = run_backward((edge,), (grad,), inputs=[get_gradient_edge(p) for p in params], accumulate=False)
         for w, dw in zip(params, dws):
             if dw is not None:
                 weights.append(w)
@@ -210,8 +206,7 @@ def _weight_grads(pending: PendingWeightGrad, weights: list[nn.Parameter], grads
         if not roots:
             continue  # no gradient reached this part of the graph (an unused branch)
         edges = tuple(get_gradient_edge(w) for w in group.weights)
-        dws = _engine.run_backward(tuple(roots), tuple(incoming), False, False, edges, allow_unreachable=True,
-                                   accumulate_grad=False)
+        dws = run_backward(roots, incoming, inputs=edges, accumulate=False)
         for w, dw in zip(group.weights, dws):
             if dw is not None:
                 weights.append(w)

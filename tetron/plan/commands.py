@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import typing
 
-from tetron.config import PpSchedule, Recompute, ZeroAccumulate, load_config
+from tetron.config import Recompute, ZeroAccumulate, load_config
 from tetron.errors import UserError, failed
 from tetron.fs import check_new_file
 from tetron.overrides import OneLineParser, split_known
+from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan.report import PlanRequest, check_plan_numbers, fixed_axes, run
 from tetron.plan.slurm import CORES_PER_RANK, SlurmJob, submit, write_job
 
@@ -30,7 +31,7 @@ def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
                        ("micro-batch", int), ("pp-virtual", int)):
         parser.add_argument(f"--{axis}", type=kind, help="keep this axis as given")
     parser.add_argument("--recompute", choices=typing.get_args(Recompute), help="keep this axis as given")
-    parser.add_argument("--pp-schedule", choices=typing.get_args(PpSchedule), help="keep this axis as given")
+    parser.add_argument("--pp-schedule", choices=tuple(SCHEDULES), help="keep this axis as given")
     parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
     parser.add_argument("--zero-accumulate", choices=typing.get_args(ZeroAccumulate),
                         help="keep this axis as given (ZeRO-2/3 with gradient accumulation)")

@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from tetron import device as dev
 from tetron.config import Config, from_dict
 from tetron.mesh import Mesh
+from tetron.torch_private import TorchDispatchMode, tree_leaves
 from tetron.train import build_run, train_step
 
 

@@ -29,7 +29,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from tetron.config import Config
-from tetron.parallel.pipeline_schedules import Action, splits_backward
+from tetron.parallel.pipeline_schedules import Action, schedule_spec, splits_backward
 from tetron.plan.activations import (
     Held,
     chunk_held,
@@ -321,7 +321,7 @@ def floor(cfg: Config) -> MemoryEstimate:
     bf16 = t.dtype == "bfloat16"
     d = 2 if bf16 else F32
     tokens = t.micro_batch * (cfg.data.seq_len // p.cp)
-    in_flight = t.grad_acc if p.pp > 1 and p.pp_schedule == "afab" else 1
+    in_flight = t.grad_acc if p.pp > 1 and schedule_spec(p.pp_schedule).holds_every_micro_batch else 1
     residual = tokens // p.tp if p.sp else tokens
     return MemoryEstimate(params=(F32 if p.dp_impl == "naive" else d) * sharded(3), grads=F32 * sharded(2),
                           optimizer=(8 + 4 * bf16) * sharded(1),

@@ -6,7 +6,16 @@ from __future__ import annotations
 import functools
 
 from tetron.config import Config
-from tetron.parallel.pipeline_schedules import Action, receives, replay, schedule, sends, splits_backward, style_of
+from tetron.parallel.pipeline_schedules import (
+    Action,
+    receives,
+    replay,
+    schedule,
+    schedule_spec,
+    sends,
+    splits_backward,
+    style_of,
+)
 
 
 def actions(cfg: Config, pp_rank: int) -> tuple[Action, ...]:
@@ -21,8 +30,10 @@ def actions(cfg: Config, pp_rank: int) -> tuple[Action, ...]:
 
 
 def walked_micro_batches(cfg: Config) -> int:
+    """The micro-batches the walk takes: all of them without pp or where the schedule holds every one at once
+    (afab), else the first 2*pp, within which a schedule reaches its most in flight."""
     p, m = cfg.parallel, cfg.train.grad_acc
-    return m if p.pp == 1 or p.pp_schedule == "afab" else min(m, 2 * p.pp)
+    return m if p.pp == 1 or schedule_spec(p.pp_schedule).holds_every_micro_batch else min(m, 2 * p.pp)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -19,6 +19,7 @@ from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError, check, quoted
 from tetron.fs import write_text
 from tetron.overrides import apply_overrides
+from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan import hardware as hwlib
 from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import predict_rank
@@ -196,6 +197,6 @@ def check_plan_numbers(ns: argparse.Namespace) -> None:
     for flag, value, least in (("--top", ns.top, 1), ("--pick", ns.pick, 1), ("--measure", ns.measure, 0),
                                ("--steps", ns.steps, 1)):
         check(least <= value < 2**63, f"{flag}={quoted(value)} must be at least {least}")
-    check(ns.pp_virtual in (None, 1) or ns.pp_schedule in (None, "interleaved", "zbv"),
+    check(ns.pp_virtual in (None, 1) or ns.pp_schedule is None or SCHEDULES[ns.pp_schedule].virtual != 1,
           f"--pp-virtual={quoted(ns.pp_virtual)} needs --pp-schedule interleaved (or zbv, with 2): "
           f"{ns.pp_schedule} runs one layer chunk per pipeline rank; leave out --pp-virtual with it")

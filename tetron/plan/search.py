@@ -18,6 +18,7 @@ from typing import Any
 
 from tetron.config import Config
 from tetron.errors import ConfigError
+from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import MemoryEstimate, floor, predict
 from tetron.plan.sizes import is_moe
@@ -122,12 +123,21 @@ def expert_parallel_sizes(base: Config, dp_cp: int) -> list[int]:
     return [e for e in divisors(dp_cp) if base.model.num_experts % e == 0]
 
 
+def pipeline_schedules(base: Config, *, pp: int, grad_acc: int) -> list[tuple[str, int]]:
+    """The registered schedules a layout of pp > 1 ranks may run, as (name, chunks per rank): those with a fixed
+    number of chunks, then those taking any number with 2 and 4 where the layers fill them and the micro-batches
+    suit them."""
+    fixed = [(name, s.virtual) for name, s in SCHEDULES.items() if s.virtual is not None and pp >= s.min_pp]
+    return fixed + [(name, v) for name, s in SCHEDULES.items() if s.virtual is None and pp >= s.min_pp
+                    for v in (2, 4) if pp * v <= base.model.num_hidden_layers
+                    and (grad_acc % pp == 0 or not s.micro_batches_per_pp)]
+
+
 def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixed: dict) -> Iterator[Layout]:
     """Every layout of `world` ranks for a global batch of `batch` sequences; `fixed` pins any of AXES."""
     for dp, tp, pp, cp, mb in _sizes(base, world, gpus_per_node, batch, fixed):
         grad_acc = batch // (dp * mb)
-        schedules = [("1f1b", 1)] if pp == 1 else [("afab", 1), ("1f1b", 1), ("zbh1", 1), ("zbv", 2)] + [
-            ("interleaved", v) for v in (2, 4) if pp * v <= base.model.num_hidden_layers and grad_acc % pp == 0]
+        schedules = [("1f1b", 1)] if pp == 1 else pipeline_schedules(base, pp=pp, grad_acc=grad_acc)
         # sequence parallelism only lowers memory (same traffic): taken wherever it applies
         sp = tp > 1 and (base.data.seq_len // cp) % tp == 0
         for (schedule, virtual), zero, recompute, ep in itertools.product(
