@@ -1,8 +1,10 @@
 """`tetron convert SRC DST`: a tetron checkpoint to a standalone Hugging Face folder, and back.
 
-Checkpoint -> HF: the model files, config.json and tokenizer files are copied (the checkpoint's model part
-already is a HF model folder). HF -> checkpoint: the weights are streamed, one tensor at a time, into a
-step-0 checkpoint with no optimizer state, which `--resume` accepts (the optimizer then starts fresh).
+Checkpoint -> HF: the weights are streamed, one tensor at a time, into the model files of a HF folder (each
+tensor checked against its crc32 as it is read; MoE experts one by one, as the hub keeps them, also from a
+checkpoint written before tetron stored them so), beside the checkpoint's config.json and tokenizer files.
+HF -> checkpoint: the weights are streamed into a step-0 checkpoint with no optimizer state, which
+`--resume` accepts (the optimizer then starts fresh).
 DST is written under a temporary name and renamed; an existing DST is never touched.
 """
 
@@ -13,13 +15,13 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from tetron.checkpoint.check import inspect_checkpoint, read_model_config
 from tetron.checkpoint.load import TensorReader, copy_tokenizer
 from tetron.checkpoint.save import FORMAT, checkpoint_bytes, model_specs, seal, storage_error, write_tensors
 from tetron.errors import CheckpointError
-from tetron.fs import STATE_FILE, read_json, replace_folder, sha256, write_json
+from tetron.fs import STATE_FILE, replace_folder, sha256, write_json
 from tetron.models.spec import stored_as_of
 
 
@@ -61,6 +63,15 @@ def _finish(tmp: Path, dst: Path) -> None:
         raise CheckpointError(f"{dst}: already exists; give a new folder (nothing is overwritten)") from None
 
 
+def _stream_model(src: Path, dst: Path, config: Any, *, shard_mb: int) -> dict[str, dict[str, int]]:
+    """The model tensors of folder `src` (either layout) written into `dst` in fp32, one at a time, in the
+    family's layout (model.safetensors.index.json and shards); returns each file's tensors' crc32."""
+    specs, layout = model_specs(config), stored_as_of(config)
+    with TensorReader(src, "model", stored_as=layout) as reader:
+        stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
+        return write_tensors(dst, "model", specs, stream, shard_bytes=shard_mb << 20, layout=layout)
+
+
 def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
     """Convert `src` (checkpoint or HF folder) into `dst`; returns what was done, in words."""
     src, dst = Path(src), Path(dst)
@@ -68,16 +79,15 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
         raise CheckpointError(f"{src}: no such folder (give a tetron checkpoint or a Hugging Face model folder)")
     if (src / STATE_FILE).exists():
         inspect_checkpoint(src)
-        index = src / "model.safetensors.index.json"
-        names = ["config.json", index.name, *sorted(set(read_json(index)["weight_map"].values()))]
+        config = read_model_config(src)
 
         def copy() -> None:
-            for name in names:
-                shutil.copyfile(src / name, tmp / name)
+            _stream_model(src, tmp, config, shard_mb=shard_mb)
+            shutil.copyfile(src / "config.json", tmp / "config.json")
             copy_tokenizer(src, tmp)
 
         tmp = _tmp_for(dst)
-        _written(tmp, dst, copy, needed=sum((src / name).stat().st_size for name in names))
+        _written(tmp, dst, copy, needed=checkpoint_bytes(config, optimizer=False))
         return f"wrote the Hugging Face model folder {dst}"
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src}: neither a tetron checkpoint ({STATE_FILE}) "
@@ -86,10 +96,7 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
     config = read_model_config(src)
 
     def write() -> None:
-        specs = model_specs(config)
-        with TensorReader(src, "model", stored_as=stored_as_of(config)) as reader:
-            stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
-            crc32 = write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20)
+        crc32 = _stream_model(src, tmp, config, shard_mb=shard_mb)
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         copy_tokenizer(src, tmp)
         files = {f.name: ({"size": f.stat().st_size, "writer": 0, "crc32": crc32[f.name]} if f.name in crc32
