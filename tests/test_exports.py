@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from tetron.checkpoint.check import inspect_checkpoint
+from tetron.checkpoint.check import inspect_checkpoint, verify_tensors
 from tetron.checkpoint.convert import convert
 from tetron.checkpoint.load import TensorReader, load_model
 from tetron.checkpoint.save import save_model, write_configs
@@ -76,7 +76,8 @@ def transformers5_tensors(folder, tmp_path) -> dict[str, tuple[int, ...]]:
 def test_moe_exports_keep_the_experts_as_the_hub_does(kind, corpus, cache_dir, tmp_path):
     """A one-process run's OUT/model, its checkpoint and `tetron convert`'s folder of that checkpoint hold exactly
     the tensors (names, shapes) of transformers 4.57's modules and of transformers 5.24's save_pretrained; the
-    checkpoint passes the pre-start check; OUT/model loads in transformers 5 to tetron's logits within 1e-5."""
+    checkpoint passes the pre-start check and `tetron check`; OUT/model loads in transformers 5 to tetron's
+    logits within 1e-5, the converted folder to the same model."""
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model={**MOE_SHAPE, **MOE[kind]},
                       train={"steps": 2}, checkpoint={"save_every": 2})
     run_parallel(raw)
@@ -88,6 +89,7 @@ def test_moe_exports_keep_the_experts_as_the_hub_does(kind, corpus, cache_dir, t
     for folder in (model_dir, ckpt, tmp_path / "converted"):
         assert stored_tensors(folder) == expected, folder
     inspect_checkpoint(ckpt)
+    assert verify_tensors(ckpt) == []  # each piece's crc32, as trainer_state.json lists them
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     ours = load_model(model_dir)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
