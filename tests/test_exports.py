@@ -8,6 +8,7 @@ llama.cpp's converter)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import regex
@@ -178,3 +179,22 @@ def test_the_trained_bpe_splits_text_as_gpt2(bpe):
         pieces = [bytes(to_byte[c] for c in piece).decode("utf-8")
                   for piece, _ in bpe.backend.pre_tokenizer.pre_tokenize_str(text)]
         assert pieces == GPT2_SPLIT.findall(text)
+
+
+@pytest.mark.parametrize("file, edit, error", [
+    ("tokenizer.json", lambda t: {**t, "normalizer": None}, "not the bytes tokenizer tetron_tokenizer.json names"),
+    ("tokenizer.json", lambda t: {**t, "model": {**t["model"], "merges": [["a", "b"]]}}, "not the bytes tokenizer"),
+    ("tokenizer_config.json", lambda c: {**c, "pad_token": "<pad>"}, "pad_token='<pad>' is no token"),
+    ("tokenizer_config.json", lambda c: {**c, "model_max_length": None}, "model_max_length=None: expected a pos"),
+    ("tokenizer_config.json", lambda c: {**c, "split_special_tokens": "x"}, "split_special_tokens='x': expected"),
+])
+def test_a_folder_whose_files_for_transformers_disagree_with_tetron_is_refused(file, edit, error, tmp_path):
+    """What transformers reads beside tetron_tokenizer.json is checked with it: an edited file would give
+    transformers other ids than the ones the weights were trained on."""
+    from tetron.errors import DataError
+
+    Tokenizer(None, None).save(tmp_path)
+    load_tokenizer(str(tmp_path), data_spec=None, cache_dir=tmp_path)  # as written: fine
+    (tmp_path / file).write_text(json.dumps(edit(json.loads((tmp_path / file).read_text()))))
+    with pytest.raises(DataError, match="^" + re.escape(f"{tmp_path / file}: {error}")):
+        load_tokenizer(str(tmp_path), data_spec=None, cache_dir=tmp_path)

@@ -175,6 +175,9 @@ def _load_saved(folder: Path) -> Tokenizer:
         raise DataError(f"{path}: not a readable tokenizer description ({type(err).__name__})") from None
     kind = meta.get("type") if isinstance(meta, dict) else None
     if kind == "bytes" and meta.get("vocab_size") == 256 and meta.get("eos_id") is None:
+        expected = bytes_backend()
+        _check_bytes_file(folder, expected)
+        _check_config_file(folder, expected)
         return Tokenizer(None, None)
     vocab, eos = meta.get("vocab_size") if kind == "hf" else None, meta.get("eos_id")
     good_eos = eos is None or (type(eos) is int and type(vocab) is int and 0 <= eos < vocab)
@@ -190,7 +193,55 @@ def _load_saved(folder: Path) -> Tokenizer:
     if backend.get_vocab_size(with_added_tokens=True) > vocab:
         raise DataError(f"{path}: vocab_size={vocab}, but tokenizer.json has "
                         f"{backend.get_vocab_size(with_added_tokens=True)} tokens")
+    _check_config_file(folder, backend)
     return Tokenizer(backend, eos, vocab_size=vocab)
+
+
+def _read_json_file(path: Path) -> Any:
+    try:
+        return json.loads(read_bounded(path, MAX_TOKENIZER_BYTES))
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad UTF-8 or JSON
+        raise DataError(f"{path}: not readable JSON ({type(err).__name__})") from None
+
+
+def _check_bytes_file(folder: Path, expected: Any) -> None:
+    """A bytes folder's tokenizer.json (what transformers reads), where there is one, is the bytes tokenizer:
+    any other would give transformers other ids than tetron's. Fields a newer tokenizers library adds to the
+    BPE model may be missing from an older file."""
+    path = folder / "tokenizer.json"
+    if not path.exists():  # written before tetron wrote one
+        return
+    got, want = _read_json_file(path), json.loads(expected.to_str())
+    model = got.get("model") if isinstance(got, dict) else None
+    if not (isinstance(model, dict) and {k: v for k, v in got.items() if k != "model"} == {
+            k: v for k, v in want.items() if k != "model"} and model.get("vocab") == want["model"]["vocab"]
+            and all(k in want["model"] and v == want["model"][k] for k, v in model.items())):
+        raise DataError(f"{path}: not the bytes tokenizer tetron_tokenizer.json names (transformers would read "
+                        f"other ids than tetron's)")
+
+
+def _check_config_file(folder: Path, backend: Any) -> None:
+    """tokenizer_config.json (what transformers reads beside tokenizer.json), where there is one: the class
+    and flags tetron writes, a positive model_max_length, and only tokens of the vocabulary named (transformers
+    would add any other, with an id the model lacks)."""
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return
+    config = _read_json_file(path)
+    if not isinstance(config, dict) or config.get("tokenizer_class", "PreTrainedTokenizerFast") != \
+            "PreTrainedTokenizerFast":
+        raise DataError(f"{path}: expected a mapping with tokenizer_class PreTrainedTokenizerFast")
+    length = config.get("model_max_length", 1)
+    if type(length) is not int or length < 1:
+        raise DataError(f"{path}: model_max_length={length!r}: expected a positive integer")
+    for key in ("clean_up_tokenization_spaces", "split_special_tokens", "trust_remote_code"):
+        if type(config.get(key, False)) is not bool:
+            raise DataError(f"{path}: {key}={config[key]!r}: expected true or false")
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token  # transformers' AddedToken form
+        if token is not None and not (isinstance(token, str) and backend.token_to_id(token) is not None):
+            raise DataError(f"{path}: {key}={token!r} is no token of tokenizer.json")
 
 
 def _load_pretrained(spec: str) -> Tokenizer:
