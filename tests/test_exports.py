@@ -24,7 +24,7 @@ from tetron.data.tokenizer import Tokenizer, byte_characters, load_tokenizer
 from tetron.models import family
 from tetron.parallel.init import seeded_model
 
-from conftest import run_parallel, tiny_config
+from conftest import LAYOUT_LR, LOSS_RTOL, WEIGHT_ATOL, run_parallel, tiny_config
 
 MOE = {"qwen3_moe": {"model_type": "qwen3_moe", "moe_intermediate_size": 32},
        "mixtral": {"model_type": "mixtral", "intermediate_size": 32}}
@@ -97,6 +97,26 @@ def test_moe_exports_keep_the_experts_as_the_hub_does(kind, corpus, cache_dir, t
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=0, atol=1e-5)
         torch.testing.assert_close(load_model(tmp_path / "converted")(ids), ours(ids), rtol=0, atol=0)
+
+
+def test_a_one_process_moe_checkpoint_resumes_under_ep2(corpus, cache_dir, tmp_path):
+    """The checkpoint (experts one by one) of a one-process run, resumed by dp2 ep2 (each rank reading only its
+    experts' pieces), trains the remaining steps as the uninterrupted run: losses within LOSS_RTOL on every rank,
+    final weights within WEIGHT_ATOL."""
+    model = {**MOE_SHAPE, **MOE["qwen3_moe"]}
+    ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model, train={"micro_batch": 2, "lr": LAYOUT_LR},
+                          checkpoint={"save_every": 2})
+    (ref,), ref_written = run_parallel(ref_raw)
+    resume = str(tmp_path / "ref" / "checkpoints" / "step_2")
+    raw = tiny_config(corpus, cache_dir, tmp_path / "ep", model=model, train={"micro_batch": 1, "lr": LAYOUT_LR},
+                      parallel={"dp": 2, "ep": 2}, checkpoint={"resume": resume})
+    results, written = run_parallel(raw)
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref["losses"][2:]), rtol=LOSS_RTOL,
+                                   atol=0)
+    assert written["model"].keys() == ref_written["model"].keys()
+    for name, value in written["model"].items():
+        torch.testing.assert_close(value, ref_written["model"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
 def test_folders_with_fused_experts_are_still_read(tmp_path):
