@@ -201,6 +201,25 @@ def test_the_trained_bpe_splits_text_as_gpt2(bpe):
         assert pieces == GPT2_SPLIT.findall(text)
 
 
+def test_converting_an_older_checkpoint_writes_the_tokenizer_for_transformers(corpus, cache_dir, tmp_path):
+    """A bytes checkpoint written before tetron wrote tokenizer.json and tokenizer_config.json (its trainer state
+    listing neither) converts to a folder AutoTokenizer reads to the bytes' ids, padding named."""
+    from tetron.checkpoint.save import seal
+    from tetron.fs import STATE_FILE
+
+    run_parallel(tiny_config(corpus, cache_dir, tmp_path / "run", train={"steps": 1}))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_1"
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (ckpt / name).unlink()
+        del state["files"][name]
+    (ckpt / STATE_FILE).write_text(json.dumps(seal(state)))
+    convert(ckpt, tmp_path / "hf")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert [theirs.encode(text) for text in TEXTS] == [list(text.encode()) for text in TEXTS]
+    assert theirs.pad_token_id == 255 and theirs.model_max_length == 64
+
+
 @pytest.mark.parametrize("file, edit, error", [
     ("tokenizer.json", lambda t: {**t, "normalizer": None}, "not the bytes tokenizer tetron_tokenizer.json names"),
     ("tokenizer.json", lambda t: {**t, "model": {**t["model"], "merges": [["a", "b"]]}}, "not the bytes tokenizer"),

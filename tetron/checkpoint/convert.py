@@ -2,7 +2,8 @@
 
 Checkpoint -> HF: the weights are streamed, one tensor at a time, into the model files of a HF folder (each
 tensor checked against its crc32 as it is read; MoE experts one by one, as the hub keeps them, also from a
-checkpoint written before tetron stored them so), beside the checkpoint's config.json and tokenizer files.
+checkpoint written before tetron stored them so), beside the checkpoint's config.json and tokenizer files
+(a tetron tokenizer saved again, so that transformers reads it to tetron's ids).
 HF -> checkpoint: the weights are streamed into a step-0 checkpoint with no optimizer state, which
 `--resume` accepts (the optimizer then starts fresh).
 DST is written under a temporary name and renamed; an existing DST is never touched.
@@ -20,6 +21,7 @@ from typing import Any, Callable
 from tetron.checkpoint.check import inspect_checkpoint, read_model_config
 from tetron.checkpoint.load import TensorReader, copy_tokenizer
 from tetron.checkpoint.save import FORMAT, checkpoint_bytes, model_specs, seal, storage_error, write_tensors
+from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError
 from tetron.fs import STATE_FILE, replace_folder, sha256, write_json
 from tetron.models.spec import stored_as_of
@@ -85,6 +87,10 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
             _stream_model(src, tmp, config, shard_mb=shard_mb)
             shutil.copyfile(src / "config.json", tmp / "config.json")
             copy_tokenizer(src, tmp)
+            if (src / "tetron_tokenizer.json").is_file():  # saved again: an older checkpoint's lack files for
+                # transformers (the bytes tokenizer's tokenizer.json, the padding token)
+                tokenizer = load_tokenizer(str(src), data_spec=None, cache_dir=src)
+                tokenizer.save(tmp, model_type=config.model_type, model_max_length=config.max_position_embeddings)
 
         tmp = _tmp_for(dst)
         _written(tmp, dst, copy, needed=checkpoint_bytes(config, optimizer=False))
