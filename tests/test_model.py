@@ -197,6 +197,16 @@ def test_from_hf_legacy_keys() -> None:
     assert LlamaConfig.from_hf({k: v for k, v in legacy.items() if k != "model_type"}) == cfg
 
 
+@pytest.mark.parametrize("name, ids", [("bos_token_id", 10**30), ("eos_token_id", [1, 257]), ("eos_token_id", -1)])
+def test_from_hf_refuses_token_ids_outside_the_vocabulary(name, ids) -> None:
+    """A config.json (a checkpoint's, resealed after an edit) whose token ids the vocabulary lacks is refused
+    where it is read, as the run's own config is by validate."""
+    hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+          "num_hidden_layers": 2, "vocab_size": 257, name: ids}
+    with pytest.raises(ValueError, match=f"^{name}=.*: expected ids below vocab_size=257$"):
+        LlamaConfig.from_hf(hf)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_to_hf_round_trip(name: str) -> None:
     cfg = CONFIGS[name]

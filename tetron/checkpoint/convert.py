@@ -1,11 +1,13 @@
 """`tetron convert SRC DST`: a tetron checkpoint to a standalone Hugging Face folder, and back.
 
-Checkpoint -> HF: the model files, config.json and tokenizer files are copied (the checkpoint's model part
-already is a HF model folder) and checked against the checkpoint's checksums, every byte, as `tetron check`
-checks them. No file is copied through a link that leaves the source folder. HF -> checkpoint: the weights
-are streamed, one tensor at a time, into a step-0 checkpoint with no optimizer state, which `--resume`
-accepts (the optimizer then starts fresh). DST is written under a temporary name and renamed; an existing
-DST is never touched.
+Checkpoint -> HF: the weights are streamed, one tensor at a time, into the model files of a HF folder (each
+tensor checked against its crc32 as it is read; MoE experts one by one, as the hub keeps them, also from a
+checkpoint written before tetron stored them so), beside the checkpoint's config.json and tokenizer files
+(a tetron tokenizer saved again, so that transformers reads it to tetron's ids). No file is read or copied
+through a link that leaves the source folder.
+HF -> checkpoint: the weights are streamed into a step-0 checkpoint with no optimizer state, which
+`--resume` accepts (the optimizer then starts fresh).
+DST is written under a temporary name and renamed; an existing DST is never touched.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
-from tetron.checkpoint.check import inspect_checkpoint, read_model_config, verify_tensors
+from tetron.checkpoint.check import inspect_checkpoint, read_model_config
 from tetron.checkpoint.load import TensorReader, copy_tokenizer, inside
 from tetron.checkpoint.save import FORMAT, checkpoint_bytes, model_specs, seal, storage_error, write_tensors
+from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError
-from tetron.fs import STATE_FILE, read_json, replace_folder, sha256, write_json
+from tetron.fs import STATE_FILE, replace_folder, sha256, write_json
 from tetron.models.spec import stored_as_of
 
 
@@ -63,6 +66,15 @@ def _finish(tmp: Path, dst: Path) -> None:
         raise CheckpointError(f"{dst}: already exists; give a new folder (nothing is overwritten)") from None
 
 
+def _stream_model(src: Path, dst: Path, config: Any, *, shard_mb: int) -> dict[str, dict[str, int]]:
+    """The model tensors of folder `src` (either layout) written into `dst` in fp32, one at a time, in the
+    family's layout (model.safetensors.index.json and shards); returns each file's tensors' crc32."""
+    specs, layout = model_specs(config), stored_as_of(config)
+    with TensorReader(src, "model", stored_as=layout) as reader:
+        stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
+        return write_tensors(dst, "model", specs, stream, shard_bytes=shard_mb << 20, layout=layout)
+
+
 def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
     """Convert `src` (checkpoint or HF folder) into `dst`; returns what was done, in words."""
     src, dst = Path(src), Path(dst)
@@ -70,22 +82,19 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
         raise CheckpointError(f"{src}: no such folder (give a tetron checkpoint or a Hugging Face model folder)")
     if (src / STATE_FILE).exists():
         inspect_checkpoint(src)
-        index = src / "model.safetensors.index.json"
-        names = ["config.json", index.name, *sorted(set(read_json(index)["weight_map"].values()))]
+        config = read_model_config(src)
 
         def copy() -> None:
-            for name in names:
-                shutil.copyfile(inside(src, name), tmp / name)
+            _stream_model(src, tmp, config, shard_mb=shard_mb)
+            shutil.copyfile(inside(src, "config.json"), tmp / "config.json")
             copy_tokenizer(src, tmp)
-            # every byte copied, against the checksums a resume and `tetron check` hold it to
-            listed = read_json(src / STATE_FILE)["files"]
-            problems = verify_tensors(tmp, files={n: meta for n, meta in listed.items() if (tmp / n).is_file()})
-            if problems:
-                more = f" (and {len(problems) - 1} more: tetron check {src} lists them)" if len(problems) > 1 else ""
-                raise CheckpointError(problems[0].replace(str(tmp), str(src)) + more)
+            if (src / "tetron_tokenizer.json").is_file():  # saved again: an older checkpoint's lack files for
+                # transformers (the bytes tokenizer's tokenizer.json, the padding token)
+                tokenizer = load_tokenizer(str(src), data_spec=None, cache_dir=src)
+                tokenizer.save(tmp, model_type=config.model_type, model_max_length=config.max_position_embeddings)
 
         tmp = _tmp_for(dst)
-        _written(tmp, dst, copy, needed=sum((src / name).stat().st_size for name in names))
+        _written(tmp, dst, copy, needed=checkpoint_bytes(config, optimizer=False))
         return f"wrote the Hugging Face model folder {dst}"
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src}: neither a tetron checkpoint ({STATE_FILE}) "
@@ -94,10 +103,7 @@ def convert(src: Path, dst: Path, *, shard_mb: int = 2000) -> str:
     config = read_model_config(src)
 
     def write() -> None:
-        specs = model_specs(config)
-        with TensorReader(src, "model", stored_as=stored_as_of(config)) as reader:
-            stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
-            crc32 = write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20)
+        crc32 = _stream_model(src, tmp, config, shard_mb=shard_mb)
         (tmp / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
         copy_tokenizer(src, tmp)
         files = {f.name: ({"size": f.stat().st_size, "writer": 0, "crc32": crc32[f.name]} if f.name in crc32

@@ -37,11 +37,13 @@ from tetron.checkpoint.background import BackgroundSaver, saver_of, wait_for_sav
 from tetron.checkpoint.safetensors_stream import SafetensorsWriter  # noqa: F401  (tests slow or fail its writes)
 from tetron.checkpoint.shards import (
     Comm,
+    Layout,
     Pieces,
     Shard,
     ShardWriter,
     Spec,
     assign_writers,
+    file_keys,
     full_tensor,
     gather_rng,
     gather_to_writers,
@@ -67,7 +69,7 @@ from tetron.fs import (
     write_text,
 )
 from tetron.mesh import Mesh
-from tetron.models.spec import spec_of
+from tetron.models.spec import spec_of, split_stored, stored_as_of
 from tetron.parallel.zero import ShardedAdamW
 
 FORMAT = "tetron-checkpoint/1"
@@ -85,17 +87,20 @@ def seal(state: dict[str, Any]) -> dict[str, Any]:
 def write_configs(folder: Path, config: Any, tokenizer: Tokenizer | None, *, dtype: str = "float32") -> None:
     """config.json, generation_config.json and the tokenizer's files of a model folder being written.
     The end-of-text id comes from the tokenizer where the model config has none, so that generation
-    (tetron's and transformers') stops at the end of a document; padding uses it too."""
+    (tetron's and transformers') stops at the end of a document; padding uses it too (the bytes tokenizer,
+    which has none, pads with a byte no text has)."""
     hf = config.to_hf(dtype=dtype)
     if hf["eos_token_id"] is None and tokenizer is not None:
         hf["eos_token_id"] = tokenizer.eos_id
     eos = hf["eos_token_id"]
     hf["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    if hf["pad_token_id"] is None and tokenizer is not None:
+        hf["pad_token_id"] = tokenizer.pad_id
     (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     generation = {"bos_token_id": hf["bos_token_id"], "eos_token_id": eos, "pad_token_id": hf["pad_token_id"]}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tokenizer is not None:
-        tokenizer.save(folder)
+        tokenizer.save(folder, model_type=config.model_type, model_max_length=config.max_position_embeddings)
 
 
 def save_model(model: nn.Module, folder: Path, *, tokenizer: Tokenizer | None = None) -> None:
@@ -105,13 +110,17 @@ def save_model(model: nn.Module, folder: Path, *, tokenizer: Tokenizer | None = 
 
 def save_state(state: dict[str, Tensor], config: Any, folder: Path, *,
                tokenizer: Tokenizer | None = None) -> None:
-    """Write full tensors named as in transformers' class of the family as a HF model folder, atomically."""
+    """Write full tensors named as in transformers' class of the family as a HF model folder (MoE experts one
+    by one, as the hub keeps them), atomically."""
     folder = Path(folder)
     recover_temps(folder.parent, folder.name)  # what an earlier save killed mid-way left
     tmp = temp_name(folder)
     tmp.mkdir(parents=True)
     state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
     state.pop(spec_of(config).plan.tied_head(config), None)  # the embedding's tensor; HF ties it back on load
+    layout = stored_as_of(config)
+    state = {name: piece.clone() for key, value in state.items()  # clone: save_file refuses views of one tensor
+             for name, piece in split_stored((layout(key) if layout else None) or key, value)}
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     write_configs(tmp, config, tokenizer)
     replace_folder(tmp, folder)
@@ -131,7 +140,8 @@ def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup,
 
 def model_specs(config: Any, dtype: torch.dtype = torch.float32, *, buffers: bool = True) -> list[Spec]:
     """Every tensor of the HF model folder in the plain model's order, then (with `buffers`) the state that
-    is no parameter (an MoE routing bias); a tied head is not stored."""
+    is no parameter (an MoE routing bias); a tied head is not stored. Named as the model's parameters: the
+    family's layout (stored_as_of) says which are written in pieces."""
     spec = spec_of(config)
     with torch.device("meta"):
         whole = spec.model_class(config)  # names and full shapes, no storage
@@ -149,26 +159,29 @@ def optimizer_specs(config: Any, params: list[Spec] | None = None) -> list[Spec]
             params or model_specs(config, buffers=False) for kind in ("exp_avg", "exp_avg_sq")]
 
 
-def write_index(folder: Path, prefix: str, shards: list[Shard]) -> None:
-    """`{prefix}.safetensors.index.json`: every tensor's file, as transformers reads it."""
-    weight_map = {key: shard.file for shard in shards for key, *_ in shard.specs}
+def write_index(folder: Path, prefix: str, shards: list[Shard], *, layout: Layout | None = None) -> None:
+    """`{prefix}.safetensors.index.json`: every tensor's file (each piece's, under `layout`), as transformers
+    reads it."""
+    weight_map = {key: shard.file for shard in shards for key in file_keys(shard.specs, layout)}
     total = sum(nbytes(spec) for shard in shards for spec in shard.specs)
     write_json(folder / f"{prefix}.safetensors.index.json",
                {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def write_tensors(folder: Path, prefix: str, specs: list[Spec], stream: Iterator[tuple[str, Tensor]], *,
-                  shard_bytes: int, single_file: bool = False) -> dict[str, dict[str, int]]:
+                  shard_bytes: int, single_file: bool = False,
+                  layout: Layout | None = None) -> dict[str, dict[str, int]]:
     """All of `stream` (whole tensors in spec order) written by this one process: the shards and, unless
-    one `{prefix}.safetensors` (`single_file`), the index. Returns each file's tensors' crc32."""
+    one `{prefix}.safetensors` (`single_file`), the index; under `layout` a tensor kept in pieces as its
+    pieces. Returns each file's tensors' crc32."""
     shards = plan_files(prefix, specs, [0] * len(specs), shard_bytes, single_file=single_file)
-    writer = ShardWriter(folder, shards, 0)
+    writer = ShardWriter(folder, shards, 0, layout=layout)
     writer.consume(stream)
     if writer.error is not None:
         raise writer.error
     if len(shards) > 1 or not single_file:
-        write_index(folder, prefix, shards)
-    return {shard.file: {key: writer.crc32[key] for key, *_ in shard.specs} for shard in shards}
+        write_index(folder, prefix, shards, layout=layout)
+    return {shard.file: {key: writer.crc32[key] for key in file_keys(shard.specs, layout)} for shard in shards}
 
 
 def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, config: Any,
@@ -192,7 +205,8 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
             for _ in stream:  # the gathers this rank takes part in; rank 0 writes
                 pass
         else:
-            write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True)
+            write_tensors(tmp, "model", specs, stream, shard_bytes=shard_mb << 20, single_file=True,
+                          layout=stored_as_of(config))
             write_configs(tmp, config, tokenizer, dtype=str(dtype).removeprefix("torch."))
             replace_folder(tmp, folder)
     except Exception as err:  # one line naming the file; the checkpoint just saved holds the same weights
@@ -245,22 +259,25 @@ class CheckpointWrite:
         # must not see the steps after
         self.buffers = {name: b.detach().to("cpu", copy=True) for chunk in chunks for name, b in chunk.named_buffers()}
         self.layer_ranks, self.tokenizer, self.on_saved = layer_ranks, tokenizer, on_saved
-        self.keys: list[str] = []
-        self.parts: list[tuple[str, list[Spec], list[int], list[Shard]]] = []
+        self.keys: list[str] = []  # every tensor of the files (an MoE layer's experts one by one)
+        self.parts: list[tuple[str, list[Spec], list[int], list[Shard], Layout | None]] = []
 
     def _plan(self) -> None:
-        """Every tensor's writer and file, the same on every rank (shards.py)."""
+        """Every tensor's writer and file, the same on every rank (shards.py). The model's files are a model
+        folder as the hub has it (experts one by one); the optimizer's keep the parameters' names."""
         cfg, mesh = self.cfg, self.mesh
         model, params = model_specs(cfg.model), model_specs(cfg.model, buffers=False)
         specs = model + (optimizer_specs(cfg.model, params) if self.state["optimizer"]["present"] else [])
         plan = spec_of(cfg.model).plan
         stages = [stage_of(name, self.layer_ranks, plan) for _, name, _, _ in specs]
         owners = assign_writers(specs, stages, [mesh.grid[s].flatten().tolist() for s in range(mesh.size("pp"))])
-        self.keys, n, shard_bytes = [key for key, *_ in specs], len(model), cfg.checkpoint.shard_mb << 20
-        for prefix, part in (("model", slice(0, n)), ("optimizer", slice(n, None))):
+        n, shard_bytes = len(model), cfg.checkpoint.shard_mb << 20
+        for prefix, part, layout in (("model", slice(0, n), stored_as_of(cfg.model)),
+                                     ("optimizer", slice(n, None), None)):
             if specs[part]:
                 self.parts.append((prefix, specs[part], owners[part],
-                                   plan_files(prefix, specs[part], owners[part], shard_bytes)))
+                                   plan_files(prefix, specs[part], owners[part], shard_bytes), layout))
+                self.keys += file_keys(specs[part], layout)
 
     def _tmp(self, comm: Comm) -> tuple[Path, BaseException | None]:
         """The temporary folder, made by rank 0 and named to the others by a broadcast (which also says it
@@ -302,9 +319,9 @@ class CheckpointWrite:
         tmp, error = self._tmp(comm)
         crc32: dict[str, int] = {}
         sends: list = []  # this rank's pieces on their way to their writers
-        for prefix, specs, owners, shards in self.parts:
+        for prefix, specs, owners, shards, layout in self.parts:
             kind = (lambda key: "master") if prefix == "model" else (lambda key: key.rsplit(".", 1)[1])
-            writer = ShardWriter(tmp, shards, mesh.rank)
+            writer = ShardWriter(tmp, shards, mesh.rank, layout=layout)
             writer.error = error  # after a failed write this rank writes nothing more, but still gathers
             writer.consume(gather_to_writers(self.chunks, mesh, specs, owners, layer_ranks=self.layer_ranks,
                                              buffers=self.buffers,
@@ -336,11 +353,11 @@ class CheckpointWrite:
         """Rank 0, once every shard is written: indexes, rng, configs, trainer_state.json last; rename, point
         `latest` at it, prune."""
         files: dict[str, dict[str, Any]] = {}
-        for prefix, _, _, shards in self.parts:
-            write_index(tmp, prefix, shards)
+        for prefix, _, _, shards, layout in self.parts:
+            write_index(tmp, prefix, shards, layout=layout)
             for shard in shards:
                 files[shard.file] = {"size": (tmp / shard.file).stat().st_size, "writer": shard.writer,
-                                     "crc32": {key: crc32[key] for key, *_ in shard.specs}}
+                                     "crc32": {key: crc32[key] for key in file_keys(shard.specs, layout)}}
         # streamed as the shards are: a failed write is an OSError naming the file, as theirs
         crc32 = write_tensors(tmp, "rng", [(k, k, v.dtype, tuple(v.shape)) for k, v in rng.items()], iter(rng.items()),
                               shard_bytes=1 << 62, single_file=True)

@@ -34,16 +34,30 @@ from torch import Tensor, nn
 
 from tetron.checkpoint.safetensors_stream import SafetensorsWriter
 from tetron.mesh import Mesh
-from tetron.models.spec import ParallelPlan, spec_of
+from tetron.models.spec import ParallelPlan, piece_shapes, spec_of, split_stored
 from tetron.parallel.comm import all_gather_dim
 from tetron.parallel.layout import layout_of
 
 Spec = tuple[str, str, torch.dtype, tuple[int, ...]]  # (key in the file, parameter name, dtype, full shape)
+# where a model folder keeps a tensor (models.spec.stored_as_of): its MoE experts one by one, as the hub does
+Layout = Callable[[str], str | list[list[str]] | None]
 LINE_BYTES = 2048  # the longest error line one rank hands the others
 
 
 def nbytes(spec: Spec) -> int:
     return torch.Size(spec[3]).numel() * spec[2].itemsize
+
+
+def file_entries(spec: Spec, layout: Layout | None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The tensors a spec is written as: (name, dtype, shape) of itself, or of its pieces under `layout`."""
+    key, _, dtype, shape = spec
+    stored = layout(key) if layout is not None else None
+    return [(name, dtype, piece) for name, piece in piece_shapes(stored or key, shape)]
+
+
+def file_keys(specs: list[Spec], layout: Layout | None) -> list[str]:
+    """Every tensor name the specs are written as, in order."""
+    return [name for spec in specs for name, *_ in file_entries(spec, layout)]
 
 
 def stage_of(name: str, layer_ranks: list[int], plan: ParallelPlan) -> int:
@@ -217,10 +231,11 @@ class ShardWriter:
     summed and written on a thread of its own while the stream gathers the next one (at most one waits), so
     the disk and the network work at once. A failed write (a full disk) is kept and the rest of the stream
     still consumed, so that this rank goes on taking part in the gathers of the others; `error` is read once
-    the stream ends."""
+    the stream ends. With a `layout`, a tensor kept in pieces is written as its pieces (`crc32` by piece)."""
 
-    def __init__(self, folder: Path | None, shards: list[Shard], rank: int) -> None:
+    def __init__(self, folder: Path | None, shards: list[Shard], rank: int, *, layout: Layout | None = None) -> None:
         self.folder = folder
+        self.layout = layout
         self.pending = iter([s for s in shards if s.writer == rank])
         self.current: Shard | None = None
         self.writer: SafetensorsWriter | None = None
@@ -245,11 +260,14 @@ class ShardWriter:
                 self.left = len(self.current.specs)
                 if self.folder is not None:
                     self.writer = SafetensorsWriter(self.folder / self.current.file,
-                                                    [(k, dt, sh) for k, _, dt, sh in self.current.specs],
+                                                    [entry for spec in self.current.specs
+                                                     for entry in file_entries(spec, self.layout)],
                                                     metadata={"format": "pt"})
-            self.crc32[key] = tensor_crc32(tensor)
-            if self.writer is not None:
-                self.writer.write(key, tensor)
+            stored = self.layout(key) if self.layout is not None else None
+            for name, piece in split_stored(stored or key, tensor):
+                self.crc32[name] = tensor_crc32(piece)
+                if self.writer is not None:
+                    self.writer.write(name, piece)
             self.left -= 1
             if self.left == 0 and self.writer is not None:
                 self.writer.close()

@@ -17,6 +17,14 @@ from tetron.fs import read_bounded, replace_folder, temp_name, write_json
 
 EOS_TOKEN = "<|endoftext|>"
 MAX_TOKENIZER_BYTES = 1 << 30  # the largest tokenizer.json read (the largest real ones are tens of MB)
+# The bytes tokenizer's padding id, for transformers' collators: byte 0xFF, which UTF-8 text never holds, so no
+# text's ids change; its token is named in tokenizer.json (as no byte's character, no text's piece can be it).
+BYTES_PAD_ID, BYTES_PAD_TOKEN = 255, "<|pad|>"
+# Model types for which transformers 5's AutoTokenizer ignores a folder's tokenizer_class and builds its own class,
+# which keeps tokenizer.json's vocabulary and merges but not its normalizer and split (qwen2: Qwen2Tokenizer, NFC
+# and Qwen's regex), so that other tokenizers' ids change; its loader takes tokenizer.json as written when the
+# folder's tokenizer_config.json says trust_remote_code (no code is named, nothing runs: there is no auto_map).
+REBUILT_BY_TRANSFORMERS = frozenset({"qwen2"})
 
 
 class Tokenizer:
@@ -72,19 +80,61 @@ class Tokenizer:
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
-    def save(self, folder: Path) -> None:
-        """Write the tokenizer to a folder that load_tokenizer (and transformers, for HF ones) can read."""
+    @property
+    def pad_id(self) -> int | None:
+        """The id that pads a batch in transformers' collators and generation: EOS, or the bytes' BYTES_PAD_ID."""
+        return BYTES_PAD_ID if self.backend is None else self.eos_id
+
+    def save(self, folder: Path, *, model_type: str | None = None, model_max_length: int | None = None) -> None:
+        """Write the tokenizer to a folder that load_tokenizer reads, and transformers' AutoTokenizer (4.x and
+        5.x) reads to the same ids (the bytes tokenizer as its `tokenizers` equivalent): tokenizer.json, and
+        tokenizer_config.json naming the EOS and padding tokens. `model_type`: the model's, where the folder is a
+        model's; `model_max_length`: the longest input the model takes."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         meta: dict[str, Any] = {"type": "bytes" if self.backend is None else "hf",
                                 "vocab_size": self.vocab_size, "eos_id": self.eos_id}
-        if self.backend is not None:
-            self.backend.save(str(folder / "tokenizer.json"))
-            config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
-            if self.eos_id is not None:
-                config["eos_token"] = self.backend.id_to_token(self.eos_id)
-            write_json(folder / "tokenizer_config.json", config, indent=2)
+        backend = bytes_backend() if self.backend is None else self.backend
+        backend.save(str(folder / "tokenizer.json"))
+        eos = None if self.eos_id is None else backend.id_to_token(self.eos_id)
+        # the tokens tetron knows are named, the others null: a class's own defaults (Qwen2Tokenizer's
+        # <|endoftext|> as unk, eos, pad) would add a token the vocabulary lacks
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "model_max_length": model_max_length or 1 << 30, "bos_token": None,
+                                  "eos_token": eos, "unk_token": None,
+                                  "pad_token": None if self.pad_id is None else backend.id_to_token(self.pad_id),
+                                  "clean_up_tokenization_spaces": False}
+        if self.backend is None:  # tetron's bytes never match a special token's text: nor do transformers'
+            config["split_special_tokens"] = True
+        if model_type in REBUILT_BY_TRANSFORMERS:
+            config["trust_remote_code"] = True
+        write_json(folder / "tokenizer_config.json", config, indent=2)
         write_json(folder / "tetron_tokenizer.json", meta, indent=2)
+
+
+def byte_characters() -> list[str]:
+    """The printable character byte-level tokenizers (GPT-2's) give each byte: itself where printable, else
+    one from U+0100 on, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, unprintable = [], 0
+    for b in range(256):
+        chars.append(chr(b) if b in printable else chr(256 + unprintable))
+        unprintable += b not in printable
+    return chars
+
+
+def bytes_backend() -> Any:
+    """tetron's bytes tokenizer as a `tokenizers.Tokenizer`, for transformers: id b for byte b of the UTF-8
+    text. The normalizer turns each byte into its byte-level character, a BPE without merges makes one token
+    of each; id BYTES_PAD_ID, a byte no UTF-8 text has, is named BYTES_PAD_TOKEN."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    vocab = {char: b for b, char in enumerate(byte_characters()) if b != BYTES_PAD_ID}
+    backend = HFTokenizer(models.BPE(vocab={**vocab, BYTES_PAD_TOKEN: BYTES_PAD_ID}, merges=[]))
+    backend.normalizer = normalizers.ByteLevel()
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
 def _bpe_vocab_size(spec: str) -> int:
@@ -125,6 +175,9 @@ def _load_saved(folder: Path) -> Tokenizer:
         raise DataError(f"{path}: not a readable tokenizer description ({type(err).__name__})") from None
     kind = meta.get("type") if isinstance(meta, dict) else None
     if kind == "bytes" and meta.get("vocab_size") == 256 and meta.get("eos_id") is None:
+        expected = bytes_backend()
+        _check_bytes_file(folder, expected)
+        _check_config_file(folder, expected)
         return Tokenizer(None, None)
     vocab, eos = meta.get("vocab_size") if kind == "hf" else None, meta.get("eos_id")
     good_eos = eos is None or (type(eos) is int and type(vocab) is int and 0 <= eos < vocab)
@@ -140,7 +193,55 @@ def _load_saved(folder: Path) -> Tokenizer:
     if backend.get_vocab_size(with_added_tokens=True) > vocab:
         raise DataError(f"{path}: vocab_size={vocab}, but tokenizer.json has "
                         f"{backend.get_vocab_size(with_added_tokens=True)} tokens")
+    _check_config_file(folder, backend)
     return Tokenizer(backend, eos, vocab_size=vocab)
+
+
+def _read_json_file(path: Path) -> Any:
+    try:
+        return json.loads(read_bounded(path, MAX_TOKENIZER_BYTES))
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad UTF-8 or JSON
+        raise DataError(f"{path}: not readable JSON ({type(err).__name__})") from None
+
+
+def _check_bytes_file(folder: Path, expected: Any) -> None:
+    """A bytes folder's tokenizer.json (what transformers reads), where there is one, is the bytes tokenizer:
+    any other would give transformers other ids than tetron's. Fields a newer tokenizers library adds to the
+    BPE model may be missing from an older file."""
+    path = folder / "tokenizer.json"
+    if not path.exists():  # written before tetron wrote one
+        return
+    got, want = _read_json_file(path), json.loads(expected.to_str())
+    model = got.get("model") if isinstance(got, dict) else None
+    if not (isinstance(model, dict) and {k: v for k, v in got.items() if k != "model"} == {
+            k: v for k, v in want.items() if k != "model"} and model.get("vocab") == want["model"]["vocab"]
+            and all(k in want["model"] and v == want["model"][k] for k, v in model.items())):
+        raise DataError(f"{path}: not the bytes tokenizer tetron_tokenizer.json names (transformers would read "
+                        f"other ids than tetron's)")
+
+
+def _check_config_file(folder: Path, backend: Any) -> None:
+    """tokenizer_config.json (what transformers reads beside tokenizer.json), where there is one: the class
+    and flags tetron writes, a positive model_max_length, and only tokens of the vocabulary named (transformers
+    would add any other, with an id the model lacks)."""
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return
+    config = _read_json_file(path)
+    if not isinstance(config, dict) or config.get("tokenizer_class", "PreTrainedTokenizerFast") != \
+            "PreTrainedTokenizerFast":
+        raise DataError(f"{path}: expected a mapping with tokenizer_class PreTrainedTokenizerFast")
+    length = config.get("model_max_length", 1)
+    if type(length) is not int or length < 1:
+        raise DataError(f"{path}: model_max_length={length!r}: expected a positive integer")
+    for key in ("clean_up_tokenization_spaces", "split_special_tokens", "trust_remote_code"):
+        if type(config.get(key, False)) is not bool:
+            raise DataError(f"{path}: {key}={config[key]!r}: expected true or false")
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token  # transformers' AddedToken form
+        if token is not None and not (isinstance(token, str) and backend.token_to_id(token) is not None):
+            raise DataError(f"{path}: {key}={token!r} is no token of tokenizer.json")
 
 
 def _load_pretrained(spec: str) -> Tokenizer:

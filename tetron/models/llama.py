@@ -197,6 +197,12 @@ def _check_hf_types(kwargs: dict) -> None:
         if name == "eos_token_id" and not (value is None or type(value) is int or (
                 isinstance(value, list) and all(type(v) is int for v in value))):
             raise ValueError(f"{name}={value!r}: expected an integer, a list of integers or null")
+    vocab = kwargs.get("vocab_size")
+    for name in ("bos_token_id", "eos_token_id"):  # ids of the vocabulary, as validate asks of a run's config
+        ids = kwargs.get(name)
+        ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
+        if vocab is not None and any(not 0 <= i < vocab for i in ids):
+            raise ValueError(f"{name}={kwargs[name]!r}: expected ids below vocab_size={vocab}")
 
 
 def _check_is_family(hf: dict, cls: type[LlamaConfig]) -> None:

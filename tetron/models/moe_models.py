@@ -164,7 +164,8 @@ class MoeForCausalLM(Llama):
 
 
 def hub_names(name: str, config: MoeConfig) -> str | list[list[str]] | None:
-    """Where transformers' save_pretrained (5.x, as the hub) keeps a tensor tetron holds fused or renamed:
+    """Where the hub's checkpoints (and transformers' save_pretrained, 4.x and 5.x, and tetron's writers) keep a
+    tensor tetron holds fused or renamed:
     experts one by one (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`; Mixtral's
     `block_sparse_moe.experts.N.w1` (gate), `w3` (up), `w2` (down)) and Mixtral's router under
     `block_sparse_moe.gate`. None for every other tensor (ModelSpec.stored_as)."""

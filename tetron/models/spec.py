@@ -115,9 +115,10 @@ class ModelSpec:
     config_class: type  # the config dataclass (fields named as transformers' config)
     model_class: type[nn.Module]  # the plain single-device model, transformers' tensor names
     plan: ParallelPlan
-    # Where a Hugging Face folder may hold a tensor under other names, as transformers' save_pretrained writes
-    # the hub's per-expert MoE tensors: (name, config) -> another tensor's name, or the names of its pieces
-    # (row i of the tensor is row i's pieces concatenated along their dim 0), or None (stored as named).
+    # Where a Hugging Face folder holds a tensor under other names, as the hub and transformers' save_pretrained
+    # keep MoE experts one by one: (name, config) -> another tensor's name, or the names of its pieces (row i
+    # of the tensor is row i's pieces concatenated along their dim 0), or None (stored as named). tetron's
+    # writers store tensors so (split_stored); its readers take either (assemble).
     stored_as: Callable[[str, Any], str | list[list[str]] | None] | None = None
 
 
@@ -131,6 +132,25 @@ def assemble(stored: str | list[list[str]], read: Callable[[str], Tensor]) -> Te
     if isinstance(stored, str):
         return read(stored)
     return torch.stack([torch.cat([read(name) for name in row]) for row in stored])
+
+
+def piece_shapes(stored: str | list[list[str]], shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor a `ModelSpec.stored_as` answer names, with the shape it has for a whole tensor of `shape`
+    (row i's pieces cut its dim 0 into equal parts): what a writer puts in a file, what a reader checks."""
+    if isinstance(stored, str):
+        return [(stored, tuple(shape))]
+    if len(stored) != shape[0] or any(shape[1] % len(row) for row in stored):
+        raise ValueError(f"{len(stored)} rows of pieces do not cut a tensor of shape {list(shape)}")
+    return [(name, (shape[1] // len(row), *shape[2:])) for row in stored for name in row]
+
+
+def split_stored(stored: str | list[list[str]], tensor: Tensor) -> list[tuple[str, Tensor]]:
+    """`tensor` cut into the pieces a `ModelSpec.stored_as` answer names, in piece_shapes' order (assemble's
+    inverse; the pieces are views of `tensor`)."""
+    if isinstance(stored, str):
+        return [(stored, tensor)]
+    piece_shapes(stored, tuple(tensor.shape))  # the rows cut it evenly
+    return [(name, piece) for row, whole in zip(stored, tensor) for name, piece in zip(row, whole.chunk(len(row)))]
 
 
 FAMILIES: dict[str, ModelSpec] = {}  # model_type -> family; filled by register()
@@ -156,7 +176,7 @@ def spec_of(config: Any) -> ModelSpec:
 
 
 def stored_as_of(config: Any) -> Callable[[str], str | list[list[str]] | None] | None:
-    """The family's `stored_as` for this config (a folder reader's other names of a tensor), or None."""
+    """The family's `stored_as` for this config (where a model folder keeps a tensor), or None."""
     stored_as = spec_of(config).stored_as
     return None if stored_as is None else lambda name: stored_as(name, config)
 
