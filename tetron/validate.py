@@ -24,7 +24,7 @@ from tetron.errors import check as _check
 from tetron.fs import find_latest, is_run_folder
 from tetron.models.moe_models import MoeConfig
 from tetron.observe.profiling import parse_steps
-from tetron.overrides import one_of, quoted
+from tetron.overrides import one_of
 from tetron.parallel.pipeline_schedules import SCHEDULES, ScheduleSpec
 from tetron.stop import parse_signal
 
