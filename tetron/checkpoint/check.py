@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tetron.checkpoint.load import FLOAT_DTYPES, TensorReader, read_header
-from tetron.checkpoint.save import FORMAT, model_specs, optimizer_specs, seal
+from tetron.checkpoint.save import ADAMW_STATE, FORMAT, model_specs, optimizer_specs, seal
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check, failed
 from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
@@ -76,8 +77,10 @@ def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
     _need(layout is None or (isinstance(layout, dict) and all(type(layout.get(k)) is int and layout[k] >= 1
           for k in ("dp", "tp", "pp", "cp", "pp_virtual", "world_size"))), f"{path}: bad layout")
     opt = s.get("optimizer")
-    _need(isinstance(opt, dict) and type(opt.get("present")) is bool and type(opt.get("step")) in (int, float),
-          f"{path}: optimizer must be {{present: bool, step: number}}")
+    _need(isinstance(opt, dict) and type(opt.get("present")) is bool and type(opt.get("step")) in (int, float)
+          and isinstance(opt.get("name", ""), str) and isinstance(opt.get("state", []), list)
+          and all(isinstance(n, str) and re.fullmatch(r"\w+", n) for n in opt.get("state", [])),
+          f"{path}: optimizer must be {{present: bool, step: number, name: text, state: [names]}}")
     files = s.get("files")
     _need(isinstance(files, dict) and files, f"{path}: files must list every file with its size and checksums")
     for name, meta in files.items():
@@ -141,7 +144,7 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
     readers = [reader]
     if state is not None and state["optimizer"]["present"]:
         opt = TensorReader(folder, "optimizer")
-        for name, _, _, shape in optimizer_specs(config):
+        for name, _, _, shape in optimizer_specs(config, names=state["optimizer"].get("state", ADAMW_STATE)):
             opt.check(name, shape, dtypes={"F32"})
         readers.append(opt)
     for r in readers if state is not None else []:  # tetron writes the exact byte count of its tensors
