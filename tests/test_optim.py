@@ -16,7 +16,8 @@ from tetron.config import from_dict
 from tetron.errors import ConfigError
 from tetron.fs import STATE_FILE
 from tetron.models.llama import Llama
-from tetron.optim import OPTIMIZERS, AdamW, Param, StateSpec, TorchOptimizer
+from tetron.optim import OPTIMIZERS, AdamW, Optimizer, Param, StateSpec, TorchOptimizer
+from tetron.parallel.data_parallel import _Bucket
 from tetron.parallel.parallelize import param_roles
 from tetron.validate import validate
 
@@ -33,18 +34,45 @@ class SGDMomentum(TorchOptimizer):
         super().__init__(params, train, torch.optim.SGD([p.tensor for p in params], lr=train.lr, momentum=0.9))
 
 
-class WholeMatrices(SGDMomentum):
-    """An optimizer whose step needs each matrix whole on one rank (as Muon's does)."""
+class NormalizedMomentum(Optimizer):
+    """Momentum whose update is scaled to a norm of lr per parameter: its step needs each matrix whole (a piece's
+    norm is not the matrix's), as Muon's does."""
 
     name = "test_whole"
+    state = (StateSpec("momentum_buffer"),)
     needs_whole_matrices = True
+
+    def __init__(self, params: list[Param], train) -> None:
+        super().__init__(params, train)
+        self.lr, self.buffers = train.lr, {}
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    @torch.no_grad()
+    def step(self, found_inf=None) -> None:
+        if found_inf is not None and bool(found_inf):
+            return
+        for p in self.params:
+            assert p.tensor.numel() == p.shape.numel()  # whole, if flat
+            buf = self.buffers.setdefault(p.tensor, torch.zeros_like(p.tensor)).mul_(0.9).add_(p.tensor.grad)
+            p.tensor.view(p.shape).sub_(buf.view(p.shape) / (buf.norm() + 1e-8), alpha=self.lr)  # as a matrix
+
+    def state_tensor(self, tensor, name: str):
+        return self.buffers[tensor]
+
+    def load_state(self, tensor, values, *, step: float) -> None:
+        self.buffers[tensor] = values["momentum_buffer"].clone().view_as(tensor)
+
+    def tensors(self):
+        return [*self.buffers.values(), *(p.tensor for p in self.params)]
 
 
 @pytest.fixture
 def toy(monkeypatch):
     """The toy optimizers registered for one test (forked ranks inherit the registry)."""
     monkeypatch.setitem(OPTIMIZERS, SGDMomentum.name, SGDMomentum)
-    monkeypatch.setitem(OPTIMIZERS, WholeMatrices.name, WholeMatrices)
+    monkeypatch.setitem(OPTIMIZERS, NormalizedMomentum.name, NormalizedMomentum)
 
 
 def test_optim_name_is_checked_before_start(corpus, cache_dir, tmp_path, toy):
@@ -61,15 +89,14 @@ def test_optim_name_is_checked_before_start(corpus, cache_dir, tmp_path, toy):
         "tetron: error: optim.name='lion': unknown optimizer; use one of adamw, test_sgd, test_whole"]
 
 
-def test_an_optimizer_that_needs_whole_matrices_is_refused_under_zero(corpus, cache_dir, tmp_path, toy):
-    """ZeRO's flat slices cut matrices anywhere: such an optimizer runs without ZeRO (or ZeRO over one rank)."""
+def test_an_optimizer_that_needs_whole_matrices_is_refused_under_tp(corpus, cache_dir, tmp_path, toy):
+    """Tensor parallelism splits matrices; ZeRO keeps them whole for such an optimizer (see the layouts below)."""
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", optim={"name": "test_whole"},
-                      parallel={"dp": 2, "zero": 1})
-    with pytest.raises(ConfigError, match=r"^optim.name=test_whole needs whole matrices, which ZeRO's flat slices "
-                                          r"cut \(parallel.zero=1 over 2 ranks\); use parallel.zero=0$"):
+                      parallel={"dp": 2, "tp": 2, "zero": 1})
+    with pytest.raises(ConfigError, match=r"^optim.name=test_whole needs whole matrices, which tensor parallelism "
+                                          r"splits \(parallel.tp=2\); use tp=1$"):
         validate(from_dict(raw))
-    validate(from_dict({**raw, "parallel": {"dp": 2, "zero": 0}}))
-    validate(from_dict({**raw, "parallel": {"dp": 2, "zero": 1, "dp_shard": 1}}))
+    validate(from_dict({**raw, "parallel": {"dp": 2, "zero": 1}}))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -137,19 +164,39 @@ def test_resume_with_another_optimizer(corpus, cache_dir, tmp_path, toy):
         validate(from_dict({**resumed, "checkpoint": {"resume": str(folder)}}))
 
 
-TOY_LAYOUTS = {
-    "dp2": {"dp": 2},
-    "dp2-zero1": {"dp": 2, "zero": 1, "bucket_mb": 0.01},  # small buckets: pieces straddle the ranks' slices
-    "dp2-zero2": {"dp": 2, "zero": 2, "bucket_mb": 0.01},
+TOY_LAYOUTS = {  # (optimizer, parallel)
+    "sgd-dp2": ("test_sgd", {"dp": 2}),
+    # small buckets: pieces straddle the ranks' slices, or (whole) each rank owns several whole parameters
+    "sgd-dp2-zero1": ("test_sgd", {"dp": 2, "zero": 1, "bucket_mb": 0.01}),
+    "sgd-dp2-zero2": ("test_sgd", {"dp": 2, "zero": 2, "bucket_mb": 0.01}),
+    "whole-dp2-zero1": ("test_whole", {"dp": 2, "zero": 1, "bucket_mb": 0.01}),
+    "whole-dp2-zero2": ("test_whole", {"dp": 2, "zero": 2}),
+    "whole-dp2-zero3": ("test_whole", {"dp": 2, "zero": 3}),
 }
 
 
 @pytest.mark.parametrize("name", sorted(TOY_LAYOUTS))
 def test_an_optimizer_defined_elsewhere_runs_in_every_layout(corpus, cache_dir, tmp_path, toy, name):
-    """The toy optimizer under data parallelism and ZeRO-1/2 equals its single process (check_layout's losses and
-    weights), and ZeRO sharded the state it declared: its checkpoint holds every momentum_buffer whole."""
-    check_layout(corpus, cache_dir, tmp_path, parallel=TOY_LAYOUTS[name], optim={"name": "test_sgd"},
+    """The toy optimizers under data parallelism and ZeRO-1/2/3 equal their single process (check_layout's losses
+    and weights): ZeRO shards the state they declare (their checkpoint holds every momentum_buffer whole), and for
+    the one that needs whole matrices keeps each parameter whole on one rank."""
+    optimizer, parallel = TOY_LAYOUTS[name]
+    check_layout(corpus, cache_dir, tmp_path, parallel=parallel, optim={"name": optimizer},
                  checkpoint={"save_every": 1})
     folder = tmp_path / "run" / "checkpoints" / "step_2"
     state = _trainer_state(folder)["optimizer"]
-    assert (state["name"], state["state"], state["step"]) == ("test_sgd", ["momentum_buffer"], 2.0)
+    assert (state["name"], state["state"], state["step"]) == (optimizer, ["momentum_buffer"], 2.0)
+
+
+@pytest.mark.parametrize("numels, shards", [([5, 3, 3, 2, 1], 2), ([7], 3), ([1, 1, 1, 1, 1, 1, 1], 4)])
+def test_whole_buckets_give_each_parameter_one_owner(numels, shards):
+    """A bucket laid out for whole parameters: each lies inside one rank's slice, none overlaps another, the
+    slices as long as the fullest rank's parameters."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
+    bucket = _Bucket(params, torch.device("cpu"), shards=shards, whole=True, allocate=False)
+    spans = sorted((bucket.offsets[p], bucket.offsets[p] + p.numel()) for p in params)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a // bucket.slice_size == (b - 1) // bucket.slice_size for a, b in spans)
+    held = [sum(b - a for a, b in spans if a // bucket.slice_size == r) for r in range(shards)]
+    assert bucket.slice_size == max(held) and bucket.padded == shards * bucket.slice_size
+    assert max(held) <= max(max(numels), -(-sum(numels) // shards) + max(numels))

@@ -265,13 +265,12 @@ def _validate_train(cfg: Config) -> None:
 
 
 def _validate_optim(cfg: Config) -> None:
-    """The optimizer: a known one, and where it needs whole matrices, no ZeRO slices that would cut them."""
+    """The optimizer: a known one, and where it needs whole matrices, no tensor parallelism that splits them (ZeRO
+    keeps each whole on one rank for it)."""
     name, p = cfg.optim.name, cfg.parallel
     _check(name in OPTIMIZERS, f"optim.name={name!r}: unknown optimizer; use one of {', '.join(sorted(OPTIMIZERS))}")
-    shards = (p.dp_shard or p.dp * p.cp) if p.zero >= 1 else 1
-    _check(not OPTIMIZERS[name].needs_whole_matrices or shards == 1,
-           f"optim.name={name} needs whole matrices, which ZeRO's flat slices cut (parallel.zero={p.zero} over "
-           f"{shards} ranks); use parallel.zero=0")
+    _check(not OPTIMIZERS[name].needs_whole_matrices or p.tp == 1,
+           f"optim.name={name} needs whole matrices, which tensor parallelism splits (parallel.tp={p.tp}); use tp=1")
 
 
 def _validate_numbers(cfg: Config) -> None:

@@ -9,8 +9,9 @@ plan tells (a matrix, a vector, the token embedding, the head). It declares, as 
   "{parameter}.{name}", so the names are the checkpoint's: AdamW's `exp_avg`, `exp_avg_sq`.
 - `tensor_bytes`: what it keeps per tensor besides (AdamW's step counter: 4 bytes), for the planner.
 - `needs_whole_matrices`: whether its step needs each matrix whole on one rank (Muon's Newton-Schulz
-  iteration on a 2-D update). ZeRO's flat slices cut parameters anywhere: such an optimizer is refused
-  under ZeRO with more than one shard (validate.py, before start) until ZeRO can keep a matrix on one owner.
+  iteration on a 2-D update). ZeRO then keeps every parameter whole in the slice of one owner rank (instead
+  of cutting its flat buckets anywhere), so each tensor it gets is a whole parameter, flat: `Param.shape`
+  says its shape. Tensor parallelism still splits matrices: validate.py refuses tp > 1 with such an optimizer.
 
 and implements `step` on its local tensors, reading their `.grad`: where the device scalar `found_inf` is 1
 nothing may change (no update, no state decay), so that a non-finite step is skipped alike on every rank.

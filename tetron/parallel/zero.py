@@ -21,8 +21,9 @@ the slices outlive the backward pass.
 A parameter can straddle two ranks' slices: what a rank holds of one parameter is a `Piece`, and
 pieces, not parameters, are what the optimizer sees, each with its parameter's role (AdamW: weight decay on
 pieces of matrices, as on matrices). Whatever state tensors the optimizer declares are kept per piece, so
-they are sharded as the masters are; an optimizer that needs whole matrices is refused with more than one
-shard (a flat slice may cut a matrix anywhere).
+they are sharded as the masters are. An optimizer that needs whole matrices (Muon) gets each parameter whole
+on one owner rank: data parallelism then lays its buckets out so that no slice cuts a parameter
+(data_parallel.py's `whole`), and each piece is a whole parameter, flat (`Param.shape` gives its shape).
 Gradient finishing (sequence-parallel and tied-embedding sums) and clipping work on the pieces,
 where the reduced gradients are; checkpoints stay full logical tensors by name: `full_tensor`
 assembles one from every rank's pieces and `load` takes this rank's pieces back.
@@ -37,7 +38,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.config import TrainConfig
-from tetron.errors import ConfigError
 from tetron.optim import Optimizer, Param, Role
 from tetron.parallel.comm import all_gather_flat
 from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
@@ -72,9 +72,6 @@ class ShardedOptimizer:
                  group: dist.ProcessGroup) -> None:
         self.zero, self.group = zero, group
         self.shards = dist.get_world_size(group) if zero >= 1 else 1
-        if kind.needs_whole_matrices and self.shards > 1:  # validate.py refuses it before start
-            raise ConfigError(f"optim.name={kind.name} needs whole matrices, which ZeRO's flat slices cut "
-                              f"(parallel.zero={zero} over {self.shards} ranks): use parallel.zero=0")
         # fp32 with nothing to shard (no ZeRO, or dp*cp = 1): the masters are the parameters themselves
         self.plain = self.shards == 1 and dtype == torch.float32
         self.masters_in_slices = dtype == torch.float32 and self.shards > 1  # ... or views of their slices
@@ -102,6 +99,9 @@ class ShardedOptimizer:
         for piece in self.pieces:
             self.piece_of[id(piece.param)].append(piece)
         masters = [piece.master for piece in self.pieces]
+        if kind.needs_whole_matrices and any(piece.master.numel() != piece.param.numel() for piece in self.pieces):
+            raise ValueError(f"optim.name={kind.name} needs whole parameters, and a ZeRO slice cuts one: build data "
+                             f"parallelism with whole=True")
         self.inner = kind([Param(piece.master, roles[id(piece.param)], piece.param.shape) for piece in self.pieces], t)
         self.name, self.state_names = kind.name, kind.state_names()
         self.masters = masters
