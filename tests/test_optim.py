@@ -139,7 +139,7 @@ def test_checkpoints_hold_the_declared_state(corpus, cache_dir, tmp_path, toy):
 def test_resume_with_another_optimizer(corpus, cache_dir, tmp_path, toy):
     """An AdamW checkpoint resumed with the toy: refused naming --checkpoint.new_optimizer; with it the weights
     are taken (the resumed step's loss is the uninterrupted run's) and the toy's state starts fresh. A checkpoint
-    written before optimizers were named reads as AdamW's."""
+    written before optimizers were named reads as AdamW's; one without optimizer state takes any optimizer."""
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", train={"steps": 4}, checkpoint={"save_every": 2})
     losses = run_training(raw)
     folder = tmp_path / "run" / "checkpoints" / "step_2"
@@ -162,6 +162,9 @@ def test_resume_with_another_optimizer(corpus, cache_dir, tmp_path, toy):
     validate(from_dict({**raw, "checkpoint": {"resume": str(folder)}, "out": str(tmp_path / "old")}))
     with pytest.raises(ConfigError, match=r"holds the state of optim.name=adamw"):
         validate(from_dict({**resumed, "checkpoint": {"resume": str(folder)}}))
+    old["optimizer"]["present"] = False  # no optimizer state (tetron convert's step 0): any optimizer starts fresh
+    (folder / STATE_FILE).write_text(json.dumps(seal(old)))
+    validate(from_dict({**resumed, "checkpoint": {"resume": str(folder)}}))
 
 
 TOY_LAYOUTS = {  # (optimizer, parallel)

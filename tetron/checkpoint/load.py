@@ -310,9 +310,10 @@ def saved_optimizer(state: dict[str, Any]) -> str:
 
 
 def optimizer_problem(state: dict[str, Any], cfg: Any, folder: Path) -> str | None:
-    """Why resuming from `folder` with cfg.optim.name cannot take its optimizer state, or None."""
+    """Why resuming from `folder` with cfg.optim.name cannot take its optimizer state, or None (also where it holds
+    none: a converted folder, or one saved before the first step)."""
     saved, mine = saved_optimizer(state), cfg.optim.name
-    if saved == mine or cfg.checkpoint.new_optimizer:
+    if saved == mine or cfg.checkpoint.new_optimizer or not state["optimizer"]["present"]:
         return None
     return (f"optim.name={mine}: {folder} holds the state of optim.name={saved}; use optim.name={saved} to continue "
             f"it, or --checkpoint.new_optimizer to take its weights and start {mine}'s state fresh")
