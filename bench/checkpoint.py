@@ -99,14 +99,14 @@ def build_tetron(args: argparse.Namespace, out: str) -> SimpleNamespace:
 
 
 def dcp_state_dict(st: SimpleNamespace) -> dict[str, Tensor]:
-    """This rank's ZeRO pieces: master weights and both moments, the optimizer's own tensors (no copy)."""
+    """This rank's ZeRO pieces: master weights and the optimizer's state, its own tensors (no copy)."""
     names = {id(p): name for chunk in st.model.chunks for name, p in chunk.named_parameters()}
     state: dict[str, Tensor] = {}
     for piece in st.optimizer.pieces:
         key = f"{names[id(piece.param)]}@{piece.start}"
         state[f"master/{key}"] = piece.master.detach()
-        for kind in ("exp_avg", "exp_avg_sq"):
-            state[f"{kind}/{key}"] = st.optimizer.inner.state[piece.master][kind]
+        for kind in st.optimizer.state_names:
+            state[f"{kind}/{key}"] = st.optimizer.inner.state_tensor(piece.master, kind)
     return state
 
 

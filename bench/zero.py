@@ -102,7 +102,7 @@ def tetron_step(args: argparse.Namespace, config: LlamaConfig, zero: int, mesh: 
             state = state_bytes(params=[*model.params, *slices],
                                 grads=[p.grad for p in model.params] + [b.buffer for b in buckets]
                                 + [b.shard_grad for b in buckets],
-                                optimizer_tensors=optimizer_tensors(optimizer.inner))
+                                optimizer_tensors=optimizer.tensors())
         model.zero_grad()
         return loss.detach(), state
 

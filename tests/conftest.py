@@ -98,14 +98,16 @@ def reference_run(raw: dict) -> tuple[dict, dict]:
 
 def layout_configs(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict | None = None, micro_batch: int = 1,
                    grad_acc: int = 2, train: dict | None = None, data: dict | None = None,
-                   checkpoint: dict | None = None, logging: dict | None = None) -> tuple[dict, dict]:
+                   checkpoint: dict | None = None, logging: dict | None = None,
+                   optim: dict | None = None) -> tuple[dict, dict]:
     """check_layout's two raw configs: the layout's, and its single-process reference's (for reference_run);
     `checkpoint` and `logging` go to the layout's only (saving and timing change no loss)."""
     model = {**GQA, "num_hidden_layers": 4, **(model or {})}
     train_cfg = {"micro_batch": micro_batch, "grad_acc": grad_acc, "lr": LAYOUT_LR, **(train or {})}
+    extra = {"optim": optim} if optim else {}  # both runs' optimizer
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model, parallel=parallel, train=train_cfg,
-                      data=data or {}, checkpoint=checkpoint or {}, logging=logging or {})
-    ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model, data=data or {},
+                      data=data or {}, checkpoint=checkpoint or {}, logging=logging or {}, **extra)
+    ref_raw = tiny_config(corpus, cache_dir, tmp_path / "ref", model=model, data=data or {}, **extra,
                           train={**train_cfg, "micro_batch": from_dict(raw).global_batch, "grad_acc": 1})
     return raw, ref_raw
 

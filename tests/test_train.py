@@ -26,7 +26,7 @@ from tetron.observe.generate import sample
 from tetron.parallel.grads import clip_grad_norm_
 from tetron.parallel.init import full_tensor, init_weights_, seeded_model
 from tetron.parallel.layout import Shard, set_layout
-from tetron.parallel.zero import ShardedAdamW
+from tetron.parallel.zero import ShardedOptimizer
 from tetron.schedule import lr_at
 from tetron.train import train
 
@@ -457,7 +457,7 @@ def test_sample_stops_at_eos(trained):
 
 def test_nan_loss_stops_training(corpus, cache_dir, tmp_path, monkeypatch):
     """A NaN put into the weights by the 2nd optimizer step makes step 3's loss NaN: the run stops there."""
-    real_step = ShardedAdamW.step
+    real_step = ShardedOptimizer.step
     calls = []
 
     def poisoned(self, found_inf=None):
@@ -467,7 +467,7 @@ def test_nan_loss_stops_training(corpus, cache_dir, tmp_path, monkeypatch):
             with torch.no_grad():
                 self.masters[-1].view(-1)[0] = float("nan")  # the head (untied): every position's logits
 
-    monkeypatch.setattr(ShardedAdamW, "step", poisoned)  # the forked rank inherits it
+    monkeypatch.setattr(ShardedOptimizer, "step", poisoned)  # the forked rank inherits it
     raw = tiny_config(corpus, cache_dir, tmp_path / "nan")
     with pytest.raises(RuntimeError, match=r"FloatingPointError: step 3: loss is nan"):
         run_train(raw)

@@ -78,7 +78,8 @@ def _pieces_rank(raw: dict) -> dict:
     for piece in optimizer.pieces:
         piece.grad.fill_(1.0)  # any gradient: the step creates the moments
     optimizer.step()
-    moments = sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in optimizer.inner.state.values())
+    moments = sum(optimizer.inner.state_tensor(pc.master, kind).numel() for pc in optimizer.pieces
+                  for kind in optimizer.state_names)
     return {"buckets": buckets, "per_bucket": per_bucket, "masters": sum(per_bucket), "moments": moments,
             "params": sum(q.numel() for q in model.params),
             "dtypes": {str(q.dtype) for q in model.params}, "master_dtypes": {str(m.dtype) for m in optimizer.masters}}

@@ -9,10 +9,12 @@ packages import each other (tests/test_structure.py reads this list and checks e
     2. models: model families (a plain single-device model each, its config, its ModelSpec), attention, loss
     3. config, overrides, schedule: the run's config, its command-line overrides, learning-rate schedules
     4. data: sources, tokenizers, token stores, mixtures, the batches of a step
-    5. parallel: one file per strategy, reading each family's parallel plan; parallelize() applies them
-    6. checkpoint: save (model folders transformers loads), load by slices, checks, conversion
-    7. observe: metrics and sinks, validation, timers' reports, memory, profiles, samples, the launcher's watch
-    8. train, validate, launch: the loop, the checks before start, starting ranks
-    9. plan: the memory and step-time model, layout search, the fit check, Slurm job scripts
-   10. cli: the `tetron` command
+    5. optim: optimizers (AdamW), the parameter groups and state they declare, their step on local tensors
+    6. parallel: one file per strategy, reading each family's parallel plan; parallelize() applies them (ZeRO
+       shards whatever state the optimizer declares)
+    7. checkpoint: save (model folders transformers loads), load by slices, checks, conversion
+    8. observe: metrics and sinks, validation, timers' reports, memory, profiles, samples, the launcher's watch
+    9. train, validate, launch: the loop, the checks before start, starting ranks
+   10. plan: the memory and step-time model, layout search, the fit check, Slurm job scripts
+   11. cli: the `tetron` command
 """

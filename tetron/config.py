@@ -123,6 +123,11 @@ class TrainConfig:
 
 
 @dataclass
+class OptimConfig:
+    name: str = "adamw"  # the optimizer (tetron/optim): "adamw" (its settings: train.lr, weight_decay, beta1/2, eps)
+
+
+@dataclass
 class CheckpointConfig:
     save_every: int = 0  # save OUT/checkpoints/step_N every this many steps; 0: only at the end of the run
     keep: int = 3  # complete checkpoints kept (the oldest are deleted after each save)
@@ -134,6 +139,8 @@ class CheckpointConfig:
     new_model_settings: bool = False  # start from weights trained with another rope_theta, rope_scaling or
     # rms_norm_eps (e.g. to extend the context); otherwise such a difference is refused
     new_data: bool = False  # resume on other data than the checkpoint's (its data order does not continue)
+    new_optimizer: bool = False  # resume with another optimizer (optim.name) than the checkpoint's: take its
+    # weights and start the optimizer's state fresh; otherwise such a difference is refused
     overwrite: bool = False  # OUT holds an earlier run (metrics, checkpoints, model): rename it to OUT.old-N and
     # start anew; without this (or resume) such a folder is refused, never mixed with or replaced
     stop_signal: str | None = "SIGUSR1"  # besides SIGTERM and SIGINT, this signal makes a run finish its step,
@@ -161,6 +168,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     out: str = "runs/default"  # the run folder: metrics.jsonl, tokenizer, final model
@@ -247,7 +255,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
 
 
 SECTIONS: dict[str, type] = {"model": LlamaConfig, "parallel": ParallelConfig, "data": DataConfig,
-                             "train": TrainConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+                             "train": TrainConfig, "optim": OptimConfig, "checkpoint": CheckpointConfig,
+                             "logging": LoggingConfig}
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:

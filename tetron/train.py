@@ -41,7 +41,7 @@ from tetron.fs import find_latest
 from tetron.mesh import Mesh
 from tetron.models.llama import Llama
 from tetron.observe.evaluate import training_tokens
-from tetron.observe.memory import ActivationMeter, optimizer_tensors, state_bytes
+from tetron.observe.memory import ActivationMeter, state_bytes
 from tetron.observe.metrics import say
 from tetron.observe.step_report import PendingStep, Reporter, StepFigures, check_finite, read_back
 from tetron.observe.watchers import StepObservers
@@ -55,7 +55,7 @@ from tetron.parallel.parallelize import (
     sequence_positions,
 )
 from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activation_shape, layer_ranks
-from tetron.parallel.zero import ShardedAdamW
+from tetron.parallel.zero import ShardedOptimizer
 from tetron.schedule import lr_at
 from tetron.stop import StopRequest
 
@@ -70,7 +70,7 @@ class Run:
     tokenizer: Tokenizer
     loader: DataLoader  # this dp rank's micro-batches of each step; its position is the run's step
     model: ParallelModel  # this rank's chunks, bare and wrapped for data parallelism
-    optimizer: ShardedAdamW  # AdamW over the fp32 master weights (this rank's pieces under ZeRO)
+    optimizer: ShardedOptimizer  # optim.name over the fp32 master weights (this rank's pieces under ZeRO)
     dtype: torch.dtype  # the parameters' and activations' dtype
     loss_fn: Callable[[Tensor], Tensor]  # the loss summed over tokens (the last chunk's output) -> per token
     positions: Tensor  # [T/cp] the positions of each sequence this rank holds (indexes the loader's CPU batches)
@@ -211,7 +211,7 @@ def global_loss(run: Run, loss_sum: Tensor) -> Tensor:
 
 def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
     """MiB this rank holds: parameters, gradients (bucket buffers, ZeRO slices), optimizer state
-    (fp32 masters unless they are the parameters, AdamW moments), buffers, and the peak of the
+    (fp32 masters unless they are the parameters, the optimizer's state), buffers, and the peak of the
     activations saved for the backward pass during the step `meter` watched."""
     buckets = [b for chunk in run.model.dp_chunks for b in getattr(chunk, "buckets", [])]
     # ZeRO: a rank's slice of the parameters is a parameter (under ZeRO-3 the only copy between uses)
@@ -219,7 +219,7 @@ def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
     state = state_bytes(params=[*run.model.params, *(s for s in slices if s is not None)],
                         grads=[p.grad for p in run.model.params] + [b.buffer for b in buckets]
                         + [b.shard_grad for b in buckets],
-                        optimizer_tensors=optimizer_tensors(run.optimizer.inner),
+                        optimizer_tensors=run.optimizer.tensors(),
                         buffers=[b for chunk in run.model.chunks for b in chunk.buffers()])
     figures = {f"mem_{kind}_mb": n / 2**20 for kind, n in state.as_dict().items()}
     figures["mem_activations_mb"] = meter.peak_bytes / 2**20
@@ -237,14 +237,13 @@ def next_batch(run: Run) -> list[MicroBatch]:
 def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
                   measure_memory: bool = False) -> PendingStep:
     """Optimizer step `step` (0-based) on `batch`, without waiting for the device: a non-finite loss or
-    gradient norm makes the fused AdamW skip the update on the device's word (found_inf); under
+    gradient norm makes the optimizer skip the update (the fused AdamW on the device's word, found_inf); under
     on_nonfinite=stop every later update is skipped too, so the weights stay those before the bad step
     until the host reads it back and stops."""
     t = run.cfg.train
     start = time.perf_counter()
     lr = lr_at(step, t)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
+    run.optimizer.set_lr(lr)
     meter = ActivationMeter(run.model.params) if measure_memory else None
     with meter or contextlib.nullcontext():
         loss_sum = forward_backward(run, batch)

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from tetron.checkpoint.check import inspect_checkpoint, read_model_config
+from tetron.checkpoint.load import optimizer_problem
 from tetron.config import CONFIGS_DIR, Config
 from tetron.data.hub import hub_problem
 from tetron.data.loader import data_specs, tokenizer_spec
@@ -24,6 +25,7 @@ from tetron.errors import check as _check
 from tetron.fs import find_latest, is_run_folder
 from tetron.models.moe_models import MoeConfig
 from tetron.observe.profiling import parse_steps
+from tetron.optim import OPTIMIZERS
 from tetron.overrides import one_of
 from tetron.parallel.pipeline_schedules import SCHEDULES, ScheduleSpec
 from tetron.stop import parse_signal
@@ -163,6 +165,8 @@ def _validate_resume(cfg: Config) -> None:
     _check(step <= cfg.train.steps,
            f"train.steps={cfg.train.steps} is below step {step} of {folder}, where this run would resume: "
            f"use train.steps >= {step} (or resume from an earlier checkpoint)")
+    problem = optimizer_problem(state, cfg, folder) if state else None
+    _check(problem is None, problem)
     loader = state.get("loader") if state else None
     if loader is not None:
         for name, mine in (("seq_len", cfg.data.seq_len), ("global_batch", cfg.global_batch),
@@ -289,9 +293,18 @@ def _validate_train(cfg: Config) -> None:
     _check(problem is None, f"train.compile=true: {problem}; install it or set train.compile=false")
 
 
+def _validate_optim(cfg: Config) -> None:
+    """The optimizer: a known one, and where it needs whole matrices, no tensor parallelism that splits them (ZeRO
+    keeps each whole on one rank for it)."""
+    name, p = cfg.optim.name, cfg.parallel
+    _check(name in OPTIMIZERS, f"optim.name={name!r}: unknown optimizer; use one of {', '.join(sorted(OPTIMIZERS))}")
+    _check(not OPTIMIZERS[name].needs_whole_matrices or p.tp == 1,
+           f"optim.name={name} needs whole matrices, which tensor parallelism splits (parallel.tp={p.tp}); use tp=1")
+
+
 def _validate_numbers(cfg: Config) -> None:
     """Every number finite (no nan or inf anywhere: a timeout of inf, an lr of nan)."""
-    for section in ("model", "parallel", "data", "train", "logging", "checkpoint"):
+    for section in ("model", "parallel", "data", "train", "optim", "logging", "checkpoint"):
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
@@ -411,6 +424,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _validate_layout(cfg, world_size)
     _validate_data(cfg)
     _validate_train(cfg)
+    _validate_optim(cfg)
     _validate_memory(cfg)
     _validate_checkpoint(cfg)
     lg = cfg.logging

@@ -2,7 +2,7 @@
 training tensors, training goes on, and a thread gathers and writes the copy.
 
 What is copied is only this rank's own part of the state: its pieces of the fp32 master weights and of
-AdamW's moments (its ZeRO slices, or its whole tensor-parallel parts without ZeRO), into CPU buffers kept
+the optimizer's state tensors (its ZeRO slices, or its whole tensor-parallel parts without ZeRO), into CPU buffers kept
 from one save to the next (pinned on a GPU, so the copy runs at full speed). The thread then assembles each
 whole tensor from every rank's copies over the mesh's checkpoint groups (Mesh.checkpoint_groups: the same
 ranks as the training groups, on gloo), so that its collectives never interleave with the training
@@ -24,13 +24,11 @@ from torch import Tensor, nn
 
 from tetron import device as dev
 from tetron.checkpoint.shards import Pieces
-from tetron.parallel.zero import ShardedAdamW
-
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+from tetron.parallel.zero import ShardedOptimizer
 
 
 class Snapshot:
-    """This rank's pieces of the master weights (and moments) of every parameter, copied to the CPU; the
+    """This rank's pieces of the master weights (and optimizer state) of every parameter, copied to the CPU; the
     buffers stay allocated for the next save."""
 
     def __init__(self) -> None:
@@ -39,14 +37,14 @@ class Snapshot:
         self.ranges: dict[int, list[tuple[int, int, int]]] = {}
 
     @torch.no_grad()
-    def take(self, optimizer: ShardedAdamW, params: list[nn.Parameter], *, moments: bool,
+    def take(self, optimizer: ShardedOptimizer, params: list[nn.Parameter], *, moments: bool,
              group: dist.ProcessGroup) -> Pieces:
         """Copy this rank's pieces now (the caller's step is done); the Pieces a save in the background
         gathers from, over `group` (dp*cp's checkpoint group)."""
         self.parts, self.ranges = {}, {id(p): optimizer.piece_ranges(p) for p in params}
         device = None
         for param in params:
-            for kind in KINDS if moments else KINDS[:1]:
+            for kind in ("master", *(optimizer.state_names if moments else ())):
                 copies = []
                 for j, (start, values) in enumerate(optimizer.local_parts(param, kind)):
                     key = (id(param), kind, j)

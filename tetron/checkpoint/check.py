@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import re
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from tetron.checkpoint.load import FLOAT_DTYPES, TensorReader
-from tetron.checkpoint.save import FORMAT, model_specs, optimizer_specs, seal
+from tetron.checkpoint.save import ADAMW_STATE, FORMAT, model_specs, optimizer_specs, seal
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check, failed
 from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
@@ -85,8 +86,11 @@ def _check_trainer_state(folder: Path, *, verify_data: bool) -> dict[str, Any]:
           f"{path}: bad layout (integers dp, tp, pp, cp, pp_virtual >= 1, world_size = dp*tp*pp*cp)")
     opt = s.get("optimizer")
     # AdamW's bias correction divides by 1 - beta**step: a NaN, negative or fractional count turns every weight NaN
-    _need(isinstance(opt, dict) and type(opt.get("present")) is bool and _is_count(opt.get("step")),
-          f"{path}: optimizer must be {{present: bool, step: a whole number >= 0}}, not {opt!r:.200}")
+    _need(isinstance(opt, dict) and type(opt.get("present")) is bool and _is_count(opt.get("step"))
+          and isinstance(opt.get("name", ""), str) and isinstance(opt.get("state", []), list)
+          and all(isinstance(n, str) and re.fullmatch(r"\w+", n) for n in opt.get("state", [])),
+          f"{path}: optimizer must be {{present: bool, step: a whole number >= 0, name: text, state: [names]}}, "
+          f"not {opt!r:.200}")
     files = s.get("files")
     _need(isinstance(files, dict) and files, f"{path}: files must list every file with its size and checksums")
     for name, meta in files.items():
@@ -177,7 +181,7 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
     readers = [reader]
     if state is not None and state["optimizer"]["present"]:
         opt = TensorReader(folder, "optimizer")
-        for name, _, _, shape in optimizer_specs(config):
+        for name, _, _, shape in optimizer_specs(config, names=state["optimizer"].get("state", ADAMW_STATE)):
             opt.check(name, shape, dtypes={"F32"})
         readers.append(opt)
     for r in readers if state is not None else []:  # tetron writes the exact byte count of its tensors

@@ -26,14 +26,15 @@ from torch import Tensor, nn
 
 from tetron import device as dev
 from tetron.checkpoint.safetensors_stream import DTYPES
+from tetron.checkpoint.save import ADAMW
 from tetron.checkpoint.shards import tensor_crc32
 from tetron.data.hub import hub_problem
-from tetron.errors import CheckpointError, check
+from tetron.errors import CheckpointError, ConfigError, check
 from tetron.fs import STATE_FILE, read_json
 from tetron.models.spec import assemble, config_from_hf, piece_names, spec_of, stored_as_of
 from tetron.parallel.init import name_seed
 from tetron.parallel.layout import full_shape, layout_of
-from tetron.parallel.zero import ShardedAdamW
+from tetron.parallel.zero import ShardedOptimizer
 
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 # what travels with the weights when a folder is converted: the tokenizer, and when generation stops
@@ -299,7 +300,7 @@ def _source_name(name: str, param: nn.Parameter, reader: TensorReader, chunk: nn
 
 
 @torch.no_grad()
-def load_weights(chunks: list[nn.Module], folder: Path, optimizer: ShardedAdamW) -> None:
+def load_weights(chunks: list[nn.Module], folder: Path, optimizer: ShardedOptimizer) -> None:
     """Fill this rank's parameters, and the optimizer's fp32 master weights, from a checkpoint or HF
     model folder, reading only this rank's slices."""
     with TensorReader(folder, "model", stored_as=stored_as_of(chunks[0].config)) as reader:
@@ -316,15 +317,31 @@ def load_weights(chunks: list[nn.Module], folder: Path, optimizer: ShardedAdamW)
 
 
 @torch.no_grad()
-def load_optimizer(optimizer: ShardedAdamW, chunks: list[nn.Module], folder: Path, *, step: float) -> None:
-    """AdamW's moments for this rank's parameters (their slices, and its ZeRO pieces of those), and its
-    step count."""
+def load_optimizer(optimizer: ShardedOptimizer, chunks: list[nn.Module], folder: Path, *, step: float) -> None:
+    """The optimizer's state tensors (every name it declares) for this rank's parameters (their slices, and its
+    ZeRO pieces of those), and its step count."""
     with TensorReader(folder, "model") as model_reader, TensorReader(folder, "optimizer") as reader:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 src = _source_name(name, param, model_reader, chunk)
-                optimizer.load(param, exp_avg=_read_local(reader, f"{src}.exp_avg", param),
-                               exp_avg_sq=_read_local(reader, f"{src}.exp_avg_sq", param), step=step)
+                optimizer.load(param, state={kind: _read_local(reader, f"{src}.{kind}", param)
+                                             for kind in optimizer.state_names}, step=step)
+
+
+def saved_optimizer(state: dict[str, Any]) -> str:
+    """The optimizer a checkpoint's trainer state was written by (adamw where it names none: written before
+    optimizers were named)."""
+    return state["optimizer"].get("name", ADAMW)
+
+
+def optimizer_problem(state: dict[str, Any], cfg: Any, folder: Path) -> str | None:
+    """Why resuming from `folder` with cfg.optim.name cannot take its optimizer state, or None (also where it holds
+    none: a converted folder, or one saved before the first step)."""
+    saved, mine = saved_optimizer(state), cfg.optim.name
+    if saved == mine or cfg.checkpoint.new_optimizer or not state["optimizer"]["present"]:
+        return None
+    return (f"optim.name={mine}: {folder} holds the state of optim.name={saved}; use optim.name={saved} to continue "
+            f"it, or --checkpoint.new_optimizer to take its weights and start {mine}'s state fresh")
 
 
 def same_layout(state: dict[str, Any], cfg: Any) -> bool:
@@ -332,15 +349,20 @@ def same_layout(state: dict[str, Any], cfg: Any) -> bool:
     return layout is not None and all(layout[k] == getattr(p, k) for k in ("dp", "tp", "pp", "cp", "pp_virtual"))
 
 
-def load_checkpoint(folder: Path, *, chunks: list[nn.Module], optimizer: ShardedAdamW, loader: Any,
+def load_checkpoint(folder: Path, *, chunks: list[nn.Module], optimizer: ShardedOptimizer, loader: Any,
                     mesh: Any, cfg: Any) -> dict[str, Any]:
-    """Resume from a checkpoint folder on every rank: weights, optimizer, loader position and RNG.
+    """Resume from a checkpoint folder on every rank: weights, optimizer, loader position and RNG. The optimizer's
+    state only where the checkpoint's optimizer is this run's and checkpoint.new_optimizer does not ask for a fresh
+    one (another optimizer without it is refused; validate.py refuses it before start).
 
     RNG: with the same layout each rank gets back its own generator state; with another, the states
     cannot correspond, so each rank is reseeded from (seed, step, rank), deterministically."""
     state = read_json(Path(folder) / STATE_FILE)
+    problem = optimizer_problem(state, cfg, Path(folder))
+    if problem is not None:
+        raise ConfigError(problem)
     load_weights(chunks, folder, optimizer)
-    if state["optimizer"]["present"]:
+    if state["optimizer"]["present"] and not cfg.checkpoint.new_optimizer:
         load_optimizer(optimizer, chunks, folder, step=state["optimizer"]["step"])
     if state["loader"] is not None:
         loader.load_state_dict(state["loader"])

@@ -2,10 +2,13 @@
 
     OUT/checkpoints/step_N/
         config.json, model-XXXXX-of-YYYYY.safetensors, model.safetensors.index.json   (transformers loads this)
-        optimizer-XXXXX-of-YYYYY.safetensors, optimizer.safetensors.index.json   ("{name}.exp_avg", "{name}.exp_avg_sq")
+        optimizer-XXXXX-of-YYYYY.safetensors, optimizer.safetensors.index.json   ("{name}.{state}" for each state
+                                                                                   tensor the optimizer declares:
+                                                                                   AdamW's exp_avg, exp_avg_sq)
         rng.safetensors ("rank_{i}": every rank's CPU generator state), tokenizer files
-        trainer_state.json   (step, tokens, loader position, config, layout; every file's size and who wrote
-                              it, each tensor's crc32, each small file's sha256; written last)
+        trainer_state.json   (step, tokens, loader position, config, layout; the optimizer's name and state
+                              names; every file's size and who wrote it, each tensor's crc32, each small
+                              file's sha256; written last)
     OUT/checkpoints/latest   ("step_N", replaced after the folder is complete)
 
 Every rank writes its share: each tensor is gathered whole on its pipeline stage and written by one rank
@@ -70,9 +73,11 @@ from tetron.fs import (
 )
 from tetron.mesh import Mesh
 from tetron.models.spec import spec_of, split_stored, stored_as_of
-from tetron.parallel.zero import ShardedAdamW
+from tetron.parallel.zero import ShardedOptimizer
 
 FORMAT = "tetron-checkpoint/1"
+# A checkpoint's optimizer where its trainer state names none (written before optimizers were named), and its state
+ADAMW, ADAMW_STATE = "adamw", ("exp_avg", "exp_avg_sq")
 
 
 def seal(state: dict[str, Any]) -> dict[str, Any]:
@@ -152,11 +157,12 @@ def model_specs(config: Any, dtype: torch.dtype = torch.float32, *, buffers: boo
                                      if buffers and name in stored]
 
 
-def optimizer_specs(config: Any, params: list[Spec] | None = None) -> list[Spec]:
-    """AdamW's two moments of every stored parameter, full (unpadded) shapes, fp32 (`params`: model_specs'
-    answer without buffers, where already known: each builds the model on the meta device)."""
+def optimizer_specs(config: Any, params: list[Spec] | None = None, *,
+                    names: tuple[str, ...] | list[str] = ADAMW_STATE) -> list[Spec]:
+    """The optimizer's state tensors `names` of every stored parameter, full (unpadded) shapes, fp32 (`params`:
+    model_specs' answer without buffers, where already known: each builds the model on the meta device)."""
     return [(f"{name}.{kind}", name, torch.float32, shape) for name, _, _, shape in
-            params or model_specs(config, buffers=False) for kind in ("exp_avg", "exp_avg_sq")]
+            params or model_specs(config, buffers=False) for kind in names]
 
 
 def write_index(folder: Path, prefix: str, shards: list[Shard], *, layout: Layout | None = None) -> None:
@@ -224,9 +230,9 @@ def write_model_folder(folder: Path, chunks: list[nn.Module], mesh: Mesh, *, con
     dist.barrier()
 
 
-def checkpoint_bytes(config: Any, *, optimizer: bool = True) -> int:
-    """The bytes of a checkpoint's tensors: fp32 weights, and AdamW's two fp32 moments."""
-    return sum(torch.Size(shape).numel() * 4 for *_, shape in model_specs(config)) * (3 if optimizer else 1)
+def checkpoint_bytes(config: Any, *, optimizer: bool = True, states: int = len(ADAMW_STATE)) -> int:
+    """The bytes of a checkpoint's tensors: fp32 weights, and the optimizer's `states` fp32 tensors of each."""
+    return sum(torch.Size(shape).numel() * 4 for *_, shape in model_specs(config)) * (1 + states if optimizer else 1)
 
 
 def storage_error(err: BaseException, folder: Path, *, what: str, needed: int | None) -> StorageError | None:
@@ -267,7 +273,8 @@ class CheckpointWrite:
         folder as the hub has it (experts one by one); the optimizer's keep the parameters' names."""
         cfg, mesh = self.cfg, self.mesh
         model, params = model_specs(cfg.model), model_specs(cfg.model, buffers=False)
-        specs = model + (optimizer_specs(cfg.model, params) if self.state["optimizer"]["present"] else [])
+        optimizer = self.state["optimizer"]
+        specs = model + (optimizer_specs(cfg.model, params, names=optimizer["state"]) if optimizer["present"] else [])
         plan = spec_of(cfg.model).plan
         stages = [stage_of(name, self.layer_ranks, plan) for _, name, _, _ in specs]
         owners = assign_writers(specs, stages, [mesh.grid[s].flatten().tolist() for s in range(mesh.size("pp"))])
@@ -297,7 +304,8 @@ class CheckpointWrite:
         latest = find_latest(self.final.parent.parent)
         kept = f"{latest.name} is intact" if latest else "no earlier checkpoint"
         error = storage_error(err, tmp, what=f"checkpoint {self.final.name} ({kept}); free space or fix it, then "
-                                             f"--resume auto", needed=checkpoint_bytes(self.cfg.model))
+                                             f"--resume auto", needed=checkpoint_bytes(
+                                                 self.cfg.model, states=len(self.state["optimizer"]["state"])))
         return str(error) if error is not None else f"{type(err).__name__}: {err}".splitlines()[0]
 
     def _agree(self, error: BaseException | None, failed: list[int], tmp: Path, comm: Comm) -> None:
@@ -378,7 +386,7 @@ class CheckpointWrite:
                 shutil.rmtree(stale, ignore_errors=True)
 
 
-def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, optimizer: ShardedAdamW,
+def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any, optimizer: ShardedOptimizer,
                     trainer_state: dict[str, Any], layer_ranks: list[int], tokenizer: Tokenizer | None,
                     background: BackgroundSaver | None = None,
                     on_saved: Callable[[Path], None] | None = None) -> Path:
@@ -393,7 +401,9 @@ def save_checkpoint(out: Path, chunks: list[nn.Module], mesh: Mesh, *, cfg: Any,
     if dev.rng_state(device) is not None:
         rng["cuda_rank"] = dev.rng_state(device)
     moments = optimizer.has_state()  # a fresh optimizer has no state to save
-    state = {"format": FORMAT, **trainer_state, "optimizer": {"present": moments, "step": optimizer.steps}}
+    state = {"format": FORMAT, **trainer_state, "optimizer": {"present": moments, "step": optimizer.steps,
+                                                              "name": optimizer.name,
+                                                              "state": list(optimizer.state_names)}}
     job = CheckpointWrite(final, chunks, mesh, cfg=cfg, state=state, rng=rng, layer_ranks=layer_ranks,
                           tokenizer=tokenizer, on_saved=on_saved)
     if background is None and cfg.checkpoint.async_save:

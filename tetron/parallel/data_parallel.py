@@ -110,23 +110,35 @@ class _Bucket:
 
     The buffer is padded to a multiple of `shards`; with more than one shard (ZeRO), rank r's
     reduced gradients are its slice r, received by an in-place reduce-scatter, and kept in a
-    `shard_grad` of their own when the full buffer is released after the reduction (ZeRO-2/3). A
+    `shard_grad` of their own when the full buffer is released after the reduction (ZeRO-2/3).
+    The parameters lie one after another, cut by the slices wherever they fall; with `whole` (an optimizer
+    that needs whole matrices) each lies whole in the slice of one owner rank instead, the slices as long
+    as the fullest one (`owners`), the rest of each padding. A
     bucket made from a unit (ZeRO-3: a decoder layer, or the rest of the chunk) knows its `module`. It is
     averaged (and sharded) over `group`, then under HSDP averaged over `replicate`."""
 
     def __init__(self, params: list[nn.Parameter], device: torch.device, *, shards: int, rank: int = 0,
                  separate_shard: bool = False, module: nn.Module | None = None, allocate: bool = True,
-                 group: dist.ProcessGroup | None = None, replicate: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, replicate: dist.ProcessGroup | None = None,
+                 whole: bool = False) -> None:
         self.params, self.module = params, module
         self.group, self.replicate = group, replicate
         self.world = dist.get_world_size(group) if group is not None else 1
         self.offsets: dict[nn.Parameter, int] = {}  # where each parameter starts in the buffer
-        numel = 0
-        for p in params:
-            self.offsets[p] = numel
-            numel += p.numel()
-        self.padded = -(-numel // shards) * shards
-        self.slice_size = self.padded // shards
+        if whole and shards > 1:
+            owner = owners([p.numel() for p in params], shards)
+            self.slice_size = max(sum(p.numel() for p, q in zip(params, owner) if q == r) for r in range(shards))
+            filled = [r * self.slice_size for r in range(shards)]
+            for p, q in zip(params, owner):
+                self.offsets[p], filled[q] = filled[q], filled[q] + p.numel()
+            self.padded = self.slice_size * shards
+        else:
+            numel = 0
+            for p in params:
+                self.offsets[p] = numel
+                numel += p.numel()
+            self.padded = -(-numel // shards) * shards
+            self.slice_size = self.padded // shards
         self.mine = slice(rank * self.slice_size, (rank + 1) * self.slice_size)  # this rank's slice
         self.device = device
         self.buffer: torch.Tensor | None = (torch.zeros(self.padded, dtype=torch.float32, device=device)
@@ -149,6 +161,16 @@ class _Bucket:
         return self.buffer[self.mine] if self.sharded else self.buffer
 
 
+def owners(numels: list[int], shards: int) -> list[int]:
+    """The rank that holds each parameter whole: the largest first, each to the rank holding least so far
+    (the same answer on every rank)."""
+    held, owner = [0] * shards, [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        owner[i] = min(range(shards), key=held.__getitem__)
+        held[owner[i]] += numels[i]
+    return owner
+
+
 class DataParallelBucket(DataParallel):
     """Gradients in fp32 buckets whose asynchronous reduction overlaps the backward pass.
 
@@ -160,7 +182,8 @@ class DataParallelBucket(DataParallel):
     `accumulate` (ZeRO-2/3): "sharded" reduces every micro-batch into the slices, "full" once a step.
     `shard_group` (HSDP; default `group`): the ranks ZeRO shards over; `replicate_group`: their replicas.
     `expert_group`: where expert-parallel shards are averaged, in buckets of their own (ZeRO-3: one more per
-    unit); `expert_shard_group` (default `expert_group`): where ZeRO shards them."""
+    unit); `expert_shard_group` (default `expert_group`): where ZeRO shards them. `whole`: under ZeRO each
+    parameter lies whole in one rank's slice (for an optimizer that needs whole matrices)."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32,
@@ -169,7 +192,7 @@ class DataParallelBucket(DataParallel):
                  shard_group: dist.ProcessGroup | None = None,
                  replicate_group: dist.ProcessGroup | None = None,
                  expert_group: dist.ProcessGroup | None = None,
-                 expert_shard_group: dist.ProcessGroup | None = None) -> None:
+                 expert_shard_group: dist.ProcessGroup | None = None, whole: bool = False) -> None:
         super().__init__(module, group, count_collectives=count_collectives, expert_group=expert_group)
         params = self._params()
         device = params[0].device
@@ -183,12 +206,12 @@ class DataParallelBucket(DataParallel):
         self.max_held_grad_bytes = 0  # the most gradient bytes alive at a forward's start: what accumulation holds
         shard = {"shards": self.shards, "rank": dist.get_rank(self.shard_group) if self.shards > 1 else 0,
                  "separate_shard": self.free_after_reduce, "replicate": self.replicate,
-                 "group": self.shard_group if self.shards > 1 else group}
+                 "group": self.shard_group if self.shards > 1 else group, "whole": whole}
         expert_shard_group = expert_shard_group or self.expert_group
         expert_shards = dist.get_world_size(expert_shard_group) if zero >= 1 else 1
         expert_shard = {"shards": expert_shards, "rank": dist.get_rank(expert_shard_group) if expert_shards > 1 else 0,
                         "separate_shard": self.free_after_reduce, "replicate": self.replicate,
-                        "group": expert_shard_group if zero >= 1 else self.expert_group}
+                        "group": expert_shard_group if zero >= 1 else self.expert_group, "whole": whole}
         # ZeRO-2/3: a bucket's full buffer exists only from its first gradient of the step (or, ZeRO-3, from
         # its unit's backward) until its reduction, not through the forward pass
         self.lazy = self.free_after_reduce

@@ -26,6 +26,7 @@ from tetron.config import Config
 from tetron.mesh import Mesh
 from tetron.models.moe import moe_blocks
 from tetron.models.spec import spec_of
+from tetron.optim import Role, optimizer_class
 from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
@@ -41,7 +42,7 @@ from tetron.parallel.tensor_parallel import (
     sync_sequence_parallel_grads,
 )
 from tetron.parallel.timers import timer
-from tetron.parallel.zero import ShardedAdamW
+from tetron.parallel.zero import ShardedOptimizer
 from tetron.parallel.zero3 import units_of
 
 
@@ -90,26 +91,43 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas; expert
-    # shards are averaged over edp and sharded over its ranks in the shard group
+    # shards are averaged over edp and sharded over its ranks in the shard group. An optimizer that needs whole
+    # matrices gets each parameter whole on one rank.
+    whole = optimizer_class(cfg.optim.name).needs_whole_matrices
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
                                      count_collectives=count_collectives, accumulate=p.zero_accumulate,
                                      shard_group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"),
-                                     expert_group=mesh.group("edp"), expert_shard_group=mesh.group("edp_shard"))
+                                     expert_group=mesh.group("edp"), expert_shard_group=mesh.group("edp_shard"),
+                                     whole=whole)
                  for chunk in chunks]
     return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
 
 
-def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedAdamW:
-    """AdamW over fp32 master weights, sharded over dp_shard (dp*cp) under ZeRO (zero.py); it also casts the
-    parameters to the compute dtype, so it comes after data parallelism has laid out the buckets."""
+def param_roles(chunks: list[nn.Module]) -> dict[int, Role]:
+    """Each parameter's role for the optimizer (by id), as the family's plan tells: the token embedding, the head
+    (a pipeline's tied copy of the embedding on the last stage is the head there), any other weight of 2+ dims a
+    matrix, the rest (norms, biases) vectors."""
+    roles: dict[int, Role] = {}
+    for chunk in chunks:
+        plan = spec_of(chunk.config).plan
+        for name, p in chunk.named_parameters():
+            roles[id(p)] = ("embedding" if name == plan.embedding_weight else "head" if name == plan.head_weight
+                            else "matrix" if p.ndim >= 2 else "vector")
+    return roles
+
+
+def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedOptimizer:
+    """The optimizer optim.name over fp32 master weights, sharded over dp_shard (dp*cp) under ZeRO (zero.py); it
+    also casts the parameters to the compute dtype, so it comes after data parallelism has laid out the buckets."""
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    return ShardedAdamW(model.params, model.dp_chunks, cfg.train, zero=cfg.parallel.zero, dtype=dtype,
-                        group=mesh.group("dp_shard"))
+    return ShardedOptimizer(model.params, model.dp_chunks, cfg.train, kind=optimizer_class(cfg.optim.name),
+                            roles=param_roles(model.chunks), zero=cfg.parallel.zero, dtype=dtype,
+                            group=mesh.group("dp_shard"))
 
 
 @torch.no_grad()
-def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedAdamW) -> None:
+def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedOptimizer) -> None:
     """What each axis adds to the averaged gradients (data parallelism averaged them during the
     backward pass), wherever they are (whole, or this rank's ZeRO pieces): tied embedding copies
     summed over the pipeline's ends, sequence-parallel and per-head norm weights summed over tp."""

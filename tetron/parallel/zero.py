@@ -1,25 +1,29 @@
-"""ZeRO and mixed precision: AdamW over fp32 master weights, sharded over the dp*cp group (or, under
-HSDP, over the `dp_shard` group it is given: the replicas across groups hold the same slices). Each bucket
+"""ZeRO and mixed precision: an optimizer (tetron/optim) over fp32 master weights, sharded over the dp*cp group (or,
+under HSDP, over the `dp_shard` group it is given: the replicas across groups hold the same slices). Each bucket
 knows its group: expert-parallel shards' buckets are sliced over `edp_shard` (data_parallel.py), the ranks
 holding the same experts, and a slice is gathered (after the step, or ZeRO-3's per unit) over its own.
 
 Megatron's distributed optimizer in ordinary PyTorch, on top of the gradient buckets of
 data_parallel.py (every gradient lives in an fp32 bucket buffer, padded to a multiple of N = dp*cp).
 
-Master weights. AdamW updates fp32 master copies, which are then cast into the parameters that the
-forward pass uses. With fp32 parameters and no ZeRO the masters *are* the parameters (plain AdamW,
+Master weights. The optimizer updates fp32 master copies, which are then cast into the parameters that the
+forward pass uses. With fp32 parameters and no ZeRO the masters *are* the parameters (the plain optimizer,
 nothing copied). With bf16 parameters (`train.dtype: bfloat16`) they keep the fp32 precision that
 bf16 would round small updates away with; gradients are accumulated and averaged in fp32.
 
 ZeRO-1 (`parallel.zero: 1`). Each bucket is cut into N equal slices and rank r owns slice r: the
 reduce-scatter in data_parallel.py hands it the averaged gradients of its slice only; it keeps the
-masters and both AdamW moments of that slice only (1/N of the optimizer state), updates them, and
+masters and the optimizer's state of that slice only (1/N of it), updates them, and
 the updated slices are all-gathered into every rank's parameters, which live in one flat buffer per
 bucket for that. ZeRO-2 (`zero: 2`) also releases the full gradient buffers once reduced, so only
 the slices outlive the backward pass.
 
 A parameter can straddle two ranks' slices: what a rank holds of one parameter is a `Piece`, and
-pieces, not parameters, are what AdamW sees (weight decay on pieces of matrices, as on matrices).
+pieces, not parameters, are what the optimizer sees, each with its parameter's role (AdamW: weight decay on
+pieces of matrices, as on matrices). Whatever state tensors the optimizer declares are kept per piece, so
+they are sharded as the masters are. An optimizer that needs whole matrices (Muon) gets each parameter whole
+on one owner rank: data parallelism then lays its buckets out so that no slice cuts a parameter
+(data_parallel.py's `whole`), and each piece is a whole parameter, flat (`Param.shape` gives its shape).
 Gradient finishing (sequence-parallel and tied-embedding sums) and clipping work on the pieces,
 where the reduced gradients are; checkpoints stay full logical tensors by name: `full_tensor`
 assembles one from every rank's pieces and `load` takes this rank's pieces back.
@@ -28,19 +32,17 @@ assembles one from every rank's pieces and `load` takes this rank's pieces back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.config import TrainConfig
+from tetron.optim import Optimizer, Param, Role
 from tetron.parallel.comm import all_gather_flat
 from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
 from tetron.parallel.timers import timer
 from tetron.parallel.zero3 import ParameterSharding
-
-Kind = Literal["master", "exp_avg", "exp_avg_sq"]
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Piece:
     start: int  # offset in the parameter's flattened elements
     bucket: _Bucket | None  # None: the plain case, the piece is the whole parameter and its own master
     slice_offset: int  # offset in the bucket's reduced gradients (this rank's slice, or the whole buffer)
-    master: nn.Parameter  # fp32 [numel] (or the parameter itself in the plain case): what AdamW updates
+    master: nn.Parameter  # fp32 [numel] (or the parameter itself in the plain case): what the optimizer updates
 
     @property
     def grad(self) -> Tensor | None:
@@ -62,11 +64,12 @@ class Piece:
         return self.bucket.reduced_grad()[self.slice_offset:self.slice_offset + n]
 
 
-class ShardedAdamW:
-    """AdamW (decoupled weight decay on matrices only) over this rank's pieces of the parameters."""
+class ShardedOptimizer:
+    """The optimizer `kind` over this rank's pieces of the parameters (`roles`: each parameter's, by id)."""
 
     def __init__(self, params: list[nn.Parameter], dp_chunks: list[DataParallel], t: TrainConfig, *,
-                 zero: int, dtype: torch.dtype, group: dist.ProcessGroup) -> None:
+                 kind: type[Optimizer], roles: dict[int, Role], zero: int, dtype: torch.dtype,
+                 group: dist.ProcessGroup) -> None:
         self.zero, self.group = zero, group
         self.shards = dist.get_world_size(group) if zero >= 1 else 1
         # fp32 with nothing to shard (no ZeRO, or dp*cp = 1): the masters are the parameters themselves
@@ -96,16 +99,11 @@ class ShardedAdamW:
         for piece in self.pieces:
             self.piece_of[id(piece.param)].append(piece)
         masters = [piece.master for piece in self.pieces]
-        decay = [piece.master for piece in self.pieces if piece.param.ndim >= 2]
-        keep = [piece.master for piece in self.pieces if piece.param.ndim < 2]
-        # The fused kernel (CPU and CUDA) is the fastest form (on this CPU 4x the for-loop, 7x foreach),
-        # and it can skip a step on the device's word (found_inf), without the host waiting for it.
-        self.fused = bool(masters) and masters[0].device.type in ("cpu", "cuda")
-        self.inner = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                                        {"params": keep, "weight_decay": 0.0}],
-                                       lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                                       **({"fused": True} if self.fused else {"foreach": True}))
-        self.param_groups = self.inner.param_groups
+        if kind.needs_whole_matrices and any(piece.master.numel() != piece.param.numel() for piece in self.pieces):
+            raise ValueError(f"optim.name={kind.name} needs whole parameters, and a ZeRO slice cuts one: build data "
+                             f"parallelism with whole=True")
+        self.inner = kind([Param(piece.master, roles[id(piece.param)], piece.param.shape) for piece in self.pieces], t)
+        self.name, self.state_names = kind.name, kind.state_names()
         self.masters = masters
         # Optimizer steps called (or loaded) and, on the device, those its found_inf skipped: the same on
         # every rank, even one whose slices hold only padding.
@@ -153,25 +151,24 @@ class ShardedAdamW:
 
     # ------------------------------------------------------------------------------ the step
 
+    def set_lr(self, lr: float) -> None:
+        self.inner.set_lr(lr)
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the optimizer holds (its state, the masters), for memory accounting."""
+        return self.inner.tensors()
+
     @torch.no_grad()
     def step(self, found_inf: Tensor | None = None) -> None:
-        """AdamW on the masters (their .grad: the pieces' averaged gradients), then the parameters
+        """The optimizer on the masters (their .grad: the pieces' averaged gradients), then the parameters
         from the masters: cast in place, or all-gathered from every rank's slice under ZeRO. Where the
-        device scalar `found_inf` is 1 nothing changes (no update, no moment decay, no step counted)."""
+        device scalar `found_inf` is 1 nothing changes (no update, no state decay, no step counted)."""
         if not self.plain:
             for piece in self.pieces:
                 piece.master.grad = piece.grad
-        if found_inf is not None and not self.fused:
-            if bool(found_inf):  # only the fused kernel skips on the device's word; elsewhere the host does
-                self.skipped += 1
-            else:
-                self.inner.step()
-        else:
-            self.inner.found_inf = found_inf  # read by the fused kernel, which skips when it is 1
-            self.inner.step()
-            self.inner.found_inf = None
-            if found_inf is not None:
-                self.skipped += found_inf
+        self.inner.step(found_inf)
+        if found_inf is not None:
+            self.skipped += found_inf
         self.calls += 1
         if self.plain:
             return
@@ -208,26 +205,26 @@ class ShardedAdamW:
             dist.all_reduce(full, group=bucket.group)  # each element is nonzero on one rank at most: exact
         return full.view_as(param)
 
-    def full_tensor(self, param: nn.Parameter, kind: Kind) -> Tensor:
-        """The fp32 master weights or an AdamW moment of `param` as a whole (this rank's tp part).
+    def full_tensor(self, param: nn.Parameter, kind: str) -> Tensor:
+        """The fp32 master weights ("master") or a declared state tensor of `param` as a whole (this rank's tp part).
         Under ZeRO every rank of dp*cp calls this for the same parameters in the same order."""
         pieces = self.piece_of.get(id(param), [])
         if kind == "master":
             if self.plain:
                 return param.detach()
             return self._assemble(param, [(piece, piece.master.detach()) for piece in pieces])
-        parts = [(piece, self.inner.state[piece.master][kind]) for piece in pieces]
+        parts = [(piece, self.inner.state_tensor(piece.master, kind)) for piece in pieces]
         if self.plain:
             return parts[0][1]
         return self._assemble(param, parts)
 
-    def local_parts(self, param: nn.Parameter, kind: Kind) -> list[tuple[int, Tensor]]:
-        """This rank's pieces of the master weights or a moment of `param` (its tp part): (offset in its
+    def local_parts(self, param: nn.Parameter, kind: str) -> list[tuple[int, Tensor]]:
+        """This rank's pieces of the master weights or a state tensor of `param` (its tp part): (offset in its
         flattened elements, values), without copying; checkpoints in the background copy them."""
         pieces = self.piece_of.get(id(param), [])
         if kind == "master":
             return [(piece.start, piece.master.detach()) for piece in pieces]
-        return [(piece.start, self.inner.state[piece.master][kind]) for piece in pieces]
+        return [(piece.start, self.inner.state_tensor(piece.master, kind)) for piece in pieces]
 
     def piece_ranges(self, param: nn.Parameter) -> list[tuple[int, int, int]]:
         """(rank in its bucket's group: the shard group, or edp_shard for an expert shard; offset, length) of each
@@ -255,13 +252,14 @@ class ShardedAdamW:
                 piece.grad.view(-1).copy_(flat[piece.start:piece.start + piece.master.numel()])
 
     def has_state(self) -> bool:
-        """Whether AdamW has moments to save (not before its first step). The same on every rank."""
+        """Whether the optimizer has state to save (not before its first step). The same on every rank."""
         return self.calls > 0
 
     @torch.no_grad()
-    def load(self, param: nn.Parameter, *, master: Tensor | None = None, exp_avg: Tensor | None = None,
-             exp_avg_sq: Tensor | None = None, step: float | None = None) -> None:
-        """Take this rank's pieces of whole (tp-local, fp32) tensors: master weights and/or moments.
+    def load(self, param: nn.Parameter, *, master: Tensor | None = None, state: dict[str, Tensor] | None = None,
+             step: float | None = None) -> None:
+        """Take this rank's pieces of whole (tp-local, fp32) tensors: master weights and/or the optimizer's
+        state (every declared name) as after `step` steps.
         The parameters themselves are the caller's to fill, except under ZeRO-3, where only their
         slices exist between uses: those are filled here."""
         if step is not None:
@@ -273,10 +271,6 @@ class ShardedAdamW:
                 piece.master.copy_(master.reshape(-1)[part])
             if master is not None and self.sharding is not None:
                 piece.bucket.params_slice[piece.slice_offset:piece.slice_offset + n].copy_(master.reshape(-1)[part])
-            if exp_avg is not None:
-                self.inner.state[piece.master] = {
-                    "step": torch.tensor(float(step), dtype=torch.float32,
-                                         device=piece.master.device if self.fused else "cpu"),
-                    "exp_avg": exp_avg.reshape(-1)[part].clone().view_as(piece.master),
-                    "exp_avg_sq": exp_avg_sq.reshape(-1)[part].clone().view_as(piece.master),
-                }
+            if state is not None:
+                self.inner.load_state(piece.master, {name: value.reshape(-1)[part] for name, value in state.items()},
+                                      step=float(step))

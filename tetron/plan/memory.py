@@ -29,6 +29,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from tetron.config import Config
+from tetron.optim import optimizer_class
 from tetron.parallel.pipeline_schedules import Action, schedule_spec, splits_backward
 from tetron.plan.activations import (
     Held,
@@ -304,7 +305,7 @@ def floor(cfg: Config) -> MemoryEstimate:
     """A lower bound of `predict(cfg)` from arithmetic on the config alone: nothing built (not even on the meta
     device), no schedule walked, no loop over layers, so an absurd model (10**4 layers, a vocabulary of 10**9)
     is weighed at once. The busiest pipeline rank holds at least 1/(tp*pp) of the parameters (tp splits the
-    matrices, pp the layers; ep the routed experts), each with its fp32 gradient and AdamW's two moments (plus
+    matrices, pp the layers; ep the routed experts), each with its fp32 gradient and the optimizer's state (plus
     an fp32 master under bf16), divided by dp*cp (HSDP: dp_shard; expert shards: their edp group) where ZeRO
     shards them; the step's token ids; and under
     all-forward-all-backward the first stage keeps at least every micro-batch's input to one layer."""
@@ -324,5 +325,5 @@ def floor(cfg: Config) -> MemoryEstimate:
     in_flight = t.grad_acc if p.pp > 1 and schedule_spec(p.pp_schedule).holds_every_micro_batch else 1
     residual = tokens // p.tp if p.sp else tokens
     return MemoryEstimate(params=(F32 if p.dp_impl == "naive" else d) * sharded(3), grads=F32 * sharded(2),
-                          optimizer=(8 + 4 * bf16) * sharded(1),
+                          optimizer=(optimizer_class(cfg.optim.name).state_bytes() + 4 * bf16) * sharded(1),
                           activations=2 * I64 * t.grad_acc * tokens + in_flight * residual * d * m.hidden_size)

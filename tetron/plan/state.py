@@ -14,6 +14,7 @@ import torch
 from tetron.config import Config
 from tetron.models import family
 from tetron.models.moe import moe_blocks
+from tetron.optim import optimizer_class
 from tetron.parallel.pipeline_parallel import split_layers
 from tetron.parallel.pipeline_schedules import stage_of, style_of
 from tetron.plan.sizes import F32, Sizes, is_moe, moe_layers
@@ -221,8 +222,9 @@ class State:
 
     params: int  # parameters in the compute dtype: per-parameter tensors, ZeRO's flat buffers, or ZeRO-3's slices
     grads: int  # fp32 bucket buffers (ZeRO-2/3: only this rank's slices between steps)
-    optimizer: int  # fp32 master weights where they are not the parameters, AdamW's moments, its step counters
-    largest: int  # elements of the largest piece AdamW updates (its step makes temporaries of that size)
+    optimizer: int  # fp32 master weights where they are not the parameters, the optimizer's declared state (AdamW:
+    # its moments, and its step counters)
+    largest: int  # elements of the largest piece the optimizer updates (its step makes temporaries of that size)
     root: int = 0  # ZeRO-3: elements of a first/last chunk's non-layer unit (embedding, final norm, head), padded
     layer: int = 0  # ZeRO-3: elements of one decoder layer's units together (under ep an MoE layer has two), padded
     layer_grads: int = 0  # ZeRO-3: elements of the gradient buffers a layer's backward attaches (`layer` less its
@@ -239,21 +241,23 @@ class State:
 
 
 def _optimizer_bytes(cfg: Config, buckets: list[Bucket], dp_rank: int) -> tuple[int, int]:
-    """(bytes, largest piece) of the optimizer state: zero.ShardedAdamW's pieces of this rank's slices."""
+    """(bytes, largest piece) of the optimizer state: zero.ShardedOptimizer's pieces of this rank's slices, each with
+    the state the optimizer declares (tetron/optim)."""
     p, shards = cfg.parallel, zero_shards(cfg)
-    bf16 = cfg.train.dtype == "bfloat16"
+    kind = optimizer_class(cfg.optim.name)
+    per_element, per_tensor = kind.state_bytes() + 4 * (cfg.train.dtype == "bfloat16"), kind.tensor_bytes
     if shards == 1:
         numels = [n for b in buckets for n in b.numels]
-        # Plain fp32: AdamW over the parameters themselves (exp_avg + exp_avg_sq, and a 4-byte step each);
-        # bf16: plus an fp32 master copy of every parameter (Megatron: 12 + 2 bytes per parameter).
-        return (8 + 4 * bf16) * sum(numels) + 4 * len(numels), max(numels)
+        # Plain fp32: the optimizer over the parameters themselves (AdamW: exp_avg + exp_avg_sq, and a 4-byte step
+        # each); bf16: plus an fp32 master copy of every parameter (Megatron: 12 + 2 bytes per parameter).
+        return per_element * sum(numels) + per_tensor * len(numels), max(numels)
     # the slice of its place in the shard group (an expert shard's: in its edp group, mesh.py's dp*cp index // ep)
     owned = [b.owned((dp_rank // p.ep if b.expert else dp_rank) % b.shards) for b in buckets]
     elements, pieces = sum(e for e, _ in owned), sum(k for _, k in owned)
     # ZeRO: moments of this rank's pieces only; fp32 masters are views of its parameter slice (no copy),
     # bf16 ones are fp32 copies of its pieces. Largest piece: at most a slice, at most a parameter.
     largest = max(min(b.slice_size, max(b.numels)) for b in buckets)
-    return (8 + 4 * bf16) * elements + 4 * pieces, largest if p.dp_impl == "bucket" else 0
+    return per_element * elements + per_tensor * pieces, largest if p.dp_impl == "bucket" else 0
 
 
 def _mean_layer(cfg: Config, *, experts: bool = True) -> int:

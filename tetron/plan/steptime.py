@@ -25,6 +25,7 @@ import functools
 from dataclasses import dataclass
 
 from tetron.config import Config
+from tetron.optim import optimizer_class
 from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import Hardware
@@ -251,8 +252,9 @@ def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     dp_s = _data_parallel(cfg, hw, gpus_per_node, backward_s=backward_last, compute_s=compute)
     buckets = [b for c in rank_chunks(cfg, 0) for b in chunk_buckets(cfg, c)]
     owned = sum(b.slice_size for b in buckets)
-    # AdamW reads and writes masters and both moments and reads the gradient: ~7 fp32 values an element
-    optimizer = owned * 4 * 7 / (hw.hbm_gbs * 1e9)
+    # the optimizer reads and writes the masters and its state and reads the gradient (AdamW: ~7 fp32 values an
+    # element)
+    optimizer = owned * (4 * 3 + 2 * optimizer_class(cfg.optim.name).state_bytes()) / (hw.hbm_gbs * 1e9)
     every = cfg.checkpoint.save_every
     save = save_blocking(cfg, hw, gpus_per_node=gpus_per_node) / every if every else 0.0
     step = span + dp_s + optimizer + save
