@@ -88,7 +88,7 @@ def rank_main(rank: int, setting: str, raw: dict, init: str, orders, results) ->
             peaks.append(dev.peak_memory_mb(CPU))
             step += 1
         if rank == 0:
-            results.put((times, peaks))
+            results.put((times, peaks, torch.get_num_threads()))
     dist.destroy_process_group()
 
 
@@ -131,7 +131,7 @@ def main() -> None:
                 count = args.warmup if round_no == 0 else args.steps
                 for q in orders:
                     q.put(count)
-                t, p = results.get(timeout=3600)
+                t, p, threads = results.get(timeout=3600)
                 peaks[setting] += p
                 if round_no > 0:
                     times[setting] += t
@@ -143,7 +143,7 @@ def main() -> None:
     base = statistics.median(times[args.settings[0]])
     shape = args.model or f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}"
     print(f"allocator: {shape}, seq {args.seq}, {args.micro_batch}x{args.grad_acc} micro-batches, dp {args.dp}, "
-          f"ZeRO-{args.zero}, {torch.get_num_threads()} threads here; medians of {args.rounds} interleaved rounds "
+          f"ZeRO-{args.zero}, {threads} threads a rank; medians of {args.rounds} interleaved rounds "
           f"of {args.steps} steps")
     for setting in args.settings:
         median = statistics.median(times[setting])

@@ -157,27 +157,33 @@ def run_rank(raw_config: dict[str, Any], reports: str | None = None) -> None:
 
 def setup_rank(cfg: Config, *, ranks_per_node: int, forked: bool = True, same_request_s: float = 0.0,
                on_abort: Callable[[signal.Signals], None] | None = None) -> tuple[StopRequest, Callable[[], None]]:
-    """The process settings of one rank, made before anything else it does: every `tetron train` rank (under
-    tetron's launcher, torchrun or alone) and every benchmark's rank (bench/common.py) call this, so that a
-    benchmark times what users run.
+    """The settings of one rank's process, made before anything else it does: every `tetron train` rank
+    (under tetron's launcher, torchrun or alone) and every benchmark's rank (bench/common.py) call this, so
+    that a benchmark times what users run (tests/test_bench_setup.py checks that they match).
 
-    CPU ranks: torch's threads (the node's cores shared by its `ranks_per_node` ranks) and glibc's mmap
-    threshold for the ZeRO stage (device.cpu_mmap_threshold). Signals: a rank `forked` from a process with
-    handlers of its own (tetron's launcher) starts from the defaults; then the stop signals ask for a
-    checkpoint and a stop (StopRequest), a second one calls `on_abort` (default: exit at once). Returns the
-    request and the function that restores the signal handlers found."""
+    On the CPU, torch's threads and glibc's mmap threshold (setup_rank_process). Signals: a rank `forked`
+    from a process with handlers of its own (tetron's launcher) starts from the defaults; then the stop
+    signals ask for a checkpoint and a stop (StopRequest), a second one calls `on_abort` (default: exit at
+    once). Returns the request and the function that restores the signal handlers found."""
     signals = stop_signals(cfg.checkpoint.stop_signal)
     if forked:
         _forget_launcher_signals(signals)
+    setup_rank_process(cfg, ranks_per_node=ranks_per_node)
+    stop = StopRequest()
+    restore = watch_signals(signals, on_stop=stop.request, forwarded=True, same_request_s=same_request_s,
+                            on_abort=on_abort or (lambda sig: _abort(sig, cfg.out, announce=False)))
+    return stop, restore
+
+
+def setup_rank_process(cfg: Config, *, ranks_per_node: int) -> None:
+    """setup_rank's process settings, without its signals (also for `tetron plan --measure`'s ranks): on the
+    CPU, torch's threads (the node's cores shared by its `ranks_per_node` ranks) and glibc's mmap threshold
+    for the ZeRO stage (device.cpu_mmap_threshold)."""
     if dev.runs_on_cpu(cfg.parallel.device):
         torch.set_num_threads(dev.cpu_threads(ranks_per_node))
         threshold = dev.cpu_mmap_threshold(cfg.parallel.zero)
         if threshold is not None:
             dev.map_large_allocations(threshold)
-    stop = StopRequest()
-    restore = watch_signals(signals, on_stop=stop.request, forwarded=True, same_request_s=same_request_s,
-                            on_abort=on_abort or (lambda sig: _abort(sig, cfg.out, announce=False)))
-    return stop, restore
 
 
 def _forget_launcher_signals(signals: list[signal.Signals]) -> None:
