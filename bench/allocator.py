@@ -3,9 +3,10 @@
     python bench/allocator.py [--zero 0] [--dp 1] [--rounds 5] [--steps 2] [--hidden 256] [--layers 4] [--seq 256]
     python bench/allocator.py --model smollm-135m --zero 3 --dp 2 --seq 32 --micro-batch 1 --grad-acc 1
 
-Each setting (`--settings`: `default`, glibc untouched; `NMiB`/`NKiB`, a fixed threshold of that size, as
-`tetron.device.map_large_allocations` sets it) trains in its own forked ranks, all set up as `tetron train`
-sets them up (`tetron.launch.setup_rank`) except for the threshold. The parent runs them in turn, round
+Each setting (`--settings`: `tetron`, as `tetron train` sets it for the ZeRO stage and model; `default`,
+glibc untouched; `NMiB`/`NKiB`, a fixed threshold of that size, as `tetron.device.map_large_allocations`
+sets it) trains in its own forked ranks, all set up as `tetron train` sets them up
+(`tetron.launch.setup_rank`) except for the threshold. The parent runs them in turn, round
 after round (`--steps` steps each), so load on the machine hits every setting alike; one setting computes
 at a time. Printed per setting: the median step time and its ratio to the first setting's, and rank 0's
 peak resident set per step (reset at each step's start), with steps 2 and later against step 2's (ZeRO-3's
@@ -41,8 +42,8 @@ CPU = torch.device("cpu")
 
 
 def threshold_of(setting: str) -> int | None:
-    """`default` -> None; `1MiB` -> 1048576; `512KiB` -> 524288."""
-    if setting == "default":
+    """`default` -> None; `1MiB` -> 1048576; `512KiB` -> 524288 (`tetron`: as tetron train sets it)."""
+    if setting in ("default", "tetron"):
         return None
     for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
         if setting.endswith(unit):
@@ -69,11 +70,13 @@ def config(args: argparse.Namespace, out: str) -> dict:
 
 def rank_main(rank: int, setting: str, raw: dict, init: str, orders, results) -> None:
     cfg = from_dict(raw)
-    # as `tetron train` sets a rank up, but for the threshold: ZeRO-0's setup leaves glibc's own
-    setup_rank(replace(cfg, parallel=replace(cfg.parallel, zero=0)), ranks_per_node=cfg.world_size)
-    threshold = threshold_of(setting)
-    if threshold is not None:
-        dev.map_large_allocations(threshold)
+    if setting == "tetron":  # as `tetron train` sets a rank up
+        setup_rank(cfg, ranks_per_node=cfg.world_size)
+    else:  # the same, but for the threshold: ZeRO-0's setup leaves glibc's own
+        setup_rank(replace(cfg, parallel=replace(cfg.parallel, zero=0)), ranks_per_node=cfg.world_size)
+        threshold = threshold_of(setting)
+        if threshold is not None:
+            dev.map_large_allocations(threshold)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=cfg.world_size,
                             timeout=timedelta(seconds=900))
     run = build_run(cfg, Mesh(dp=cfg.parallel.dp), CPU)

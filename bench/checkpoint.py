@@ -310,8 +310,9 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tetron-bench-ckpt-", dir=args.dir)
     try:
         for ranks in args.ranks:
+            # the ranks set up as `tetron train` sets up its ranks for this model and ZeRO stage
             launch(rank_main, argparse.Namespace(**{**vars(args), "ranks": ranks, "dir": root}),
-                   cfg=rank_config(ranks, zero=args.zero))  # set up as `tetron train` sets up its ranks
+                   cfg=rank_config(ranks, zero=args.zero, model=model_section(args)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -69,10 +69,12 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def rank_config(ranks: int, *, zero: int = 0, device: str = "cpu") -> Config:
+def rank_config(ranks: int, *, zero: int = 0, device: str = "cpu", model: dict | str | None = None) -> Config:
     """The configuration whose rank setup (tetron.launch.setup_rank) a benchmark's ranks get when it has none
-    of its own: `ranks` ranks on this machine, ZeRO stage `zero`."""
-    return from_dict({"parallel": {"dp": ranks, "zero": zero, "device": device}})
+    of its own: `ranks` ranks on this machine, ZeRO stage `zero`, the model's section where it is tetron's
+    (ZeRO-3's mmap threshold follows its layers' size)."""
+    return from_dict({"parallel": {"dp": ranks, "zero": zero, "device": device},
+                      **({"model": model} if model is not None else {})})
 
 
 def launch(rank_main: Callable, args: argparse.Namespace, *, cfg: Config | None = None) -> None:

@@ -102,7 +102,7 @@ def rank_setup(args: argparse.Namespace, zero: int) -> Config:
     """What the ranks of ZeRO stage `zero` are set up for (tetron.launch.setup_rank, through common.launch):
     as `tetron train` sets them up under `--malloc tetron`; else as for ZeRO-0, which leaves glibc as it is,
     for set_malloc to change."""
-    return rank_config(args.ranks, zero=zero if args.malloc == "tetron" else 0)
+    return rank_config(args.ranks, zero=zero if args.malloc == "tetron" else 0, model=args.model)
 
 
 def set_malloc(choice: str) -> bool:

@@ -58,12 +58,12 @@ def _bench_rank(rank: int, args: argparse.Namespace) -> None:
 
 @pytest.mark.parametrize("zero", [0, 3])
 def test_bench_ranks_are_set_up_as_launched_ranks(tmp_path, monkeypatch, zero):
-    """Within 8 cores and 2 ranks: 4 threads each; under ZeRO-3 (only) the 1 MiB mmap threshold; the stop
-    signals watched by tetron's thread. The same in a benchmark's rank as in a launched one."""
+    """Within 8 cores and 2 ranks: 4 threads each; under ZeRO-3 (only) the mmap threshold of half a layer; the
+    stop signals watched by tetron's thread. The same in a benchmark's rank as in a launched one."""
     calls: list = []  # the forked ranks inherit the recorder, each its own copy
     monkeypatch.setattr(dev, "_mallopt", lambda param, value: calls.append((param, value)) or True)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    cfg = common.rank_config(2, zero=zero)
+    cfg = common.rank_config(2, zero=zero, model="smollm-135m")  # only built on the meta device, for its sizes
     raw = {**cfg.to_dict(), "out": str(tmp_path / "run")}
     (tmp_path / "reports").mkdir()
     launched = tmp_path / "launched.json"
@@ -76,9 +76,25 @@ def test_bench_ranks_are_set_up_as_launched_ranks(tmp_path, monkeypatch, zero):
                   cfg=cfg)
     want = json.loads(launched.read_text())
     assert want["threads"] == 4
-    assert want["mallopt"] == ([[-3, 1 << 20]] if zero == 3 else [])
+    threshold = dev.cpu_mmap_threshold(zero, layer_grad_bytes=launch._smallest_layer_grad_bytes(cfg))
+    assert want["mallopt"] == ([[-3, threshold]] if zero == 3 else [])
+    assert zero < 3 or threshold > 1 << 20
     assert want["wakeup_fd"] and want["signal_thread"]
     watched = {name for name, handler in want["handlers"].items() if "watch_signals" in handler}
     assert watched == {"SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"}
     for rank in range(2):
         assert json.loads((tmp_path / f"bench{rank}.json").read_text()) == want
+
+
+def test_mmap_threshold_is_half_a_layer_under_zero3_only():
+    """SmolLM-135M's decoder layer: q and o 576x576, k and v 576x192, three MLP matrices 576x1536, two norms;
+    its fp32 gradient is 14,160,384 bytes, a third of it per rank at tp 3. The threshold: half of that,
+    within glibc's bounds, and only under ZeRO-3."""
+    layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576
+    for tp in (1, 3):
+        cfg = common.from_dict({"model": "smollm-135m", "parallel": {"tp": tp, "zero": 3, "device": "cpu"}})
+        assert launch._smallest_layer_grad_bytes(cfg) == 4 * layer // tp
+    assert dev.cpu_mmap_threshold(3, layer_grad_bytes=4 * layer) == 2 * layer
+    assert dev.cpu_mmap_threshold(3, layer_grad_bytes=1000) == 1 << 20
+    assert dev.cpu_mmap_threshold(3, layer_grad_bytes=1 << 30) == 32 << 20
+    assert all(dev.cpu_mmap_threshold(z, layer_grad_bytes=4 * layer) is None for z in (0, 1, 2))

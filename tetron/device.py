@@ -151,7 +151,8 @@ def reset_peak_memory(device: torch.device) -> bool:
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-CPU_MMAP_THRESHOLD = 1 << 20  # bytes: blocks this large get mappings of their own on ZeRO-3's CPU ranks
+CPU_MMAP_THRESHOLD = 1 << 20  # bytes: the lowest threshold ZeRO-3's CPU ranks set
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's own threshold rises no higher, and refuses a fixed one above it
 
 
 def runs_on_cpu(kind: str) -> bool:
@@ -165,16 +166,20 @@ def cpu_threads(ranks_per_node: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks_per_node)
 
 
-def cpu_mmap_threshold(zero: int) -> int | None:
+def cpu_mmap_threshold(zero: int, *, layer_grad_bytes: int) -> int | None:
     """The fixed glibc mmap threshold a CPU rank of ZeRO stage `zero` sets (map_large_allocations), or None
-    to leave glibc's own.
+    to leave glibc's own; `layer_grad_bytes`: the fp32 gradient of the smallest decoder layer on this rank.
 
-    Only ZeRO-3 pays for it. There, blocks of a layer's size with different lifetimes (gradient buffers,
-    gloo's copies) leave free space in the heap that stays resident, and the peak resident set wanders up
-    by 10% over 20 steps (docs/memory.md); mapped on their own, it stays flat. Elsewhere the resident set
-    is flat without it, and every activation of 1 MiB or more would be a fresh mapping, faulted in and
-    zeroed page by page at every allocation: a third of a step's time at hidden 256, seq 256 (issue 40)."""
-    return CPU_MMAP_THRESHOLD if zero >= 3 else None
+    Only ZeRO-3 pays for it. There, blocks of a layer's size with different lifetimes (its gradient buffer,
+    gloo's copy of it) leave free space in the heap that stays resident, and the peak resident set wanders
+    up by 10-15% over 20 steps (docs/memory.md); mapped on their own, it stays flat. So blocks of half a
+    layer and more are mapped, and the smaller ones that churn (one matrix's weight gradient, activations
+    of short sequences) keep the heap's speed: every mapping is faulted in and zeroed page by page at each
+    allocation, which cost ZeRO-3 at 135M 0.82x of its step time at a 1 MiB threshold against this one
+    (8 MiB there), and the others, where the resident set is flat without it, a third (issue 40)."""
+    if zero < 3:
+        return None
+    return min(max(layer_grad_bytes // 2, CPU_MMAP_THRESHOLD), GLIBC_MMAP_THRESHOLD_MAX)
 
 
 def _mallopt(param: int, value: int) -> bool:

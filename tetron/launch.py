@@ -17,6 +17,7 @@ raises it, and torchrun exits 1 with a traceback: a scheduler would count a clea
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import signal
@@ -35,10 +36,12 @@ import torch
 import torch.distributed as dist
 
 from tetron import device as dev
+from tetron.checkpoint.save import model_specs
 from tetron.config import Config, from_dict
 from tetron.errors import UserError
 from tetron.fs import checkpoints_dir, find_latest, write_text
 from tetron.mesh import Mesh
+from tetron.models.spec import spec_of
 from tetron.observe.metrics import say
 from tetron.observe.rank_logs import RankLog
 from tetron.observe.watch import RankReport, RankWatch, resume_point
@@ -181,9 +184,23 @@ def setup_rank_process(cfg: Config, *, ranks_per_node: int) -> None:
     for the ZeRO stage (device.cpu_mmap_threshold)."""
     if dev.runs_on_cpu(cfg.parallel.device):
         torch.set_num_threads(dev.cpu_threads(ranks_per_node))
-        threshold = dev.cpu_mmap_threshold(cfg.parallel.zero)
+        layer_bytes = _smallest_layer_grad_bytes(cfg) if cfg.parallel.zero >= 3 else 0
+        threshold = dev.cpu_mmap_threshold(cfg.parallel.zero, layer_grad_bytes=layer_bytes)
         if threshold is not None:
             dev.map_large_allocations(threshold)
+
+
+def _smallest_layer_grad_bytes(cfg: Config) -> int:
+    """The fp32 gradient bytes of the smallest decoder layer on one rank (its tp part): ZeRO-3's unit; 0 for
+    a configuration without a model (a benchmark's ranks that build their own)."""
+    if cfg.model is None:
+        return 0
+    plan = spec_of(cfg.model).plan
+    sizes: dict[int, int] = {}
+    for _, name, _, shape in model_specs(cfg.model, buffers=False):
+        if plan.stage_part(name) == "layer":
+            sizes[plan.layer_index(name)] = sizes.get(plan.layer_index(name), 0) + math.prod(shape)
+    return 4 * min(sizes.values(), default=0) // cfg.parallel.tp
 
 
 def _forget_launcher_signals(signals: list[signal.Signals]) -> None:
