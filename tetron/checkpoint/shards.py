@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -120,32 +120,6 @@ def full_tensor(local: Tensor, param: nn.Parameter, tp_group: dist.ProcessGroup,
     return full.narrow(shard.dim, 0, shard.logical_size or full.shape[shard.dim])
 
 
-class Staging:
-    """Buffers a writer gathers whole tensors into, lent again to later tensors of the same size: a layer's
-    tensors repeat a handful of sizes, layer after layer. A fresh buffer per tensor would be a fresh mapping
-    on ZeRO-3's CPU ranks (glibc's 1 MiB mmap threshold, device.cpu_mmap_threshold), every page of it
-    faulted in and zeroed: the checkpoint's bytes, at every save.
-
-    Two buffers per size, lent in turn: while a tensor is gathered, the one before it may still be being
-    written (ShardWriter.consume keeps one in flight at most), and every earlier one is written. Sizes
-    above REUSE_MAX_BYTES are allocated each time, as glibc would map them anyway (its own threshold
-    stops rising there), so what is kept is at most twice each smaller size."""
-
-    REUSE_MAX_BYTES = 32 << 20
-
-    def __init__(self) -> None:
-        self._turns: dict[tuple[int, torch.device], list[Tensor]] = {}  # [next to lend, last lent]
-
-    def take(self, numel: int, device: torch.device) -> Tensor:
-        """A flat fp32 buffer of `numel` elements, uninitialised."""
-        if numel * 4 > self.REUSE_MAX_BYTES:
-            return torch.empty(numel, dtype=torch.float32, device=device)
-        turn = self._turns.setdefault((numel, device), [])
-        buf = turn.pop(0) if len(turn) == 2 else torch.empty(numel, dtype=torch.float32, device=device)
-        turn.append(buf)
-        return buf
-
-
 @dataclass
 class Pieces:
     """Where a save takes each tensor from: `parts(param, kind)`, this rank's pieces of it (offset in its
@@ -163,7 +137,6 @@ class Pieces:
     group: dist.ProcessGroup | None
     device: torch.device
     shard: int = 1
-    staging: Staging = field(default_factory=Staging)  # where a writer gathers
 
     def gather(self, param: nn.Parameter, kind: str, *, dst: int, me: int, sends: list) -> Tensor | None:
         """The fp32 `param`-shaped tp part on rank `dst` of dp*cp (None elsewhere): each other rank sends
@@ -186,7 +159,7 @@ class Pieces:
             return None
         if len(parts) == 1 and parts[0][1].numel() == param.numel():
             return parts[0][1].view(param.shape)  # this rank holds it all: no copy
-        whole = self.staging.take(param.numel(), self.device)
+        whole = torch.empty(param.numel(), dtype=torch.float32, device=self.device)
         for start, values in parts:
             whole[start:start + values.numel()].copy_(values.reshape(-1))
         works = [dist.irecv(whole[start:start + n], group_src=base + q * stride, group=self.group)
@@ -260,7 +233,7 @@ class ShardWriter:
             writing: Future | None = None
             for key, tensor in stream:
                 if writing is not None:
-                    writing.result()  # one tensor in flight at most (Staging relies on it)
+                    writing.result()  # one tensor in flight at most
                 writing = pool.submit(self._write, key, tensor) if self.error is None else None
 
     def _write(self, key: str, tensor: Tensor) -> None:
