@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from common import launch
+from common import launch, rank_config
 from torch import Tensor
 
 import tetron.checkpoint.save as tetron_save_module
@@ -310,7 +310,9 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tetron-bench-ckpt-", dir=args.dir)
     try:
         for ranks in args.ranks:
-            launch(rank_main, argparse.Namespace(**{**vars(args), "ranks": ranks, "dir": root}))
+            # the ranks set up as `tetron train` sets up its ranks for this model and ZeRO stage
+            launch(rank_main, argparse.Namespace(**{**vars(args), "ranks": ranks, "dir": root}),
+                   cfg=rank_config(ranks, zero=args.zero, model=model_section(args)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -1,5 +1,6 @@
-"""What every multi-rank benchmark shares: forked ranks, interleaved timing with medians, and the
-allocator setting and resident set that the memory figures rest on.
+"""What every multi-rank benchmark shares: forked ranks set up as `tetron train` sets up its ranks
+(tetron.launch.setup_rank), interleaved timing with medians, and the allocator setting and resident set
+that the memory figures rest on.
 
 Forking after torch is imported starts ranks in milliseconds. Each implementation runs a few
 steps in turn, round after round, so drift in machine load hits all of them alike; every timed
@@ -18,10 +19,11 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tetron.config import Config, from_dict
+from tetron.launch import setup_rank
 from tetron.models.llama import LlamaConfig
 
 
@@ -67,21 +69,33 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def launch(rank_main: Callable, args: argparse.Namespace) -> None:
-    """Run rank_main(rank, args) on args.ranks forked ranks of a gloo process group."""
+def rank_config(ranks: int, *, zero: int = 0, device: str = "cpu", model: dict | str | None = None) -> Config:
+    """The configuration whose rank setup (tetron.launch.setup_rank) a benchmark's ranks get when it has none
+    of its own: `ranks` ranks on this machine, ZeRO stage `zero`, the model's section where it is tetron's
+    (ZeRO-3's mmap threshold follows its layers' size)."""
+    return from_dict({"parallel": {"dp": ranks, "zero": zero, "device": device},
+                      **({"model": model} if model is not None else {})})
+
+
+def launch(rank_main: Callable, args: argparse.Namespace, *, cfg: Config | None = None) -> None:
+    """Run rank_main(rank, args) on args.ranks forked ranks of a gloo process group, each set up as `tetron
+    train` sets up its ranks for `cfg` (default: rank_config(args.ranks)): threads, glibc's mmap threshold,
+    signal handlers (tetron.launch.setup_rank)."""
+    cfg = cfg or rank_config(args.ranks)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank_entry, args=(rank_main, args, os.path.join(tmp, "init")), nprocs=args.ranks,
+        mp.start_processes(_rank_entry, args=(rank_main, args, os.path.join(tmp, "init"), cfg), nprocs=args.ranks,
                            start_method="fork")
 
 
-def _rank_entry(rank: int, rank_main: Callable, args: argparse.Namespace, init_file: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))  # ranks share the cores
+def _rank_entry(rank: int, rank_main: Callable, args: argparse.Namespace, init_file: str, cfg: Config) -> None:
+    _, restore = setup_rank(cfg, ranks_per_node=args.ranks)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks,
                             timeout=timedelta(seconds=600))
     try:
         rank_main(rank, args)
     finally:
         dist.destroy_process_group()
+        restore()
 
 
 def median_step_times(runs: dict[str, Callable[[], object]], *, steps: int, per_round: int) -> dict[str, float]:

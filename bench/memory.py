@@ -22,12 +22,14 @@ record. Rank 0's figures, in MiB:
   buffers (ZeRO-2/3), communication buffers (gloo's reduce-scatter copies its whole input).
   Step 2, as step 1 allocates the AdamW moments only at its end.
 
-Allocator: with `--malloc mmap` (the default) each rank first sets glibc's mmap threshold to 64 KiB
-(`mallopt`), so that every tensor's memory is mapped when allocated and returned when freed, and the
-resident set follows the live tensors. `--malloc tetron` sets it as `tetron train`'s CPU ranks do (1 MiB,
-`tetron.device.map_large_allocations`). With `--malloc default` (glibc untouched) freed tensors of up to
-32 MB stay in the heap, and the resident set grows over the first steps by up to 1 GB of free memory,
-which hides most of what ZeRO saves.
+Allocator: with `--malloc tetron` (the default) the ranks are set up as `tetron train` sets up its CPU
+ranks (`tetron.launch.setup_rank`): glibc's mmap threshold fixed at 1 MiB under ZeRO-3
+(`tetron.device.map_large_allocations`), glibc's own otherwise. With `--malloc mmap` each rank sets the
+threshold to 64 KiB (`mallopt`), so that every tensor's memory is mapped when allocated and returned when
+freed, and the resident set follows the live tensors: the accounting of the stages' table in
+docs/memory.md. With `--malloc default` (glibc untouched) freed tensors of up to 32 MB stay in the heap,
+and the resident set grows over the first steps by up to 1 GB of free memory, which hides most of what
+ZeRO saves.
 
 `--per-step N`: ZeRO-0 and ZeRO-3 (recompute none) for N steps each, rank 0's peak RSS in every step
 (reset at its start): whether the resident set stays where the state says, step after step.
@@ -65,14 +67,14 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from common import launch, map_every_allocation, rss_mb
+from common import launch, map_every_allocation, rank_config, rss_mb
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from zero import adamw, local
 
 from tetron import device as dev
-from tetron.config import from_dict
+from tetron.config import Config, from_dict
 from tetron.mesh import Mesh
 from tetron.train import build_run, train_step
 
@@ -96,11 +98,25 @@ def config(args: argparse.Namespace, zero: int, recompute: str, out: str, accumu
     })
 
 
+def rank_setup(args: argparse.Namespace, zero: int) -> Config:
+    """What the ranks of ZeRO stage `zero` are set up for (tetron.launch.setup_rank, through common.launch):
+    as `tetron train` sets them up under `--malloc tetron`; else as for ZeRO-0, which leaves glibc as it is,
+    for set_malloc to change."""
+    return rank_config(args.ranks, zero=zero if args.malloc == "tetron" else 0, model=args.model)
+
+
 def set_malloc(choice: str) -> bool:
-    """The allocator setting `--malloc` names; whether glibc took it."""
+    """The allocator setting `--malloc` names, on top of the rank's setup; whether glibc took it (tetron: the
+    setup made it already)."""
     if choice == "mmap":
         return map_every_allocation()
-    return dev.map_large_allocations() if choice == "tetron" else False
+    return choice == "tetron"
+
+
+def malloc_label(choice: str, mapped: bool) -> str:
+    if choice == "tetron":
+        return "as tetron train (mmap threshold 1 MiB under ZeRO-3, glibc's own otherwise)"
+    return "mmap threshold 64 KiB" if choice == "mmap" and mapped else "glibc default"
 
 
 def rank_main(rank: int, args: argparse.Namespace) -> None:
@@ -142,7 +158,8 @@ def per_step(args: argparse.Namespace) -> None:
         for zero in (0, 3):
             result = os.path.join(tmp, f"zero{zero}.json")
             launch(per_step_rank, argparse.Namespace(**vars(args), zero=zero, result=result,
-                                                     out=os.path.join(tmp, f"run-zero{zero}")))
+                                                     out=os.path.join(tmp, f"run-zero{zero}")),
+                   cfg=rank_setup(args, zero))
             with open(result) as f:
                 rows[zero] = json.load(f)
     print(f"{args.model}, dp {args.ranks}, {args.dtype}, micro-batch {args.micro_batch} x {args.seq_len} tokens, "
@@ -161,7 +178,8 @@ def per_step(args: argparse.Namespace) -> None:
 def measure(args: argparse.Namespace, zero: int, recompute: str, tmp: str) -> dict:
     result = os.path.join(tmp, f"zero{zero}-{recompute}.json")
     launch(rank_main, argparse.Namespace(**vars(args), zero=zero, recompute=recompute, result=result,
-                                         out=os.path.join(tmp, f"run-zero{zero}-{recompute}")))
+                                         out=os.path.join(tmp, f"run-zero{zero}-{recompute}")),
+           cfg=rank_setup(args, zero))
     with open(result) as f:
         return json.load(f)
 
@@ -259,13 +277,12 @@ def accumulation(args: argparse.Namespace) -> None:
             result = os.path.join(tmp, f"{impl}.json")
             rank_main = fsdp2_accumulating if impl == "fsdp2" else tetron_accumulating
             launch(rank_main, argparse.Namespace(**vars(args), impl=impl, result=result,
-                                                 out=os.path.join(tmp, f"run-{impl}")))
+                                                 out=os.path.join(tmp, f"run-{impl}")), cfg=rank_setup(args, 3))
             with open(result) as f:
                 rows[impl] = json.load(f)
             print(f"{impl:8s} losses " + " ".join(f"{x:.4f}" for x in rows[impl]["losses"]), flush=True)
     cfg = config(args, 3, "none", "unused")
-    malloc = "glibc default" if args.malloc == "default" or not all(r["mapped"] for r in rows.values()) else (
-        f"mmap threshold {'64 KiB' if args.malloc == 'mmap' else '1 MiB'}")
+    malloc = malloc_label(args.malloc, all(r["mapped"] for r in rows.values()))
     print(f"\n{args.model} ({cfg.model.num_params() / 1e6:.1f}M parameters), dp {args.ranks} (gloo), ZeRO-3, "
           f"{args.dtype}, AdamW, micro-batch {args.micro_batch} x {args.seq_len} tokens x {args.grad_acc} "
           f"micro-batches per rank, {args.steps} steps; rank 0, MiB; peak: the highest step's; malloc: {malloc}\n")
@@ -287,9 +304,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="256; 64 with --grad-acc")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--malloc", choices=("mmap", "tetron", "default"), default="mmap",
-                        help="mmap: every allocation of 64 KiB+ mapped and unmapped (RSS follows live tensors); "
-                             "tetron: as tetron train's CPU ranks (1 MiB+); default: glibc untouched")
+    parser.add_argument("--malloc", choices=("tetron", "mmap", "default"), default="tetron",
+                        help="tetron: as tetron train's CPU ranks (1 MiB+ mapped under ZeRO-3); mmap: every "
+                             "allocation of 64 KiB+ mapped and unmapped (RSS follows live tensors); default: "
+                             "glibc untouched")
     parser.add_argument("--per-step", type=int, default=0, help="steps of ZeRO-0 and ZeRO-3 with each step's peak RSS")
     parser.add_argument("--grad-acc", type=int, default=1,
                         help="above 1: ZeRO-3 with that many micro-batches, tetron full/sharded against FSDP2")
@@ -315,10 +333,7 @@ def main() -> None:
                       f"step 2: RSS at start {r['start']:,.0f} MiB, peak {r['peak']:,.0f} MiB", flush=True)
     cfg = config(args, 0, "none", "unused")
     n = rows[0, "none"]["params"]
-    threshold = "64 KiB" if args.malloc == "mmap" else "1 MiB"
-    mapped = all(r["mapped"] for r in rows.values())
-    malloc = "glibc default" if args.malloc == "default" else (
-        f"mmap threshold {threshold}" if mapped else "mallopt unavailable: glibc default")
+    malloc = malloc_label(args.malloc, all(r["mapped"] for r in rows.values()))
     print(f"\n{args.model}: {n / 1e6:.1f}M parameters ({cfg.model.num_hidden_layers} layers, hidden "
           f"{cfg.model.hidden_size}, vocab {cfg.model.vocab_size}), dp {args.ranks} (gloo), {args.dtype}, AdamW, "
           f"micro-batch {args.micro_batch} x {args.seq_len} tokens per rank; rank 0, MiB; step 2; malloc: {malloc} "

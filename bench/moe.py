@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from common import rank_config
 from torch import Tensor, nn
 
 import tetron.models.moe as moe_module
@@ -45,6 +46,7 @@ import tetron.parallel.expert_parallel as ep_module
 from tetron.config import from_dict
 from tetron.data.batch import MicroBatch
 from tetron.device import synchronize
+from tetron.launch import setup_rank
 from tetron.mesh import Mesh
 from tetron.models.moe import moe_blocks
 from tetron.models.moe_models import MoeConfig
@@ -317,7 +319,7 @@ def print_ep(args: argparse.Namespace, first: dict, times: dict, per_rank: list[
 
 
 def _ep_entry(rank: int, args: argparse.Namespace, init_file: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))  # ranks share the cores
+    _, restore = setup_rank(rank_config(args.ranks, device=args.device), ranks_per_node=args.ranks)  # as `tetron train`
     backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
     if args.device == "cuda":
         torch.cuda.set_device(rank)
@@ -327,6 +329,7 @@ def _ep_entry(rank: int, args: argparse.Namespace, init_file: str) -> None:
         ep_rank_main(rank, args)
     finally:
         dist.destroy_process_group()
+        restore()
 
 
 def compare_ep(args: argparse.Namespace) -> None:

@@ -3,10 +3,12 @@ write instead with transformers' LlamaForCausalLM, on the same shape, in one inv
 
     python bench/step_overhead.py [--rounds 3] [--steps 6] [--hidden 256] [--layers 4] [--seq 256]
 
-Two settings, each in its own forked ranks: a single process (2 threads, micro-batch 8 x grad-acc 2)
-and data parallelism over 2 ranks (1 thread each, micro-batch 4 x grad-acc 2 per rank; transformers
-under torch's DistributedDataParallel with `no_sync` on the accumulation micro-batches). Both sides
-train the same GQA 8/4 Llama from the same weights on windows of the same token file.
+Two settings, each in its own forked ranks: a single process (micro-batch 8 x grad-acc 2) and data
+parallelism over 2 ranks (micro-batch 4 x grad-acc 2 per rank; transformers under torch's
+DistributedDataParallel with `no_sync` on the accumulation micro-batches). Both sides train the same GQA
+8/4 Llama from the same weights on windows of the same token file, in ranks set up as `tetron train` sets
+up its ranks (tetron.launch.setup_rank: the cores shared among the ranks, glibc's allocator as the ZeRO
+stage wants it, the signal handlers), so that what is timed is what users run.
 
 tetron's step is everything `tetron train` does per step: `train.train_step` (the loader's batch,
 forward/backward, gradient sync, the loss all-reduce, clipping, AdamW, zero_grad) and rank 0's
@@ -42,11 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tetron import train as tetron_train  # noqa: E402
 from tetron.config import from_dict  # noqa: E402
 from tetron.data.loader import prepare_data  # noqa: E402
+from tetron.launch import setup_rank  # noqa: E402
 from tetron.mesh import Mesh  # noqa: E402
 
-SETTINGS = {  # name: (ranks, threads per rank, micro_batch, grad_acc)
-    "single process": (1, 2, 8, 2),
-    "dp 2": (2, 1, 4, 2),
+SETTINGS = {  # name: (ranks, micro_batch, grad_acc)
+    "single process": (1, 8, 2),
+    "dp 2": (2, 4, 2),
 }
 
 
@@ -98,15 +101,16 @@ def hf_step_fn(model, optimizer, batches, *, ranks: int):
     return step
 
 
-def rank_main(rank: int, ranks: int, threads: int, raw: dict, args: argparse.Namespace, init: str, queue) -> None:
+def rank_main(rank: int, ranks: int, raw: dict, args: argparse.Namespace, init: str, queue) -> None:
     from datetime import timedelta
 
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(threads)
+    cfg = from_dict(raw)
+    # as `tetron train` sets up a rank (threads, glibc's allocator, signals): transformers' loop runs in it too
+    _, restore = setup_rank(cfg, ranks_per_node=ranks)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=600))
-    cfg = from_dict(raw)
     run = tetron_train.build_run(cfg, Mesh(dp=ranks), torch.device("cpu"))
     reporter = tetron_train.Reporter(cfg, device=run.device, world_size=ranks, first_step=0) if rank == 0 else None
     hf = hf_model(run, args)
@@ -139,8 +143,9 @@ def rank_main(rank: int, ranks: int, threads: int, raw: dict, args: argparse.Nam
                 times[name].append(time.perf_counter() - start)
     breakdown = profile_step(run, step_no[0]) if rank == 0 and ranks == 1 and args.profile else None
     if rank == 0:
-        queue.put({"times": times, "breakdown": breakdown})
+        queue.put({"times": times, "breakdown": breakdown, "threads": torch.get_num_threads()})
     dist.destroy_process_group()
+    restore()
 
 
 PHASES = {  # tetron.train's functions timed in the profile, by the phase they are
@@ -191,13 +196,13 @@ def profile_step(run, step: int) -> dict[str, float]:
 
 
 def run_setting(name: str, args: argparse.Namespace, tmp: str) -> dict:
-    ranks, threads, micro_batch, grad_acc = SETTINGS[name]
+    ranks, micro_batch, grad_acc = SETTINGS[name]
     raw = tetron_config(args, tmp, dp=ranks, micro_batch=micro_batch, grad_acc=grad_acc)
     prepare_data(from_dict(raw))  # tokenize once here, the ranks find the cache
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     init = os.path.join(tmp, f"init-{ranks}")
-    procs = [ctx.Process(target=rank_main, args=(r, ranks, threads, raw, args, init, queue)) for r in range(ranks)]
+    procs = [ctx.Process(target=rank_main, args=(r, ranks, raw, args, init, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
     result = queue.get(timeout=3600)
@@ -209,7 +214,7 @@ def run_setting(name: str, args: argparse.Namespace, tmp: str) -> dict:
     rounds = [statistics.median(times["transformers"][i:i + k]) / statistics.median(times["tetron"][i:i + k])
               for i in range(0, len(times["tetron"]), k)]
     return {impl: tokens / statistics.median(t) for impl, t in times.items()} | {
-        "breakdown": result["breakdown"], "rounds": rounds}
+        "breakdown": result["breakdown"], "rounds": rounds, "threads": result["threads"]}
 
 
 def main() -> None:
@@ -228,7 +233,8 @@ def main() -> None:
     print(f"step overhead: hidden {args.hidden}, {args.layers} layers, GQA 8/4, seq {args.seq}, vocab {args.vocab}; "
           f"median tokens/s over {args.rounds} interleaved rounds of {args.steps} steps")
     for name, r in results.items():
-        print(f"  {name:15s} tetron {r['tetron']:9,.0f}  transformers {r['transformers']:9,.0f}  "
+        print(f"  {name:15s} ({r['threads']} threads a rank) tetron {r['tetron']:9,.0f}  "
+              f"transformers {r['transformers']:9,.0f}  "
               f"tetron/transformers = {r['tetron'] / r['transformers']:.3f}  (above 1: tetron is faster; "
               f"rounds {min(r['rounds']):.3f}-{max(r['rounds']):.3f})")
     breakdown = results.get("single process", {}).get("breakdown")

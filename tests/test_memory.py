@@ -319,8 +319,8 @@ libc.free(small)
 
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallinfo2"), reason="needs glibc")
 def test_cpu_ranks_map_large_blocks():
-    """tetron's CPU ranks keep glibc's mmap threshold at 1 MiB: a 2 MiB block is its own mapping, given back
-    when freed, even after a larger block was freed (which by default raises the threshold, so that the
+    """A fixed mmap threshold (ZeRO-3's CPU ranks set one, here 1 MiB): a 2 MiB block is its own mapping, given
+    back when freed, even after a larger block was freed (which by default raises the threshold, so that the
     2 MiB come from the heap, where freed pages stay resident)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", MAPPED_AFTER_A_REUSE], env=env, capture_output=True, text=True,

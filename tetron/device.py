@@ -151,26 +151,59 @@ def reset_peak_memory(device: torch.device) -> bool:
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-CPU_MMAP_THRESHOLD = 1 << 20  # bytes: blocks this large get mappings of their own on CPU ranks
+CPU_MMAP_THRESHOLD = 1 << 20  # bytes: the lowest threshold ZeRO-3's CPU ranks set
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's own threshold rises no higher, and refuses a fixed one above it
+
+
+def runs_on_cpu(kind: str) -> bool:
+    """Whether parallel.device=`kind` puts this machine's ranks on the CPU."""
+    return kind == "cpu" or (kind == "auto" and not torch.cuda.is_available())
+
+
+def cpu_threads(ranks_per_node: int) -> int:
+    """Threads for each of `ranks_per_node` CPU ranks sharing this machine's cores: more threads than cores
+    only adds contention."""
+    return max(1, (os.cpu_count() or 1) // ranks_per_node)
+
+
+def cpu_mmap_threshold(zero: int, *, layer_grad_bytes: int) -> int | None:
+    """The fixed glibc mmap threshold a CPU rank of ZeRO stage `zero` sets (map_large_allocations), or None
+    to leave glibc's own; `layer_grad_bytes`: the fp32 gradient of the smallest decoder layer on this rank.
+
+    Only ZeRO-3 pays for it. There, blocks of a layer's size with different lifetimes (its gradient buffer,
+    gloo's copy of it) leave free space in the heap that stays resident, and the peak resident set wanders
+    up by 10-15% over 20 steps (docs/memory.md); mapped on their own, it stays flat. So blocks of half a
+    layer and more are mapped, and the smaller ones that churn (one matrix's weight gradient, activations
+    of short sequences) keep the heap's speed: every mapping is faulted in and zeroed page by page at each
+    allocation. At a 1 MiB threshold a ZeRO-3 step at 135M took 1.22x as long as at 8 MiB, and a ZeRO-0
+    step, whose resident set is flat without any, 1.4x as long as under glibc's own (issue 40)."""
+    if zero < 3:
+        return None
+    return min(max(layer_grad_bytes // 2, CPU_MMAP_THRESHOLD), GLIBC_MMAP_THRESHOLD_MAX)
+
+
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt(param, value); False where there is no glibc (macOS, musl) or it refuses."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return bool(libc.mallopt(param, value))
+    except (OSError, AttributeError, TypeError):
+        return False
 
 
 def map_large_allocations(threshold: int = CPU_MMAP_THRESHOLD) -> bool:
-    """CPU ranks (the launcher calls this): glibc serves every block of `threshold` bytes or more with a
-    mapping of its own, returned to the system when freed, so the resident set follows the live tensors.
+    """glibc serves every block of `threshold` bytes or more with a mapping of its own, returned to the
+    system when freed, so the resident set follows the live tensors (ZeRO-3's CPU ranks: cpu_mmap_threshold).
 
     glibc's default threshold moves: freeing a mapped block raises it to that block's size (up to
     32 MB), and from then on blocks of a training step's sizes (gradient buffers, ZeRO-3's gathered
     layers, gloo's copies, weight gradients: a few to tens of MB, allocated and freed in every step)
     come from the heap, which keeps the free space between them resident. Measured on SmolLM-135M at
     dp2 (docs/memory.md): ZeRO-3's peak resident set wandered up to 10% above step 2's, to ZeRO-0's;
-    with this threshold it is flat from step 2, at 0.72x. Smaller blocks (activations of short
-    sequences, Python's objects) keep the heap's speed. Returns False where there is no glibc (macOS,
-    musl): nothing changes there."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError, TypeError):
-        return False
+    with this threshold it is flat from step 2, at 0.72x. The price: each such block is a fresh mapping,
+    whose pages the kernel faults in and zeroes. Returns False where there is no glibc (macOS, musl):
+    nothing changes there."""
+    return _mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 def _vm_hwm_kib() -> int | None:

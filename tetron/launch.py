@@ -17,6 +17,7 @@ raises it, and torchrun exits 1 with a traceback: a scheduler would count a clea
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import signal
@@ -29,16 +30,18 @@ import uuid
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from tetron import device as dev
+from tetron.checkpoint.save import model_specs
 from tetron.config import Config, from_dict
 from tetron.errors import UserError
 from tetron.fs import checkpoints_dir, find_latest, write_text
 from tetron.mesh import Mesh
+from tetron.models.spec import spec_of
 from tetron.observe.metrics import say
 from tetron.observe.rank_logs import RankLog
 from tetron.observe.watch import RankReport, RankWatch, resume_point
@@ -125,19 +128,16 @@ def run_rank(raw_config: dict[str, Any], reports: str | None = None) -> None:
     `reports`: the folder of tetron's launcher (watch.py), which prints the run's last line from what each
     rank reports there; None under torchrun or in a single process, where rank 0 prints it."""
     cfg = from_dict(raw_config)
-    if reports is not None:
-        _forget_launcher_signals(stop_signals(cfg.checkpoint.stop_signal))
     # The elastic launcher counts restarts; a restarted rank continues from OUT's latest checkpoint.
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     rank = int(os.environ.get("RANK", 0))
     report = RankReport(Path(reports), rank=rank, attempt=restart) if reports else None
-    stop = StopRequest()
     # A launched rank may get one request twice within moments: torchrun's agent passes on a signal the
     # ranks also got directly, and a launcher that dies sends its death signal (SIGINT) once per thread.
     repeat_s = SAME_REQUEST_S if "RANK" in os.environ else 0.0
-    restore = watch_signals(stop_signals(cfg.checkpoint.stop_signal), on_stop=stop.request, forwarded=True,
-                            on_abort=lambda sig: _abort(sig, cfg.out, announce=rank == 0 and report is None),
-                            same_request_s=repeat_s)
+    stop, restore = setup_rank(cfg, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                               forked=reports is not None, same_request_s=repeat_s,
+                               on_abort=lambda sig: _abort(sig, cfg.out, announce=rank == 0 and report is None))
     launcher = os.getppid()
     rank_log = RankLog.start(Path(cfg.out).expanduser(), rank, attempt=restart)  # OUT/logs/rank_N.log
     try:
@@ -156,6 +156,51 @@ def run_rank(raw_config: dict[str, Any], reports: str | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         rank_log.restore()
+
+
+def setup_rank(cfg: Config, *, ranks_per_node: int, forked: bool = True, same_request_s: float = 0.0,
+               on_abort: Callable[[signal.Signals], None] | None = None) -> tuple[StopRequest, Callable[[], None]]:
+    """The settings of one rank's process, made before anything else it does: every `tetron train` rank
+    (under tetron's launcher, torchrun or alone) and every benchmark's rank (bench/common.py) call this, so
+    that a benchmark times what users run (tests/test_bench_setup.py checks that they match).
+
+    On the CPU, torch's threads and glibc's mmap threshold (setup_rank_process). Signals: a rank `forked`
+    from a process with handlers of its own (tetron's launcher) starts from the defaults; then the stop
+    signals ask for a checkpoint and a stop (StopRequest), a second one calls `on_abort` (default: exit at
+    once). Returns the request and the function that restores the signal handlers found."""
+    signals = stop_signals(cfg.checkpoint.stop_signal)
+    if forked:
+        _forget_launcher_signals(signals)
+    setup_rank_process(cfg, ranks_per_node=ranks_per_node)
+    stop = StopRequest()
+    restore = watch_signals(signals, on_stop=stop.request, forwarded=True, same_request_s=same_request_s,
+                            on_abort=on_abort or (lambda sig: _abort(sig, cfg.out, announce=False)))
+    return stop, restore
+
+
+def setup_rank_process(cfg: Config, *, ranks_per_node: int) -> None:
+    """setup_rank's process settings, without its signals (also for `tetron plan --measure`'s ranks): on the
+    CPU, torch's threads (the node's cores shared by its `ranks_per_node` ranks) and glibc's mmap threshold
+    for the ZeRO stage (device.cpu_mmap_threshold)."""
+    if dev.runs_on_cpu(cfg.parallel.device):
+        torch.set_num_threads(dev.cpu_threads(ranks_per_node))
+        layer_bytes = _smallest_layer_grad_bytes(cfg) if cfg.parallel.zero >= 3 else 0
+        threshold = dev.cpu_mmap_threshold(cfg.parallel.zero, layer_grad_bytes=layer_bytes)
+        if threshold is not None:
+            dev.map_large_allocations(threshold)
+
+
+def _smallest_layer_grad_bytes(cfg: Config) -> int:
+    """The fp32 gradient bytes of the smallest decoder layer on one rank (its tp part): ZeRO-3's unit; 0 for
+    a configuration without a model (a benchmark's ranks that build their own)."""
+    if cfg.model is None:
+        return 0
+    plan = spec_of(cfg.model).plan
+    sizes: dict[int, int] = {}
+    for _, name, _, shape in model_specs(cfg.model, buffers=False):
+        if plan.stage_part(name) == "layer":
+            sizes[plan.layer_index(name)] = sizes.get(plan.layer_index(name), 0) + math.prod(shape)
+    return 4 * min(sizes.values(), default=0) // cfg.parallel.tp
 
 
 def _forget_launcher_signals(signals: list[signal.Signals]) -> None:
@@ -189,11 +234,6 @@ def _train_rank(cfg: Config, *, restart: int, stop: StopRequest, report: RankRep
     if restart > 0 and os.environ.get("RANK", "0") == "0" and report is None:
         say(f"restart {restart} after a rank failed: {resume_point(cfg.out)}")
     device = dev.pick_device(cfg.parallel.device, int(os.environ.get("LOCAL_RANK", 0)))
-    if device.type == "cpu":
-        # Ranks share the cores: more threads than cores per rank only adds contention.
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
-        dev.map_large_allocations()  # a resident set that follows the live tensors, step after step
     init_process_group(device, timeout_s=cfg.parallel.timeout_s, restart=restart)
     p = cfg.parallel
     mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_shard=p.dp_shard, device_type=device.type,

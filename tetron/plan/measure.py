@@ -109,14 +109,13 @@ def measure_rank(raw: dict[str, Any], *, steps: int = 3, timed_steps: int = 3, l
 def _launched(raw: dict[str, Any], steps: int, timed_steps: int) -> dict[str, Any]:
     """Entry point of a rank started by the elastic launcher: like launch.run_rank, the start-up reads
     the launcher's environment, sizes the CPU threads and joins the group."""
-    from tetron.launch import init_process_group
+    from tetron.launch import init_process_group, setup_rank_process
 
     cfg = from_dict(raw)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = dev.pick_device(cfg.parallel.device, local_rank)
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-        dev.map_large_allocations()  # glibc as under `tetron train`, so the step times are its
+    # threads and glibc's allocator as under `tetron train`, so the step times are its
+    setup_rank_process(cfg, ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     init_process_group(device, timeout_s=cfg.parallel.timeout_s, restart=0)
     try:
         return measure_rank(raw, steps=steps, timed_steps=timed_steps, local_rank=local_rank)
