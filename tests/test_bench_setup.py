@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import common  # noqa: E402  (bench/common.py: the harness of the multi-rank benchmarks)
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGXFSZ)
 
 
 def _handler_name(handler: object) -> str:
@@ -81,7 +81,8 @@ def test_bench_ranks_are_set_up_as_launched_ranks(tmp_path, monkeypatch, zero):
     assert zero < 3 or threshold > 1 << 20
     assert want["wakeup_fd"] and want["signal_thread"]
     watched = {name for name, handler in want["handlers"].items() if "watch_signals" in handler}
-    assert watched == {"SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"}
+    assert watched == {"SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"}
+    assert want["handlers"]["SIGXFSZ"] == str(signal.SIG_IGN)  # a file-size limit is an EFBIG a save reports
     for rank in range(2):
         assert json.loads((tmp_path / f"bench{rank}.json").read_text()) == want
 

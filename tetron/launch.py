@@ -172,6 +172,9 @@ def setup_rank(cfg: Config, *, ranks_per_node: int, forked: bool = True, same_re
     if forked:
         _forget_launcher_signals(signals)
     setup_rank_process(cfg, ranks_per_node=ranks_per_node)
+    # past a file-size limit (ulimit -f) a write then fails with EFBIG, which a save reports in one line and
+    # cleans up after, instead of the kernel killing the rank mid-save
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     stop = StopRequest()
     restore = watch_signals(signals, on_stop=stop.request, forwarded=True, same_request_s=same_request_s,
                             on_abort=on_abort or (lambda sig: _abort(sig, cfg.out, announce=False)))
