@@ -10,6 +10,7 @@ tolerance is the issue's 10%; measured here the model is within 3% on every rank
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tetron.config import from_dict, load_config
+from tetron.config import cuda_dtype, from_dict, load_config, load_raw
 from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError
 from tetron.models.llama import LlamaConfig
@@ -27,7 +28,7 @@ from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import GiB, gpu, with_memory
 from tetron.plan.measure import measure_rank
 from tetron.plan.memory import predict_rank
-from tetron.plan.search import rank, search
+from tetron.plan.search import LEGEND, rank, search
 from tetron.plan.sizes import Sizes
 from tetron.plan.state import state
 from tetron.plan.steptime import estimate
@@ -222,6 +223,21 @@ def test_plan_json_and_write(tmp_path):
     assert {k: getattr(cfg.parallel, k) for k in ("dp", "tp", "pp", "cp", "zero")} == \
         {k: best["layout"][k] for k in ("dp", "tp", "pp", "cp", "zero")}
     assert cfg.train.micro_batch == best["layout"]["micro_batch"] and cfg.global_batch == 64
+    # what a real run still has to change is marked where it stands, with the base config's values
+    marked = [line for line in written.read_text().splitlines() if "# EDIT: " in line]
+    assert [line.split("#")[0].strip() for line in marked] == [
+        f"path: {cfg.data.path}", f"steps: {cfg.train.steps}", f"out: {cfg.out}"]
+    assert written.read_text().startswith(f"# tetron plan #1: {best['label']}\n# Before training, edit the lines")
+
+
+def test_plan_measure_needs_two_steps(tmp_path):
+    """The peak is measured from the second step (the first has no optimizer state): --steps 1 is refused in one
+    line before anything runs (it divided by zero)."""
+    args = ["plan", "--nodes", "1", "--gpus-per-node", "1", "--measure", "1", "--steps", "1"]
+    result = cli_in_process(args, tmp_path)
+    assert result.returncode == 2 and result.stderr == (
+        "tetron: error: --steps=1 with --measure: the peak is measured from the second step on (the first has no "
+        "optimizer state yet); use --steps 2 or more\n")
 
 
 def test_plan_says_when_nothing_fits(tmp_path):
@@ -289,7 +305,64 @@ def test_hf_config_is_a_model(tmp_path):
                     "H100", "--seq-len", "512", "--batch-tokens", str(8 * 512), "--top", "3", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert "layouts valid" in lines[1] and len(lines) == 6
+    assert "layouts valid" in lines[1] and lines[6:] == LEGEND.splitlines() + [
+        "note: the config sets none of these, so the plan assumed: bfloat16, the default on GPUs "
+        "(--train.dtype=float32 for fp32)"]
+    assert "bfloat16" in lines[0]
+
+
+def test_plan_says_what_it_assumed_and_shows_progress(tmp_path):
+    """Planning a model for GPUs with nothing else set: the sequence, batch and dtype it took are named in a
+    note (bf16 on GPUs, as tetron train makes it there); the search says how far it got on stderr."""
+    model = [f"--model.{k}={v}" for k, v in {**MODEL, "vocab_size": 256, "max_position_embeddings": 256}.items()]
+    result = tetron("plan", *model, "--nodes", "2", "--gpus-per-node", "8", "--gpu", "H100", "--top", "2", "--pp", "1",
+                    "--cp", "1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    head, *_, note = result.stdout.splitlines()
+    defaults = from_dict({})
+    seq, tokens = defaults.data.seq_len, defaults.global_batch * defaults.data.seq_len
+    assert f"seq {seq}, " in head and head.endswith("bfloat16")
+    assert note == (f"note: the config sets none of these, so the plan assumed: seq {seq} (--seq-len); a batch of "
+                    f"{tokens:,} tokens (--batch-tokens); bfloat16, the default on GPUs "
+                    f"(--train.dtype=float32 for fp32)")
+    assert re.fullmatch(r"tetron plan: [\d,]+ layouts of 16 ranks to check and predict", result.stderr.splitlines()[0])
+    # given, nothing is assumed; on this CPU an unset dtype stays float32 and says so
+    given = tetron("plan", *model, "--nodes", "1", "--gpus-per-node", "2", "--top", "1", "--seq-len", "64", "--pp", "1",
+                   "--batch-tokens", "512", cwd=tmp_path)
+    assert given.returncode == 0, given.stderr
+    assert given.stdout.splitlines()[-1] == ("note: the config sets none of these, so the plan assumed: float32 "
+                                             "(--train.dtype=bfloat16)")
+    done = tetron("plan", *model, "--nodes", "1", "--gpus-per-node", "2", "--top", "1", "--seq-len", "64", "--pp", "1",
+                  "--batch-tokens", "512", "--train.dtype", "float32", cwd=tmp_path)
+    assert not done.stdout.splitlines()[-1].startswith("note:")
+
+
+def test_search_reports_progress():
+    """A line as the search starts, then one per interval (every layout with an interval of 0)."""
+    cfg = load_config(None, [*(f"--model.{k}={v}" for k, v in {**MODEL, "vocab_size": 256}.items()), "--seq-len", "64"])
+    lines = []
+    plans = search(cfg, gpu("H100"), nodes=1, gpus_per_node=4, batch=8, progress=lines.append, every_s=0)
+    total = int(re.match(r"tetron plan: ([\d,]+) layouts", lines[0]).group(1).replace(",", ""))
+    assert total >= len(plans) and len(lines) == total + 1
+    assert re.fullmatch(rf"tetron plan: {total - 1:,}/{total:,} layouts, [\d,]+ valid so far \(\d+ s\)", lines[-1])
+
+
+def test_cuda_default_dtype_is_bf16_unless_the_config_says(monkeypatch):
+    """train.dtype left unset trains in bf16 on CUDA (tetron train says so in a note), float32 on the CPU;
+    a dtype the config or the command line sets is kept; the device kind comes from parallel.device."""
+    from tetron import cli
+
+    assert cuda_dtype({}, device_type="cuda") == "bfloat16"
+    assert cuda_dtype({"train": None}, device_type="cuda") == "bfloat16"
+    assert cuda_dtype({"train": {"lr": 1e-3}}, device_type="cuda") == "bfloat16"
+    assert cuda_dtype({"train": {"dtype": "float32"}}, device_type="cuda") is None
+    assert cuda_dtype(load_raw(None, ["--train.dtype", "float32"]), device_type="cuda") is None
+    assert cuda_dtype({}, device_type="cpu") is None
+    assert cuda_dtype({"train": 5}, device_type="cuda") is None  # from_dict refuses it in one line
+    for cuda_here, device, want in [(0, "auto", "cpu"), (0, "cuda", "cuda"), (1, "cpu", "cpu"), (1, "auto", "cuda")]:
+        monkeypatch.setattr(cli, "cuda_count", lambda n=cuda_here: n)
+        assert cli._device_type({"parallel": {"device": device}}) == want
+    assert cli._device_type({}) == "cuda"  # parallel.device defaults to auto (1 GPU here, as set last)
 
 
 def test_plan_model_name_plans_its_whole_config(capsys):
@@ -316,7 +389,7 @@ def test_plan_table_columns_stay_aligned(capsys):
 
     assert main(["plan", str(CONFIGS_DIR / "smollm-1.7b.yaml"), "--nodes", "2", "--gpus-per-node", "8", "--gpu", "H100",
                  "--top", "4", "--tp", "1", "--pp", "1", "--cp", "1", "--zero", "3"]) == 0
-    table = capsys.readouterr().out.splitlines()[2:]
+    table = capsys.readouterr().out.splitlines()[2:7]  # the heading and 4 rows (the legend follows)
     terms = [row[60:].split("  ")[0] for row in table[1:]]  # after the mem/rank column
     assert max(map(len, terms)) > 40, terms  # longer than the heading's 40 characters
     assert len({len(row) for row in table}) == 1, "\n".join(table)

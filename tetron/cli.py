@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from tetron.config import SECTIONS, Config, from_dict, load_config
+from tetron.config import SECTIONS, Config, cuda_dtype, from_dict, load_config, load_raw
 from tetron.data.loader import (
     check_tokenizer_pairing,
     data_specs,
@@ -159,7 +159,14 @@ def train_command(args: list[str]) -> int:
     lock = None  # rank 0, or the launching process, holds the run folder while the run lasts
     notes: list[str] = []
     try:
-        cfg, notes = _fit_tokenizer(load_config(config_path, args), args)
+        raw = load_raw(config_path, args)
+        dtype = cuda_dtype(raw, device_type=_device_type(raw))
+        if dtype is not None:  # every rank (under torchrun too) sees the same config and device kind
+            raw["train"] = {**(raw.get("train") or {}), "dtype": dtype}
+        cfg, notes = _fit_tokenizer(from_dict(raw), args)
+        if dtype is not None:
+            notes.insert(0, f"train.dtype={dtype}: the default on CUDA when the config sets none "
+                            f"(--train.dtype=float32 trains in fp32)")
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
         note = _schedule_note(cfg)  # reads the checkpoint's saved config: refused before anything is written
         # the memory model's peak per rank against this node's memory, before any rank allocates
@@ -187,6 +194,12 @@ def train_command(args: list[str]) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _device_type(raw: dict) -> str:
+    """"cuda" or "cpu": the device a raw config's parallel.device ("auto" by default) picks on this machine."""
+    kind = (raw.get("parallel") or {}).get("device", "auto") if isinstance(raw.get("parallel"), dict) else "auto"
+    return "cuda" if kind == "cuda" or (kind == "auto" and cuda_count() > 0) else "cpu"
 
 
 def _schedule_note(cfg: Config) -> str | None:

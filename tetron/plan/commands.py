@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import typing
 
 from tetron.config import PpSchedule, Recompute, ZeroAccumulate, load_config
@@ -56,7 +57,7 @@ def plan_command(args: list[str]) -> int:
                               gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
                               top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
                               steps=ns.steps)
-        text, code = run(request)
+        text, code = run(request, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except (UserError, ValueError) as err:
         return failed(str(err))
     print(text)
