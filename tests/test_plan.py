@@ -363,6 +363,13 @@ def test_cuda_default_dtype_is_bf16_unless_the_config_says(monkeypatch):
         monkeypatch.setattr(cli, "cuda_count", lambda n=cuda_here: n)
         assert cli._device_type({"parallel": {"device": device}}) == want
     assert cli._device_type({}) == "cuda"  # parallel.device defaults to auto (1 GPU here, as set last)
+    # a Slurm job on GPUs (job.sh asks for them unless parallel.device=cpu) resolves it into its config.yaml
+    from tetron.plan.commands import job_config
+
+    cfg, note = job_config("demo", [])
+    assert cfg.train.dtype == "bfloat16" and note.startswith("train.dtype=bfloat16: the default on GPUs")
+    assert job_config("demo", ["--parallel.device=cpu"])[0].train.dtype == "float32"
+    assert job_config("demo", ["--train.dtype=float32"]) == (load_config("demo", ["--train.dtype=float32"]), None)
 
 
 def test_plan_model_name_plans_its_whole_config(capsys):

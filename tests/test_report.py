@@ -193,6 +193,17 @@ def test_each_launch_names_its_layout_on_its_first_record(tmp_path, resume):
                                                              (4, None)]
 
 
+def test_the_start_line_names_expert_parallelism():
+    """`tetron train`'s first line gives every axis the run uses: ep too (the MoE demo's dp2 ep2)."""
+    from tetron.config import load_config
+    from tetron.launch import start_line
+
+    moe = load_config("demo-moe")
+    assert start_line(moe) == "tetron: starting 2 ranks (dp=2 tp=1 pp=1 cp=1 ep=2), run folder runs/demo-moe"
+    assert start_line(load_config("demo", ["--dp", "2"])) == (
+        "tetron: starting 2 ranks (dp=2 tp=1 pp=1 cp=1), run folder runs/demo")
+
+
 def test_report_refuses_a_folder_without_metrics(tmp_path):
     with pytest.raises(ConfigError, match=r"no metrics.jsonl there"):
         report([str(tmp_path)])

@@ -6,7 +6,7 @@ import argparse
 import sys
 import typing
 
-from tetron.config import PpSchedule, Recompute, ZeroAccumulate, load_config
+from tetron.config import Config, PpSchedule, Recompute, ZeroAccumulate, cuda_dtype, from_dict, load_raw
 from tetron.errors import UserError, failed
 from tetron.overrides import OneLineParser, split_known
 from tetron.plan.report import PlanRequest, check_plan_numbers, fixed_axes, run
@@ -64,6 +64,20 @@ def plan_command(args: list[str]) -> int:
     return code
 
 
+def job_config(path: str, overrides: list[str]) -> tuple[Config, str | None]:
+    """A Slurm job's config, and a note when it trains in bf16 because nothing set train.dtype: a job on GPUs
+    (parallel.device other than cpu: job.sh asks for them) trains as `tetron train` would on one, and its
+    config.yaml, resolved here, says so to every node."""
+    raw = load_raw(path, overrides)
+    kind = raw["parallel"].get("device", "auto") if isinstance(raw.get("parallel"), dict) else "auto"
+    dtype = cuda_dtype(raw, device_type="cpu" if kind == "cpu" else "cuda")
+    if dtype is None:
+        return from_dict(raw), None
+    raw["train"] = {**(raw.get("train") or {}), "dtype": dtype}
+    note = f"train.dtype={dtype}: the default on GPUs when the config sets none (--train.dtype=float32 trains in fp32)"
+    return from_dict(raw), note
+
+
 def slurm_command(args: list[str]) -> int:
     parser = OneLineParser(prog="tetron slurm", description=(
         "Write OUT/slurm/job.sh (and node.sh, config.yaml): one srun task per node starting torchrun with a "
@@ -81,11 +95,13 @@ def slurm_command(args: list[str]) -> int:
     try:
         mine, overrides = split_known(parser, args)
         ns = parser.parse_args(mine)
-        cfg = load_config(ns.config, overrides)
+        cfg, dtype_note = job_config(ns.config, overrides)
         job = SlurmJob(nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition, time=ns.time,
                        account=ns.account, cpus_per_task=ns.cpus_per_task, job_name=ns.job_name)
         script = write_job(cfg, job)
         print(f"tetron: wrote {script} (and node.sh, config.yaml beside it)")
+        if dtype_note:
+            print(f"tetron: note: {dtype_note}")
         if ns.submit:
             job_id = submit(script)
             print(f"tetron: submitted job {job_id}; logs in {script.parent} and {script.parent.parent / 'logs'}")
