@@ -743,6 +743,21 @@ def test_generate_refuses_bad_arguments_and_damaged_folders_in_one_line(ck, tmp_
     assert code == 0 and out.startswith("def "), err
 
 
+def test_generate_on_a_stopped_run_samples_its_latest_checkpoint(ck, tmp_path, tetron_cli):
+    """A run stopped before its end has no RUN/model: its latest checkpoint stands in, with a note, and samples
+    what naming that checkpoint samples; a folder with neither is refused in one line."""
+    run, _, _ = fresh(ck, tmp_path)
+    shutil.rmtree(run / "model")
+    args = ["--max-new-tokens", "8", "--temperature", "0"]
+    code, out, err, _ = tetron_cli("generate", run, *args)
+    assert code == 0 and err == (f"tetron: note: {run} has no final model (the run stopped before its last step): "
+                                 f"sampling from its latest checkpoint, {run}/checkpoints/step_4\n")
+    assert (code, out) == tetron_cli("generate", run / "checkpoints" / "step_4", *args)[:2]
+    shutil.rmtree(run / "checkpoints")
+    one_line(*tetron_cli("generate", run)[:3:2], r"no trained model here \(expected .*/model/config\.json, or a "
+                                                   r"checkpoint under .*/checkpoints\)")
+
+
 # ----------------------------------------------------------------------------- fuzz, through the CLI
 
 

@@ -268,7 +268,8 @@ def generate_command(args: list[str]) -> int:
     try:
         ns = _generate_args(args)
         text = sample_from_run(ns.run, prompt=ns.prompt, max_new_tokens=ns.max_new_tokens,
-                               temperature=ns.temperature, top_k=ns.top_k, device=ns.device, seed=ns.seed)
+                               temperature=ns.temperature, top_k=ns.top_k, device=ns.device, seed=ns.seed,
+                               note=lambda line: print(f"tetron: note: {line}", file=sys.stderr, flush=True))
     except (UserError, ValueError) as err:  # checked before loading: a damaged or mismatched model folder
         return failed(str(err))
     print(text)
