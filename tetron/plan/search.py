@@ -159,20 +159,18 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
 def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch: int,
            fixed: dict[str, Any] | None = None, progress: Callable[[str], None] | None = None,
            every_s: float = PROGRESS_EVERY_S) -> list[Plan]:
-    """Every valid layout, predicted; see `rank` for the order. `progress` gets a line as the search starts,
-    then every `every_s` seconds (a large model's search takes a while: each layout is predicted layer by
-    layer on fake tensors)."""
+    """Every valid layout, predicted; see `rank` for the order. `progress` gets a line every `every_s` seconds
+    of the search (a large model's takes a while: each layout is predicted layer by layer on fake tensors); a
+    search quicker than that says nothing."""
     world, plans, refused = nodes * gpus_per_node, [], []
     limit = memory_limit(hw, gpus_per_node)
     layouts = list(candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed or {}))
     start = last = time.monotonic()
-    if progress:
-        progress(f"tetron plan: {len(layouts):,} layouts of {world} ranks to check and predict")
     for i, layout in enumerate(layouts):
         if progress and time.monotonic() - last >= every_s:
             last = time.monotonic()
-            progress(f"tetron plan: {i:,}/{len(layouts):,} layouts, {len(plans):,} valid so far "
-                     f"({last - start:.0f} s)")
+            progress(f"tetron plan: {i:,} of {len(layouts):,} layouts of {world} ranks checked and predicted, "
+                     f"{len(plans):,} valid so far ({last - start:.0f} s)")
         cfg = layout.apply(base)
         try:
             validate(cfg, world_size=world)
