@@ -27,8 +27,8 @@ from tetron.plan import fit
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import GiB, gpu, with_memory
 from tetron.plan.measure import measure_rank
-from tetron.plan.memory import predict_rank
-from tetron.plan.search import LEGEND, rank, search
+from tetron.plan.memory import predict, predict_rank
+from tetron.plan.search import LEGEND, _gib, memory_limit, rank, search
 from tetron.plan.sizes import Sizes
 from tetron.plan.state import state
 from tetron.plan.steptime import estimate
@@ -40,13 +40,12 @@ from harness import run_ranks
 REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.10  # predicted vs measured per-rank peak, relative (the issue's bound; measured: within 3%)
 
-# A 4-layer GQA model small enough that 15 layouts train a few steps each in well under a minute.
+# A 4-layer GQA model small enough that 16 layouts train a few steps each in well under a minute.
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 128}
 # Every axis, ZeRO stage (accumulating sharded and full, HSDP) and recomputation mode, bf16, each pipeline
-# schedule; at most 4 ranks each.
-# Not here: tp with recompute=selective, which leaks the row-parallel outputs it keeps (about 540 KB a step
-# for this model; see the report), so its memory grows step after step and no steady state exists.
+# schedule; at most 4 ranks each. tp with selective recomputation among them: its memory once grew every step (the
+# kept row-parallel outputs leaked), and is flat since (test_recompute.py::test_selective_under_tp_frees_each_step).
 LAYOUTS = {
     "single": ({}, {}),
     "single bf16 selective": ({}, {"dtype": "bfloat16", "recompute": "selective"}),
@@ -56,6 +55,7 @@ LAYOUTS = {
     "dp2 zero3": ({"dp": 2, "zero": 3}, {}),
     "tp2 sp": ({"tp": 2, "sp": True}, {}),
     "tp2 full bf16": ({"tp": 2}, {"recompute": "full", "dtype": "bfloat16"}),
+    "tp2 sp selective": ({"tp": 2, "sp": True}, {"recompute": "selective"}),
     "pp2 afab": ({"pp": 2, "pp_schedule": "afab"}, {}),
     "pp2 1f1b selective": ({"pp": 2}, {"recompute": "selective"}),
     "pp2 interleaved": ({"pp": 2, "pp_schedule": "interleaved", "pp_virtual": 2}, {}),
@@ -228,6 +228,25 @@ def test_plan_json_and_write(tmp_path):
     assert [line.split("#")[0].strip() for line in marked] == [
         f"path: {cfg.data.path}", f"steps: {cfg.train.steps}", f"out: {cfg.out}"]
     assert written.read_text().startswith(f"# tetron plan #1: {best['label']}\n# Before training, edit the lines")
+
+
+PLANNED = re.compile(r"^# tetron plan, this file's layout on (\d+) x (\d+) (\S+): (.*)$", re.M)
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if PLANNED.search(p.read_text())], ids=lambda p: p.stem)
+def test_config_comments_carry_the_planners_figures(path):
+    """A shipped config's planner line is what the planner predicts for the file's own layout now (memory per
+    rank and its largest terms, as the table prints them; step time and MFU): a change to the memory or time
+    model that moves them fails here until the comment is refreshed."""
+    nodes, per_node, name, figures = PLANNED.search(path.read_text()).groups()
+    cfg = load_config(str(path))
+    validate(cfg, world_size=int(nodes) * int(per_node))
+    memory = predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
+    time = estimate(cfg, gpu(name), gpus_per_node=int(per_node))
+    terms = ", ".join(f"{k} {_gib(v)}" for k, v in memory.largest(3))
+    assert figures == f"{_gib(memory.total)} GiB per rank ({terms}), {time.step_s:.3g} s a step, MFU {time.mfu:.0%}"
+    assert memory.total <= memory_limit(gpu(name), int(per_node))
 
 
 def test_plan_measure_needs_two_steps(tmp_path):

@@ -57,7 +57,9 @@ def plan_command(args: list[str]) -> int:
                               gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
                               top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
                               steps=ns.steps)
-        text, code = run(request, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        # progress for whoever watches a terminal; a log or a captured output gets the result alone
+        progress = (lambda line: print(line, file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
+        text, code = run(request, progress=progress)
     except (UserError, ValueError) as err:
         return failed(str(err))
     print(text)
