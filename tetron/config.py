@@ -110,7 +110,8 @@ class TrainConfig:
     eps: float = 1e-8  # AdamW's epsilon, added to the root of the second moment
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     seed: int = 0  # seeds the weights, the data order and the sampler
-    dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads)
+    dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads);
+    # a config that sets none trains in bfloat16 on CUDA (tetron train and tetron slurm say so in a note)
     recompute: Recompute = "none"  # activation recomputation per decoder layer: "none", "selective" or "full"
     loss_chunk_tokens: int = 1024  # the head's matmul and the loss run over this many tokens at a time: only one
     # chunk's fp32 logits [chunk, vocab/tp] ever exist (1024 x 49152: 192 MiB); 0: all of a micro-batch's at once
