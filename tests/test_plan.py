@@ -249,6 +249,16 @@ def test_config_comments_carry_the_planners_figures(path):
     assert memory.total <= memory_limit(gpu(name), int(per_node))
 
 
+@pytest.mark.parametrize("hub, name", [("meta-llama/Meta-Llama-3-8B", "llama-3-8b"), ("Qwen/Qwen3-8B", "qwen3-8b"),
+                                       ("meta-llama/meta-llama-3-70b", "llama-3-70b")])
+def test_a_hub_name_points_to_the_config_with_its_shape(tmp_path, hub, name):
+    """`--model ORG/NAME` (no local folder) names the configs/ file that carries that model's architecture."""
+    result = cli_in_process(["plan", "--model", hub, "--nodes", "1", "--gpus-per-node", "8", "--gpu", "H100"], tmp_path)
+    assert result.returncode == 2 and result.stderr == (
+        f"tetron: error: model={hub}: not a local folder; configs/{name}.yaml has its architecture: --model {name} "
+        f"(or download the model's folder and give its path)\n")
+
+
 def test_plan_measure_needs_two_steps(tmp_path):
     """The peak is measured from the second step (the first has no optimizer state): --steps 1 is refused in one
     line before anything runs (it divided by zero)."""

@@ -203,6 +203,10 @@ def resolve_model(spec: Any) -> LlamaConfig:
                 raise ConfigError(f"model={spec}: {named} has no model section")
             base = dataclasses.asdict(resolve_model(section))
         else:
+            shaped = config_with_shape_of(spec)
+            if shaped is not None:
+                raise ConfigError(f"model={spec}: not a local folder; configs/{shaped}.yaml has its architecture: "
+                                  f"--model {shaped} (or download the model's folder and give its path)")
             names = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
             raise ConfigError(f"model={spec}: unknown model; use one of {names} or a Hugging Face config.json/folder")
     base.update(overrides)
@@ -248,6 +252,18 @@ def from_dict(raw: dict[str, Any]) -> Config:
 
 SECTIONS: dict[str, type] = {"model": LlamaConfig, "parallel": ParallelConfig, "data": DataConfig,
                              "train": TrainConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+def config_with_shape_of(hub_name: str) -> str | None:
+    """The configs/ name whose first comment line names `hub_name` ("Llama-3-8B's shape
+    (meta-llama/Meta-Llama-3-8B)"), compared without case; None when none does."""
+    if "/" not in hub_name:
+        return None
+    for path in sorted(CONFIGS_DIR.glob("*.yaml")):
+        first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+        if f"({hub_name.lower()})" in first.lower():
+            return path.stem
+    return None
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
