@@ -379,6 +379,30 @@ def test_search_reports_progress():
     assert int(lines[-1].split(", ")[1].split()[0]) in (len(plans), len(plans) - 1)
 
 
+def test_plan_shows_progress_on_a_terminal_only(monkeypatch, capsys):
+    """The command's progress lines go to stderr when it is a terminal; a log or a captured output gets none."""
+    import io
+
+    from tetron.cli import main
+    from tetron.plan import search as search_module
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(search_module, "PROGRESS_EVERY_S", 0)  # a line before every layout
+    args = ["plan", *(f"--model.{k}={v}" for k, v in {**MODEL, "vocab_size": 256}.items()), "--seq-len", "64",
+            "--nodes", "1", "--gpus-per-node", "2", "--top", "1", "--pp", "1"]
+    assert main(args) == 0
+    assert capsys.readouterr().err == ""
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(args) == 0
+    lines = terminal.getvalue().splitlines()
+    assert lines and all(re.fullmatch(r"tetron plan: [\d,]+ of [\d,]+ layouts of 2 ranks checked and predicted, "
+                                      r"[\d,]+ valid so far \(\d+ s\)", line) for line in lines), lines
+
+
 def test_cuda_default_dtype_is_bf16_unless_the_config_says(monkeypatch):
     """train.dtype left unset trains in bf16 on CUDA (tetron train says so in a note), float32 on the CPU;
     a dtype the config or the command line sets is kept; the device kind comes from parallel.device."""

@@ -158,12 +158,13 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
 
 def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch: int,
            fixed: dict[str, Any] | None = None, progress: Callable[[str], None] | None = None,
-           every_s: float = PROGRESS_EVERY_S) -> list[Plan]:
+           every_s: float | None = None) -> list[Plan]:
     """Every valid layout, predicted; see `rank` for the order. `progress` gets a line every `every_s` seconds
-    of the search (a large model's takes a while: each layout is predicted layer by layer on fake tensors); a
-    search quicker than that says nothing."""
+    (PROGRESS_EVERY_S by default) of the search (a large model's takes a while: each layout is predicted layer
+    by layer on fake tensors); a search quicker than that says nothing."""
     world, plans, refused = nodes * gpus_per_node, [], []
     limit = memory_limit(hw, gpus_per_node)
+    every_s = PROGRESS_EVERY_S if every_s is None else every_s
     layouts = list(candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed or {}))
     start = last = time.monotonic()
     for i, layout in enumerate(layouts):
