@@ -415,6 +415,8 @@ def test_cuda_default_dtype_is_bf16_unless_the_config_says(monkeypatch):
     assert cuda_dtype(load_raw(None, ["--train.dtype", "float32"]), device_type="cuda") is None
     assert cuda_dtype({}, device_type="cpu") is None
     assert cuda_dtype({"train": 5}, device_type="cuda") is None  # from_dict refuses it in one line
+    assert cuda_dtype({"parallel": {"dp_impl": "naive"}}, device_type="cuda") is None  # bf16 needs the buckets
+    assert cuda_dtype({"parallel": {"dp_impl": "bucket"}}, device_type="cuda") == "bfloat16"
     for cuda_here, device, want in [(0, "auto", "cpu"), (0, "cuda", "cuda"), (1, "cpu", "cpu"), (1, "auto", "cuda")]:
         monkeypatch.setattr(cli, "cuda_count", lambda n=cuda_here: n)
         assert cli._device_type({"parallel": {"device": device}}) == want

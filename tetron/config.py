@@ -307,8 +307,11 @@ def is_set(raw: dict[str, Any], section: str, key: str) -> bool:
 def cuda_dtype(raw: dict[str, Any], *, device_type: str) -> str | None:
     """The dtype a run on `device_type` trains in when its config does not set train.dtype: bfloat16 on CUDA
     (tensor cores: fp32 would run at a fraction of the GPU's speed and hold twice the activations), else None
-    (the field's default, float32, stands: the CPU has no fast bf16)."""
-    train = raw.get("train")
+    (the field's default, float32, stands: the CPU has no fast bf16; nor does a dp_impl without the fp32
+    buckets bf16 needs)."""
+    train, parallel = raw.get("train"), raw.get("parallel")
     if device_type != "cuda" or not (train is None or isinstance(train, dict)) or is_set(raw, "train", "dtype"):
         return None  # (a train section that is no mapping is from_dict's to refuse)
+    if isinstance(parallel, dict) and parallel.get("dp_impl", "bucket") != "bucket":
+        return None  # bf16 lives in the fp32 gradient buckets: another dp_impl trains in fp32, as it says
     return "bfloat16"
