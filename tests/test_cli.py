@@ -176,7 +176,8 @@ def test_train_launches_2_ranks(elastic_run, reference):
 
     records = read_metrics(out)
     assert len(records) == STEPS
-    assert set(records[0]) == METRIC_KEYS | MEMORY_KEYS, records[0]
+    assert set(records[0]) == METRIC_KEYS | MEMORY_KEYS | {"layout"}, records[0]  # a launch's first names its layout
+    assert records[0]["layout"] == "dp2"
     assert all(set(r) == METRIC_KEYS for r in records[1:]), records[1]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     t = TrainConfig(steps=STEPS, lr=1e-2, warmup_steps=2)

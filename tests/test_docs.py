@@ -222,3 +222,95 @@ def test_make_demo_says_what_it_does_before_each_long_wait(tmp_path):
     train = next(i for i, c in enumerate(commands) if "tetron train" in c)
     assert any(c.startswith("echo ") and "installing" in c for c in commands[:install]), done.stdout
     assert any(c.startswith("echo ") and "training the demo" in c for c in commands[install:train]), done.stdout
+
+
+def section_commands(path: Path, heading: str) -> list[list[str]]:
+    """The commands of the bash blocks under `heading` (continuation lines joined, comments dropped)."""
+    import shlex
+
+    text = path.read_text(encoding="utf-8").split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(shlex.split(line))
+    return commands
+
+
+def _world(command: list[str]) -> int | None:
+    """The ranks a command starts: torchrun's nodes x processes, tetron slurm's nodes x GPUs; None: the config's."""
+    def flag(name: str, default: int) -> int:
+        return int(command[command.index(name) + 1]) if name in command else default
+
+    if command[0].endswith("torchrun"):
+        return flag("--nnodes", 1) * flag("--nproc-per-node", 1)
+    if command[1] == "slurm":
+        return flag("--nodes", 1) * flag("--gpus-per-node", 1)
+    return None
+
+
+SLURM_JOB_FLAGS = {"--nodes", "--gpus-per-node", "--partition", "--time", "--account", "--job-name",
+                   "--cpus-per-task"}  # tetron slurm's own (each with a value); --submit stands alone
+
+
+def _without(args: list[str], flags: set[str], alone: set[str] = frozenset()) -> list[str]:
+    """`args` without `flags` and their values, and without the flags in `alone`."""
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif a not in alone:
+            kept.append(a)
+    return kept
+
+
+def test_the_gpu_quickstart_commands_are_real(tmp_path, monkeypatch, capsys):
+    """docs/gpu.md's quickstart, command by command, through the CLI's own parsers: each train config (as
+    torchrun and tetron slurm would give it) validates for the ranks the command starts, and its predicted peak
+    fits an 80 GB GPU; each plan command's arguments parse; tetron slurm writes its job (into a scratch folder,
+    not submitted)."""
+    from tetron.cli import main
+    from tetron.config import load_config
+    from tetron.plan.commands import plan_args
+    from tetron.plan.hardware import gpu
+    from tetron.plan.memory import predict
+    from tetron.plan.search import memory_limit
+    from tetron.validate import validate
+
+    commands = section_commands(ROOT / "docs" / "gpu.md", "## Quickstart")
+    assert {c[0].rsplit("/", 1)[1] for c in commands} == {"tetron", "torchrun"} and len(commands) >= 7
+    monkeypatch.chdir(tmp_path)  # a relative `out` is checked for writability under the working folder
+    kinds = []
+    for command in commands:
+        args = command[command.index("tetron.cli") + 1:] if command[0].endswith("torchrun") else command[1:]
+        kinds.append(args[0])
+        config = str(ROOT / args[1])
+        if args[0] == "plan":
+            plan_args([config, *args[2:]])
+            continue
+        if args[0] == "slurm":
+            job = _without(args[2:], {"--out"}, {"--submit"})
+            assert main(["slurm", config, *job, "--out", str(tmp_path / "job")]) == 0, capsys.readouterr().err
+        cfg = load_config(config, _without(args[2:], SLURM_JOB_FLAGS if args[0] == "slurm" else set(), {"--submit"}))
+        world = _world(command) or cfg.world_size
+        validate(cfg, world_size=world)
+        peak = predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1})).total
+        assert peak <= memory_limit(gpu("H100"), min(world, 8)), (command, peak / 2**30)
+    assert kinds.count("train") >= 5 and "plan" in kinds and "slurm" in kinds
+
+
+def test_the_continued_pretraining_recipe_parses():
+    """docs/training.md's recipe: the flags of its tetron commands are flags the CLI knows (its model folder is
+    a download, not here)."""
+    from tetron.config import load_raw
+    from tetron.plan.commands import plan_args
+
+    commands = section_commands(ROOT / "docs" / "training.md", "## Continued pre-training")
+    tetron = [c[1:] for c in commands if c[0].endswith("/tetron")]
+    assert [c[0] for c in tetron] == ["plan", "train", "generate"]
+    plan_args(tetron[0][1:])
+    raw = load_raw(None, tetron[1][1:])
+    assert raw["checkpoint"]["init_from"] == "models/Qwen3-0.6B" and "model" not in raw

@@ -208,7 +208,7 @@ def test_hung_collective_ends_with_a_clear_error(corpus, cache_dir, tmp_path):
     for p in procs:
         p.start()
     start = time.time()
-    procs[0].join(60)
+    procs[0].join(150)
     elapsed = time.time() - start
     for p in procs:
         if p.is_alive():
@@ -216,7 +216,9 @@ def test_hung_collective_ends_with_a_clear_error(corpus, cache_dir, tmp_path):
         p.join()
     err = (tmp_path / "err0").read_text()
     assert procs[0].exitcode == 1, err
-    assert elapsed < 45
+    # did not hang: ended by its own 3 s timeout, not torch's 30-minute default (the bound is loose: a loaded CI
+    # machine is slow to start and tear down the ranks)
+    assert elapsed < 150
     assert ("tetron: rank 0: a collective did not finish within parallel.timeout_s=3 s (a rank died or hangs)"
             in err), err
     assert "Traceback" not in err

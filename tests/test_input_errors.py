@@ -176,7 +176,9 @@ def test_fuzz_bad_input_through_the_cli(folder, capsys):
             failed.append((name, "changed files", sorted(set(after.items()) ^ set(before.items()))[:3]))
             before = after
     assert not failed, failed
-    assert time.monotonic() - start < 60  # seconds: each case is checks on a tiny config, nothing started
+    # seconds: each case is checks on a tiny config, nothing started (a launch costs 10-20 s a case); loose
+    # enough for a loaded CI machine
+    assert time.monotonic() - start < 180
 
 
 # ----------------------------------------------------------------------------- each item's message
@@ -208,7 +210,7 @@ def test_yaml_messages(folder, capsys, name, match):
     path.write_text(BAD_YAML[name])
     start = time.monotonic()
     expect_one_line(["train", str(path)], capsys, match)
-    assert time.monotonic() - start < 5  # the aliases are counted, not expanded
+    assert time.monotonic() - start < 30  # the aliases are counted, not expanded (that would not end)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -246,7 +248,7 @@ def test_absurd_model_is_refused_by_arithmetic(folder, capsys, monkeypatch):
         sizes = [s.replace("10**9", "1000000000") for s in sizes]
         start = time.monotonic()
         expect_one_line(["train", str(folder / "good.yaml"), *sizes], capsys, "at least, from the sizes alone")
-        assert time.monotonic() - start < 2, sizes
+        assert time.monotonic() - start < 20, sizes  # no layer built (20,000 on meta took 238 s), under any load
 
 
 @pytest.mark.parametrize("overrides", [

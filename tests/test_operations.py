@@ -50,6 +50,10 @@ from conftest import run_training, tiny_config, train_rank_losses
 from harness import run_ranks
 
 LAUNCH_TIMEOUT = 240  # s, a real launch of 2 ranks on a busy machine
+# s from a signal (or a stopped rank) to the end of the run: bounds that mean "did not hang", not a speed. A
+# hang lasts until LAUNCH_TIMEOUT (or torch's 30-minute collective timeout); the real end takes a few seconds
+# on an idle machine and has taken 29 s in a loaded `make test` on a shared CI machine.
+ENDED_S = 120
 PREEMPT_STEPS = 60  # the preempted run's length: a SIGTERM after step 2 lands long before its end (tens of steps
 # later even on a loaded machine, where a step takes tens of milliseconds), and the reference and resume stay short
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -380,7 +384,9 @@ def _group_timeouts(layout: dict, done: str) -> dict[str, float]:
 def test_every_group_honours_the_timeout(axis, tmp_path):
     """Groups made without a timeout wait torch's default 30 minutes: every one of the mesh carries its own."""
     took = run_ranks(2, _group_timeouts, {axis: 2}, str(tmp_path / "done"), timeout=60)[0]
-    assert took and all(0.9 < t < 10 for t in took.values()), took
+    # at least the group's 1 s timeout; under 25 s means "did not hang": rank 1 stays in the group for 30 s, and
+    # a group without its own timeout would wait torch's default 30 minutes
+    assert took and all(0.9 < t < 25 for t in took.values()), took
 
 
 # ----------------------------------------------------------------------------- stopping on a signal
@@ -564,7 +570,8 @@ def test_sigterm_through_the_launcher_saves_exits_0_and_resumes_exactly(launches
     match = re.fullmatch(rf"tetron: stopped by SIGTERM after step (\d+) of {PREEMPT_STEPS}: saved "
                          r"preempt/checkpoints/step_(\d+); continue with the same command and --resume auto", last)
     assert match and match.group(1) == match.group(2), run["log"]
-    assert run["took"] < 60 and all(_gone(pid) for pid in run["pids"].values())
+    assert run["took"] is not None and run["took"] < ENDED_S  # did not hang
+    assert all(_gone(pid) for pid in run["pids"].values())
     resumed = launches["resumed"]
     assert resumed["code"] == 0, resumed["log"]
     assert f"resumed from preempt/checkpoints/step_{match.group(1)}" in resumed["log"]
@@ -581,7 +588,7 @@ def test_a_second_signal_aborts_at_once_and_keeps_the_last_checkpoint(launches):
     last = run["log"].strip().splitlines()[-1]
     assert re.fullmatch(r"tetron: aborted by a second SIGINT: every rank was killed; the last complete checkpoint "
                         r"is abort/checkpoints/step_\d+", last), run["log"]
-    assert "Traceback" not in run["log"] and run["took"] < 30
+    assert "Traceback" not in run["log"] and run["took"] is not None and run["took"] < ENDED_S  # did not hang
     assert all(_gone(pid) for pid in run["pids"].values())  # no orphaned rank
     latest = find_latest(launches["workdir"] / "abort")
     assert inspect_checkpoint(latest)["step"] == int(latest.name[5:])
@@ -596,7 +603,9 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(launches):
     assert errors == ["tetron: error: rank 1 stopped answering (its process is stopped): rank 0 waited "
                       "parallel.timeout_s=5 s in a collective; the run ended (no checkpoint was saved: run the same "
                       "command again to start over)"], run["log"]
-    assert run["took"] < 5 + 20, run["took"]  # the timeout, the watch's grace, the launcher's wind-down
+    # ended by the 5 s timeout and the watch (which rank, which message: above), not by the test's deadline: the
+    # timeout, the watch's grace and the launcher's wind-down take ~10 s idle, 29 s once under a loaded make test
+    assert run["took"] is not None and run["took"] < ENDED_S, run["took"]
     assert all(_gone(pid) for pid in run["pids"].values())
 
 
@@ -665,7 +674,7 @@ def test_what_a_rank_would_meet_is_refused_before_start(ck, tmp_path, tetron_cli
         start = time.monotonic()
         code, _, err, launched = tetron_cli("train", config, *args)
         one_line(code, err, pattern + r".*HF_HUB_OFFLINE=1", launched)
-        assert time.monotonic() - start < 10  # not 27-50 s of retries
+        assert time.monotonic() - start < 25  # did not retry: the hub client's retries take 27-50 s
     assert not (tmp_path / "out").exists()
 
 
@@ -775,6 +784,21 @@ def test_generate_refuses_bad_arguments_and_damaged_folders_in_one_line(ck, tmp_
     one_line(*tetron_cli("generate", run)[:3:2], r"model\.safetensors: truncated")
     code, out, err, _ = tetron_cli("generate", ck[0], "--max-new-tokens", "5")
     assert code == 0 and out.startswith("def "), err
+
+
+def test_generate_on_a_stopped_run_samples_its_latest_checkpoint(ck, tmp_path, tetron_cli):
+    """A run stopped before its end has no RUN/model: its latest checkpoint stands in, with a note, and samples
+    what naming that checkpoint samples; a folder with neither is refused in one line."""
+    run, _, _ = fresh(ck, tmp_path)
+    shutil.rmtree(run / "model")
+    args = ["--max-new-tokens", "8", "--temperature", "0"]
+    code, out, err, _ = tetron_cli("generate", run, *args)
+    assert code == 0 and err == (f"tetron: note: {run} has no final model (the run stopped before its last step): "
+                                 f"sampling from its latest checkpoint, {run}/checkpoints/step_4\n")
+    assert (code, out) == tetron_cli("generate", run / "checkpoints" / "step_4", *args)[:2]
+    shutil.rmtree(run / "checkpoints")
+    one_line(*tetron_cli("generate", run)[:3:2], r"no trained model here \(expected .*/model/config\.json, or a "
+                                                   r"checkpoint under .*/checkpoints\)")
 
 
 # ----------------------------------------------------------------------------- fuzz, through the CLI

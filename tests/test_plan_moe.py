@@ -276,7 +276,7 @@ def test_plan_prints_total_and_active_parameters(tmp_path):
             *[f"--model.{k}={v}" for k, v in MOE.items()]]
     result = cli_in_process(args, tmp_path)
     assert result.returncode == 0, result.stderr
-    head, _, columns, *rows = result.stdout.splitlines()
+    head, _, columns, *rows = result.stdout.split("\nlegend: ")[0].splitlines()  # the table, its legend after
     m = _model(MOE).model
     assert f"{m.num_params():,} parameters, {m.num_params(active=True):,} active (2 layers" in head
     assert columns.endswith("bubble    ep s")  # the all-to-alls' seconds, an MoE model's column

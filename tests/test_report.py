@@ -109,6 +109,101 @@ def test_report_writes_the_png_and_prints_the_summary(tmp_path, runs):
     assert "loss" in table([read_run(tmp_path / "b")]) and "median seconds" not in table([read_run(tmp_path / "b")])
 
 
+def write_log(folder: Path, records: list[dict]) -> None:
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_an_expert_parallel_run_with_timers_is_drawn(tmp_path):
+    """The MoE demo's log (configs/demo-moe.yaml: dp2 ep2, timers on): ep's waits are one more stacked bar."""
+    records = [{"step": s, "loss": 6.0 / s, "lr": 1e-3, "grad_norm": 1.0, "tokens": 64 * s, "tokens_per_s": 900.0,
+                "peak_mem_mb": 400.0, "moe_aux_loss": 2.1, "moe_load_imbalance": 1.4, "time_compute_s": 0.3,
+                "time_dp_s": 0.05, "time_ep_s": 0.1 + 0.01 * s} for s in range(1, 6)]
+    records[0]["layout"] = "dp2 ep2"
+    write_log(tmp_path / "moe", records)
+    run = read_run(tmp_path / "moe")
+    assert run.label == "moe (dp2 ep2)"
+    axes = {ax.get_title(): ax for ax in figure([run]).axes}
+    medians = [0.3, 0.05, statistics.median(r["time_ep_s"] for r in records[1:])]
+    assert [b.get_width() for b in axes[TIME_PANEL].patches] == pytest.approx(medians, rel=1e-12)
+    assert [t.get_text() for t in axes[TIME_PANEL].get_legend().get_texts()] == ["compute", "dp", "ep"]
+    text = report([str(tmp_path / "moe")])
+    assert text.split("median seconds per step (max over ranks):\n")[1].splitlines()[0].split() == [
+        "run", "compute", "dp", "ep"]
+
+
+def test_resumes_and_layout_changes_are_marked(tmp_path):
+    """A run started as pp2, resumed at step 4 as dp2, then again at step 7 as dp2: labelled by both
+    layouts, a dotted line at each resume's first step on every curve panel (the first naming the new
+    layout), and no time panel: no timers were on."""
+    records = [{"step": s, "loss": 5.0 / s, "lr": 1e-3, "grad_norm": 1.0, "tokens": 100 * s, "tokens_per_s": 900.0,
+                "peak_mem_mb": 400.0} for s in range(1, 10)]
+    records[0]["layout"], records[4]["layout"], records[6]["layout"] = "pp2", "dp2", "dp2"
+    write_log(tmp_path / "r", records)
+    run = read_run(tmp_path / "r")
+    assert run.label == "r (pp2 -> dp2)"
+    assert [(launch.step, launch.layout) for launch in run.launches] == [(1, "pp2"), (5, "dp2"), (7, "dp2")]
+    for x in ("step", "tokens"):
+        fig = figure([run], x=x)
+        assert [ax.get_title() for ax in fig.axes] == [title for title, *_ in PANELS]  # nothing empty drawn
+        for ax in fig.axes:
+            marks = {line.get_label(): line.get_xdata()[0] for line in ax.get_lines()
+                     if line.get_label().startswith("_resume")}
+            scale = 1 if x == "step" else 100
+            assert marks == {"_resume r 5 dp2": 5 * scale, "_resume r 7": 7 * scale}, ax.get_title()
+            assert [t.get_text() for t in ax.texts] == ["resumed (dp2)", "resumed"]
+    out = tmp_path / "r.png"
+    report([str(tmp_path / "r"), "--out", str(out)])
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out).shape[:2] == (850, 1500)  # 3 panels over 2: the bottom two wider
+
+
+def test_an_older_log_takes_its_layout_from_the_checkpoint_and_its_resumes_from_the_memory_figures(tmp_path):
+    """Logs written before records named their layout: a launch's first record is the one with memory figures."""
+    fake_run(tmp_path / "old", parallel={"dp": 2, "ep": 2}, steps=6, timers=False)
+    log = tmp_path / "old" / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    for i in (0, 3):
+        records[i]["mem_params_mb"] = 1.0
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = read_run(tmp_path / "old")
+    assert run.label == "old (dp2 ep2)" and [launch.step for launch in run.resumes] == [4]
+
+
+@pytest.mark.parametrize("resume", [None, "auto"])
+def test_each_launch_names_its_layout_on_its_first_record(tmp_path, resume):
+    """What the report reads: rank 0's Reporter writes the layout on the first record of each launch only."""
+    import torch
+
+    from tetron.config import from_dict
+    from tetron.observe.step_report import Reporter, StepFigures
+
+    cfg = from_dict({"model": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2},
+                     "parallel": {"dp": 2, "pp": 2, "zero": 1}, "logging": {"progress": False},
+                     "checkpoint": {"resume": resume}, "out": str(tmp_path)})
+    for first in (0, 2):
+        reporter = Reporter(cfg, device=torch.device("cpu"), world_size=4, first_step=first)
+        for step in range(first, first + 2):
+            reporter.step(step, StepFigures(loss=1.0, grad_norm=1.0, lr=1e-3, skipped=False, time_s=0.1))
+        reporter.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("layout")) for r in records] == [(1, "dp2 pp2 zero1"), (2, None), (3, "dp2 pp2 zero1"),
+                                                             (4, None)]
+
+
+def test_the_start_line_names_expert_parallelism():
+    """`tetron train`'s first line gives every axis the run uses: ep too (the MoE demo's dp2 ep2)."""
+    from tetron.config import load_config
+    from tetron.launch import start_line
+
+    moe = load_config("demo-moe")
+    assert start_line(moe) == "tetron: starting 2 ranks (dp=2 tp=1 pp=1 cp=1 ep=2), run folder runs/demo-moe"
+    assert start_line(load_config("demo", ["--dp", "2"])) == (
+        "tetron: starting 2 ranks (dp=2 tp=1 pp=1 cp=1), run folder runs/demo")
+
+
 def test_report_refuses_a_folder_without_metrics(tmp_path):
     with pytest.raises(ConfigError, match=r"no metrics.jsonl there"):
         report([str(tmp_path)])
@@ -223,6 +318,7 @@ def test_a_real_run_with_every_observer(corpus, cache_dir, tmp_path):
     rep = cli_in_process(["report", str(out)], tmp_path)
     assert rep.returncode == 0, rep.stderr
     assert rep.stdout.splitlines()[1].startswith("out (dp2)")
+    assert [r.get("layout") for r in records] == ["dp2", None, None, None]
     assert f"{records[-1]['val_loss']:.4f}" in rep.stdout and "median seconds per step" in rep.stdout
     assert (out / "report.png").is_file()
     bad = cli_in_process(["report", str(tmp_path / "nothing")], tmp_path)

@@ -253,7 +253,7 @@ def test_training_loss_falls_and_metrics(untied_run, corpus, cache_dir):
     assert [r["step"] for r in records] == list(range(1, 11))
     flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
     for r, loss in zip(records, losses):
-        assert set(r) == (METRIC_KEYS | MEMORY_KEYS if r["step"] == 1 else METRIC_KEYS)
+        assert set(r) == (METRIC_KEYS | MEMORY_KEYS | {"layout"} if r["step"] == 1 else METRIC_KEYS)
         assert r["loss"] == loss
         assert r["lr"] == lr_at(r["step"] - 1, cfg.train)
         assert r["tokens"] == r["step"] * 2 * 32  # global batch 2 x seq_len 32

@@ -20,7 +20,7 @@ from pathlib import Path
 try:
     import yaml
 
-    from tetron.config import SECTIONS, Config, from_dict, load_config
+    from tetron.config import SECTIONS, Config, cuda_dtype, from_dict, load_config, load_raw
     from tetron.data.loader import (
         check_tokenizer_pairing,
         data_specs,
@@ -175,10 +175,17 @@ def train_command(args: list[str]) -> int:
     lock = None  # rank 0, or the launching process, holds the run folder while the run lasts
     notes: list[str] = []
     try:
-        cfg, notes = _fit_tokenizer(load_config(config_path, args), args)
+        raw = load_raw(config_path, args)
+        dtype = cuda_dtype(raw, device_type=_device_type(raw))
+        if dtype is not None:  # every rank (under torchrun too) sees the same config and device kind
+            raw["train"] = {**(raw.get("train") or {}), "dtype": dtype}
+        cfg, notes = _fit_tokenizer(from_dict(raw), args)
         # every line that names the run folder (its logs, messages, job scripts) must stay one line
         check(not has_control(cfg.out), f"out={quoted(cfg.out)}: a run folder's path with a control character "
                                         f"(a newline, a tab) cannot be named on one line; choose another")
+        if dtype is not None:
+            notes.insert(0, f"train.dtype={dtype}: the default on CUDA when the config sets none "
+                            f"(--train.dtype=float32 trains in fp32)")
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
         note = _schedule_note(cfg)  # reads the checkpoint's saved config: refused before anything is written
         # the memory model's peak per rank against this node's memory, before any rank allocates
@@ -206,6 +213,12 @@ def train_command(args: list[str]) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _device_type(raw: dict) -> str:
+    """"cuda" or "cpu": the device a raw config's parallel.device ("auto" by default) picks on this machine."""
+    kind = (raw.get("parallel") or {}).get("device", "auto") if isinstance(raw.get("parallel"), dict) else "auto"
+    return "cuda" if kind == "cuda" or (kind == "auto" and cuda_count() > 0) else "cpu"
 
 
 def _schedule_note(cfg: Config) -> str | None:
@@ -274,7 +287,8 @@ def generate_command(args: list[str]) -> int:
     try:
         ns = _generate_args(args)
         text = sample_from_run(ns.run, prompt=ns.prompt, max_new_tokens=ns.max_new_tokens,
-                               temperature=ns.temperature, top_k=ns.top_k, device=ns.device, seed=ns.seed)
+                               temperature=ns.temperature, top_k=ns.top_k, device=ns.device, seed=ns.seed,
+                               note=lambda line: print(f"tetron: note: {line}", file=sys.stderr, flush=True))
     except (UserError, ValueError) as err:  # checked before loading: a damaged or mismatched model folder
         return failed(str(err))
     print(text)

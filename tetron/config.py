@@ -111,7 +111,8 @@ class TrainConfig:
     eps: float = 1e-8  # AdamW's epsilon, added to the root of the second moment
     grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
     seed: int = 0  # seeds the weights, the data order and the sampler
-    dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads)
+    dtype: Dtype = "float32"  # parameters for compute: "float32" or "bfloat16" (fp32 master weights, fp32 grads);
+    # a config that sets none trains in bfloat16 on CUDA (tetron train and tetron slurm say so in a note)
     recompute: Recompute = "none"  # activation recomputation per decoder layer: "none", "selective" or "full"
     loss_chunk_tokens: int = 1024  # the head's matmul and the loss run over this many tokens at a time: only one
     # chunk's fp32 logits [chunk, vocab/tp] ever exist (1024 x 49152: 192 MiB); 0: all of a micro-batch's at once
@@ -211,6 +212,10 @@ def resolve_model(spec: Any) -> LlamaConfig:
                 raise ConfigError(f"model={spec}: {named} has no model section")
             base = dataclasses.asdict(resolve_model(section))
         else:
+            shaped = config_with_shape_of(spec)
+            if shaped is not None:
+                raise ConfigError(f"model={spec}: not a local folder; configs/{shaped}.yaml has its architecture: "
+                                  f"--model {shaped} (or download the model's folder and give its path)")
             names = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
             raise ConfigError(f"model={spec}: unknown model; use one of {names} or a Hugging Face config.json/folder")
     base.update(overrides)
@@ -259,8 +264,26 @@ SECTIONS: dict[str, type] = {"model": LlamaConfig, "parallel": ParallelConfig, "
                              "logging": LoggingConfig}
 
 
+def config_with_shape_of(hub_name: str) -> str | None:
+    """The configs/ name whose first comment line names `hub_name` ("Llama-3-8B's shape
+    (meta-llama/Meta-Llama-3-8B)"), compared without case; None when none does."""
+    if "/" not in hub_name:
+        return None
+    for path in sorted(CONFIGS_DIR.glob("*.yaml")):
+        first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+        if f"({hub_name.lower()})" in first.lower():
+            return path.stem
+    return None
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
     """Read a YAML config (or start from defaults when path is None) and apply command-line overrides."""
+    return from_dict(load_raw(path, overrides))
+
+
+def load_raw(path: str | os.PathLike | None, overrides: list[str] = ()) -> dict[str, Any]:
+    """The config as written (the YAML file's mapping, the overrides applied), before defaults and checks:
+    what the user set, for the defaults that depend on the device (cuda_dtype)."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -282,4 +305,23 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         check_expansion(raw, f"config {p}")
         if not isinstance(raw, dict):
             raise ConfigError(f"config {p}: expected a mapping of sections at the top level")
-    return from_dict(apply_overrides(raw, list(overrides)))
+    return apply_overrides(raw, list(overrides))
+
+
+def is_set(raw: dict[str, Any], section: str, key: str) -> bool:
+    """Whether the raw config (load_raw) sets `section.key`."""
+    values = raw.get(section)
+    return isinstance(values, dict) and key in values
+
+
+def cuda_dtype(raw: dict[str, Any], *, device_type: str) -> str | None:
+    """The dtype a run on `device_type` trains in when its config does not set train.dtype: bfloat16 on CUDA
+    (tensor cores: fp32 would run at a fraction of the GPU's speed and hold twice the activations), else None
+    (the field's default, float32, stands: the CPU has no fast bf16; nor does a dp_impl without the fp32
+    buckets bf16 needs)."""
+    train, parallel = raw.get("train"), raw.get("parallel")
+    if device_type != "cuda" or not (train is None or isinstance(train, dict)) or is_set(raw, "train", "dtype"):
+        return None  # (a train section that is no mapping is from_dict's to refuse)
+    if isinstance(parallel, dict) and parallel.get("dp_impl", "bucket") != "bucket":
+        return None  # bf16 lives in the fp32 gradient buckets: another dp_impl trains in fp32, as it says
+    return "bfloat16"

@@ -68,13 +68,21 @@ def launch(cfg: Config) -> int:
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.world_size, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=cfg.parallel.max_restarts,
                           monitor_interval=0.1, start_method=start_method, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    print(f"tetron: starting {cfg.world_size} ranks (dp={cfg.parallel.dp} tp={cfg.parallel.tp} "
-          f"pp={cfg.parallel.pp} cp={cfg.parallel.cp}), run folder {cfg.out}", flush=True)
+    print(start_line(cfg), flush=True)
     _quiet_launcher_logs()
     with tempfile.TemporaryDirectory(prefix="tetron-ranks-") as folder:
         watch = RankWatch(Path(folder), out=cfg.out, steps=cfg.train.steps, timeout_s=cfg.parallel.timeout_s,
                           stop_signal=cfg.checkpoint.stop_signal, max_restarts=cfg.parallel.max_restarts)
         return watch.run(lambda: elastic_launch(config, run_rank)(raw, folder))
+
+
+def start_line(cfg: Config) -> str:
+    """The launching process's first line: the ranks, their layout (ep, out of dp*cp, where an MoE model
+    splits its experts), the run folder."""
+    p = cfg.parallel
+    ep = f" ep={p.ep}" if p.ep > 1 else ""
+    layout = f"dp={p.dp} tp={p.tp} pp={p.pp} cp={p.cp}{ep}"
+    return f"tetron: starting {cfg.world_size} ranks ({layout}), run folder {cfg.out}"
 
 
 def _quiet_launcher_logs() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from tetron.checkpoint.check import inspect_checkpoint, read_model_config
 from tetron.checkpoint.load import load_model
 from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.errors import CheckpointError
+from tetron.fs import find_latest
 from tetron.models.attention import sdpa_attention
 from tetron.models.llama import Llama
 
@@ -102,14 +103,28 @@ def sample(model: Llama, tokenizer: Tokenizer, prompt: str, *, max_new_tokens: i
     return prompt + tokenizer.decode(new)
 
 
-def model_folder(run: Path) -> tuple[Path, Tokenizer]:
-    """The model folder of a run (RUN/model, or a model folder itself), checked without loading it (JSON,
-    safetensors headers, every tensor's shape against its config.json), and its tokenizer, which must fit
-    the model's vocabulary. Problems raise one-line UserErrors naming the file."""
-    run = Path(run)
-    folder = run / "model" if (run / "model" / "config.json").is_file() else run
-    if not (folder / "config.json").is_file():
-        raise CheckpointError(f"{run}: no trained model here (expected {run}/model/config.json)")
+def find_model(run: Path) -> tuple[Path, str | None]:
+    """The folder to sample from: RUN/model, a model (or checkpoint) folder itself, or, for a run that stopped
+    before its end (no RUN/model), its latest checkpoint, with a note saying so."""
+    if (run / "model" / "config.json").is_file():
+        return run / "model", None
+    if (run / "config.json").is_file():
+        return run, None
+    latest = find_latest(run) if run.is_dir() else None
+    if latest is not None and (latest / "config.json").is_file():
+        return latest, (f"{run} has no final model (the run stopped before its last step): sampling from its "
+                        f"latest checkpoint, {latest}")
+    raise CheckpointError(f"{run}: no trained model here (expected {run}/model/config.json, or a checkpoint "
+                          f"under {run}/checkpoints)")
+
+
+def model_folder(run: Path, *, note: Callable[[str], None] | None = None) -> tuple[Path, Tokenizer]:
+    """The model folder of a run (find_model; `note` gets the line saying a checkpoint stands in), checked
+    without loading it (JSON, safetensors headers, every tensor's shape against its config.json), and its
+    tokenizer, which must fit the model's vocabulary. Problems raise one-line UserErrors naming the file."""
+    folder, why = find_model(Path(run))
+    if why is not None and note is not None:
+        note(why)
     inspect_checkpoint(folder, require_state=False)
     tokenizer = load_tokenizer(str(folder), data_spec=None, cache_dir=folder)
     vocab = read_model_config(folder).vocab_size
@@ -129,9 +144,11 @@ def check_finite(model: Llama, folder: Path) -> None:
 
 
 def sample_from_run(run: Path, *, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                    top_k: int = 50, device: torch.device | str = "cpu", seed: int = 0) -> str:
-    """Sample from the model folder a run wrote (RUN/model, or a model folder itself)."""
-    folder, tokenizer = model_folder(run)
+                    top_k: int = 50, device: torch.device | str = "cpu", seed: int = 0,
+                    note: Callable[[str], None] | None = None) -> str:
+    """Sample from the model folder a run wrote (RUN/model, or a model folder itself; a stopped run's latest
+    checkpoint, said to `note`)."""
+    folder, tokenizer = model_folder(run, note=note)
     model = load_model(folder, device=device)
     check_finite(model, folder)
     return sample(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature,

@@ -1,13 +1,15 @@
 """`tetron report RUN [RUN ...] [--out FILE.png] [--x step|tokens]`: the curves of one or more runs, and a
 summary table.
 
-The picture has six panels, every run overlaid and labelled with its layout: loss (training, and the
-validation loss where measured, dashed), learning rate, gradient norm, tokens/s, peak memory, and where
-a step's time goes (the median seconds per category of the runs that had logging.timers on); a seventh,
-for MoE models, their balance (the auxiliary loss, the max/mean expert load). The
-layout comes from the run's latest checkpoint (trainer_state.json), else its Slurm config; a run still
-in progress is read as far as its metrics.jsonl goes. matplotlib draws off-screen (Agg), nothing opens
-a window.
+The picture has a panel per figure, every run overlaid and labelled with its layout: loss (training, and the
+validation loss where measured, dashed), learning rate, gradient norm, tokens/s, peak memory; where a step's
+time goes (the median seconds per category), only when some run had logging.timers on; for MoE models their
+balance (the auxiliary loss, the max/mean expert load). Each launch of a run (its start, a resume) writes its
+layout on its first record of metrics.jsonl: a resume is marked on the curves by a dotted line at its first
+step, and a run that changed layout on resuming is labelled by every layout it ran ("pp2 -> dp2"). A run
+whose records name no layout (written before tetron did) takes its latest checkpoint's
+(trainer_state.json), else its Slurm config's. A run still in progress is read as far as its metrics.jsonl
+goes. matplotlib draws off-screen (Agg), nothing opens a window.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import io
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -39,18 +41,35 @@ PANELS = [("loss", "loss", ("loss", "val_loss"), False),
 # (the auxiliary loss bottoms out at top_k)
 MOE_PANEL = ("MoE balance", "aux loss; max/mean expert load", ("moe_aux_loss", "moe_load_imbalance"), False)
 TIME_PANEL = "time per step (median; max over ranks)"
+TIME_COLORS = {"compute": "0.75", "dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "cp": "tab:red",
+               "ep": "tab:purple"}  # one per timers.CATEGORIES
 MAX_METRICS_BYTES = 1 << 30
+
+
+@dataclass
+class Launch:
+    """One start of a run (the first, or a resume): the first step it recorded and its layout (None: its
+    records do not say)."""
+
+    step: int
+    layout: str | None
 
 
 @dataclass
 class RunData:
     folder: Path
-    layout: str  # "dp2 tp2", "1 process", or "layout unknown"
+    layout: str  # "dp2 tp2", "pp2 -> dp2" (resumed in another layout), "1 process", or "layout unknown"
     records: list[dict[str, Any]]
+    launches: list[Launch] = field(default_factory=list)  # in step order; the first starts the run
 
     @property
     def label(self) -> str:
         return f"{self.folder.name} ({self.layout})"
+
+    @property
+    def resumes(self) -> list[Launch]:
+        """The launches that went on from an earlier one's checkpoint, each with its layout."""
+        return self.launches[1:]
 
     def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
         """(x, value) of every record that has a finite number for `key` (a skipped step's NaN loss has none)."""
@@ -60,8 +79,8 @@ class RunData:
 
 
 def describe_layout(parallel: dict[str, Any]) -> str:
-    """The axes above 1 and the ZeRO stage: "dp2 pp2 (interleaved x2) zero1"; "1 process" when none."""
-    parts = [f"{a}{parallel[a]}" for a in ("dp", "tp", "pp", "cp") if parallel.get(a, 1) > 1]
+    """The axes above 1 and the ZeRO stage: "dp2 pp2 (x2 virtual) zero1", "dp2 ep2"; "1 process" when none."""
+    parts = [f"{a}{parallel[a]}" for a in ("dp", "tp", "pp", "cp", "ep") if parallel.get(a, 1) > 1]
     if parallel.get("pp", 1) > 1 and parallel.get("pp_virtual", 1) > 1:
         parts.append(f"(x{parallel['pp_virtual']} virtual)")
     if parallel.get("zero"):
@@ -82,8 +101,30 @@ def _layout(folder: Path) -> str:
     return "layout unknown"
 
 
+def launches(records: list[dict[str, Any]]) -> list[Launch]:
+    """Where each launch of the run begins: a record that names its layout (tetron writes it on a launch's
+    first record), else, in older logs, one carrying the memory figures that only a launch's first step
+    measures."""
+    found = []
+    for i, r in enumerate(records):
+        layout = r.get("layout") if isinstance(r.get("layout"), str) else None
+        if i == 0 or layout is not None or "mem_params_mb" in r:
+            found.append(Launch(r["step"], layout))
+    return found
+
+
+def label_layout(found: list[Launch]) -> str | None:
+    """Every layout the launches ran, in order, repeats merged: "dp2", "pp2 -> dp2"; None where the
+    records name none."""
+    named = [launch.layout for launch in found if launch.layout is not None]
+    if not named:
+        return None
+    merged = [named[0], *(b for a, b in zip(named, named[1:]) if b != a)]
+    return " -> ".join(merged)
+
+
 def read_run(folder: str | Path) -> RunData:
-    """A run folder's records (a line torn by a kill is skipped) and layout."""
+    """A run folder's records (a line torn by a kill is skipped), its launches and layout."""
     folder = Path(folder).expanduser()
     log = folder / "metrics.jsonl"
     if not log.is_file():
@@ -98,7 +139,8 @@ def read_run(folder: str | Path) -> RunData:
             records.append(record)
     if not records:
         raise ConfigError(f"{log}: no step recorded yet")
-    return RunData(folder, _layout(folder), records)
+    found = launches(records)
+    return RunData(folder, label_layout(found) or _layout(folder), records, found)
 
 
 # ------------------------------------------------------------------------------------ the picture
@@ -117,42 +159,64 @@ def median_times(run: RunData) -> dict[str, float]:
 
 
 def _time_panel(ax: Any, runs: list[RunData]) -> None:
-    """One horizontal bar per run, its median seconds per category stacked."""
-    timed = [(i, run) for i, run in enumerate(runs) if median_times(run)]
+    """One horizontal bar per run that had timers, its median seconds per category stacked."""
+    timed = [run for run in runs if median_times(run)]
     ax.set_title(TIME_PANEL)
-    if not timed:
-        ax.text(0.5, 0.5, "no timers in these runs\n(logging.timers: true)", ha="center", va="center",
-                transform=ax.transAxes, color="0.4")
-        ax.set_xticks([])
-        ax.set_yticks([])
-        return
-    colors = {"compute": "0.75", "dp": "tab:blue", "tp": "tab:orange", "pp": "tab:green", "cp": "tab:red"}
     seen = set()
-    widest = max(sum(median_times(run).values()) for _, run in timed)
-    for row, (_, run) in enumerate(timed):
+    widest = max(sum(median_times(run).values()) for run in timed)
+    for row, run in enumerate(timed):
         times = median_times(run)
         left, total = 0.0, sum(times.values())
         for category, seconds in times.items():
             label = None if category in seen else category
             seen.add(category)
-            ax.barh(row, seconds, left=left, color=colors[category], label=label, height=0.6)
+            ax.barh(row, seconds, left=left, color=TIME_COLORS[category], label=label, height=0.6)
             if seconds > 0.08 * widest:  # wide enough on the axis to carry its share
                 ax.text(left + seconds / 2, row, f"{seconds / total:.0%}", ha="center", va="center", fontsize=8)
             left += seconds
-    ax.set_yticks(range(len(timed)), [run.label for _, run in timed], fontsize=8)
+    ax.set_yticks(range(len(timed)), [run.label for run in timed], fontsize=8)
     ax.set_ylim(max(len(timed), 3) - 0.5, -0.5)  # first run on top; one bar stays a bar, not a wall
     ax.set_xlabel("seconds per step")
     ax.legend(fontsize=8, loc="lower right", ncols=len(seen))
 
 
+def _mark_resumes(ax: Any, run: RunData, color: str, *, x: str) -> None:
+    """A dotted vertical line where each resume of `run` begins, in its colour, titled with the layout it
+    resumed in when that changed (the lines' labels start with "_": no legend entry)."""
+    by_step = {r["step"]: r for r in run.records}
+    previous = run.launches[0].layout if run.launches else None
+    for launch in run.resumes:
+        where = by_step[launch.step][x]
+        changed = launch.layout is not None and launch.layout != previous
+        ax.axvline(where, color=color, linestyle=":", linewidth=1,
+                   label=f"_resume {run.folder.name} {launch.step}" + (f" {launch.layout}" if changed else ""))
+        text = f"resumed ({launch.layout})" if changed else "resumed"
+        ax.annotate(text, (where, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right",
+                    fontsize=7, color=color)
+        previous = launch.layout or previous
+
+
+def _grid(fig: Any, n: int) -> list[Any]:
+    """`n` axes in two rows, the top row one wider when `n` is odd (every panel drawn, none left empty)."""
+    top = (n + 1) // 2
+    bottom = n - top
+    cols = math.lcm(top, bottom) if bottom else top
+    grid = fig.add_gridspec(2, cols)
+    return ([fig.add_subplot(grid[0, i * cols // top:(i + 1) * cols // top]) for i in range(top)]
+            + [fig.add_subplot(grid[1, i * cols // bottom:(i + 1) * cols // bottom]) for i in range(bottom)])
+
+
 def figure(runs: list[RunData], *, x: str = "step") -> Any:
-    """The report's matplotlib Figure (not shown, not saved): its axes hold exactly the runs' numbers."""
+    """The report's matplotlib Figure (not shown, not saved): its axes hold exactly the runs' numbers, and
+    a panel is drawn only where some run has its figures (the time panel: timers; MoE balance: an MoE model)."""
     from matplotlib.figure import Figure
 
     moe = any(run.series("moe_load_imbalance")[0] for run in runs)
+    timed = any(median_times(run) for run in runs)
     panels = [*PANELS, MOE_PANEL] if moe else PANELS
-    fig = Figure(figsize=(20 if moe else 15, 8.5), layout="constrained")
-    axes = fig.subplots(2, 4 if moe else 3).flatten()
+    n = len(panels) + timed
+    fig = Figure(figsize=(5 * ((n + 1) // 2), 8.5), layout="constrained")
+    axes = _grid(fig, n)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for ax, (title, ylabel, keys, log) in zip(axes, panels):
         for run, color in zip(runs, colors):
@@ -164,6 +228,7 @@ def figure(runs: list[RunData], *, x: str = "step") -> Any:
                 suffix = " val" if val else f" {key[4:]}" if key.startswith("moe_") else ""
                 ax.plot(xs, ys, color=color, linestyle="--" if val or key == "moe_load_imbalance" else "-",
                         marker="o" if val else None, markersize=3, linewidth=1.2, label=f"{run.label}{suffix}")
+            _mark_resumes(ax, run, color, x=x)
         ax.set_title(title)
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.set_ylabel(ylabel)
@@ -173,8 +238,8 @@ def figure(runs: list[RunData], *, x: str = "step") -> Any:
     axes[0].legend(fontsize=8)
     if moe:
         axes[len(panels) - 1].legend(fontsize=8)
-        axes[-1].set_axis_off()
-    _time_panel(axes[len(panels)], runs)
+    if timed:
+        _time_panel(axes[len(panels)], runs)
     names = ", ".join(str(run.folder) for run in runs)
     fig.suptitle(f"tetron report: {names}", fontsize=11)
     return fig

@@ -4,6 +4,7 @@ progress bar."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from torch import Tensor
 from tetron import device as dev
 from tetron.config import Config
 from tetron.observe.metrics import MetricsLog, ProgressBar, check_log_file, mfu, trim_after
+from tetron.observe.report import describe_layout
 from tetron.observe.sinks import check_wandb, open_sinks
 from tetron.parallel.moe_balance import FIGURES as MOE_FIGURES
 
@@ -90,6 +92,8 @@ class Reporter:
         dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
         self.peak = cfg.logging.peak_tflops or dev.peak_tflops(device, dtype)
         self.world_size, self.device = world_size, device
+        # written on this launch's first record: `tetron report` marks resumes, and layouts changed by them
+        self.layout: str | None = describe_layout(dataclasses.asdict(cfg.parallel))
 
     def step(self, step: int, f: StepFigures, extra: dict[str, float] | None = None) -> None:
         """Step `step` (0-based) done: its figures, and `extra` ones (validation, timers) on its record."""
@@ -111,6 +115,8 @@ class Reporter:
             record.update(f.memory)
         record.update(f.moe or {})
         record.update(extra or {})
+        if self.layout is not None:
+            record["layout"], self.layout = self.layout, None
         self.log.write(record)
         for sink in self.sinks:
             sink.write(step + 1, record)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import typing
 
-from tetron.config import Recompute, ZeroAccumulate, load_config
+from tetron.config import Config, Recompute, ZeroAccumulate, cuda_dtype, from_dict, load_raw
 from tetron.errors import UserError, failed
 from tetron.fs import check_new_file
 from tetron.overrides import OneLineParser, split_known
@@ -60,13 +61,29 @@ def plan_command(args: list[str]) -> int:
                               gpu=ns.gpu, memory_gb=ns.memory_gb, batch_tokens=ns.batch_tokens, fixed=fixed,
                               top=ns.top, json=ns.json, write=ns.write, pick=ns.pick, measure=ns.measure,
                               steps=ns.steps)
-        text, code = run(request)
+        # progress for whoever watches a terminal; a log or a captured output gets the result alone
+        progress = (lambda line: print(line, file=sys.stderr, flush=True)) if sys.stderr.isatty() else None
+        text, code = run(request, progress=progress)
     except FileExistsError:  # made meanwhile, by another process: still never replaced
         return failed(f"--write {ns.write}: already exists; give a new file name (nothing is overwritten)")
     except (UserError, ValueError) as err:
         return failed(str(err))
     print(text)
     return code
+
+
+def job_config(path: str, overrides: list[str]) -> tuple[Config, str | None]:
+    """A Slurm job's config, and a note when it trains in bf16 because nothing set train.dtype: a job on GPUs
+    (parallel.device other than cpu: job.sh asks for them) trains as `tetron train` would on one, and its
+    config.yaml, resolved here, says so to every node."""
+    raw = load_raw(path, overrides)
+    kind = raw["parallel"].get("device", "auto") if isinstance(raw.get("parallel"), dict) else "auto"
+    dtype = cuda_dtype(raw, device_type="cpu" if kind == "cpu" else "cuda")
+    if dtype is None:
+        return from_dict(raw), None
+    raw["train"] = {**(raw.get("train") or {}), "dtype": dtype}
+    note = f"train.dtype={dtype}: the default on GPUs when the config sets none (--train.dtype=float32 trains in fp32)"
+    return from_dict(raw), note
 
 
 def slurm_command(args: list[str]) -> int:
@@ -94,12 +111,14 @@ def slurm_command(args: list[str]) -> int:
     try:
         mine, overrides = split_known(parser, args)
         ns = parser.parse_args(mine)
-        cfg = load_config(ns.config, overrides)
+        cfg, dtype_note = job_config(ns.config, overrides)
         job = SlurmJob(nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition, time=ns.time,
                        account=ns.account, cpus_per_task=ns.cpus_per_task, job_name=ns.job_name,
                        sbatch=tuple(ns.sbatch), setup=ns.setup)
         script = write_job(cfg, job)
         print(f"tetron: wrote {script} (and node.sh, config.yaml beside it)")
+        if dtype_note:
+            print(f"tetron: note: {dtype_note}")
         if ns.submit:
             job_id = submit(script)
             print(f"tetron: submitted job {job_id}; logs in {script.parent} and {script.parent.parent / 'logs'}")

@@ -9,12 +9,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import yaml
 
-from tetron.config import CONFIGS_DIR, Config, load_config
+from tetron.config import CONFIGS_DIR, Config, cuda_dtype, from_dict, is_set, load_raw
 from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError, check, quoted
 from tetron.fs import write_text
@@ -23,7 +23,7 @@ from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan import hardware as hwlib
 from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import predict_rank
-from tetron.plan.search import Plan, as_json, rank, search, table
+from tetron.plan.search import LEGEND, Plan, as_json, rank, search, table
 from tetron.plan.sizes import is_moe
 
 
@@ -74,15 +74,32 @@ def config_source(req: PlanRequest) -> str | None:
     return model if isinstance(model, str) and (CONFIGS_DIR / f"{model}.yaml").is_file() else None
 
 
-def base_config(req: PlanRequest) -> tuple[Config, int]:
-    """The config every layout starts from, and the global batch in sequences."""
-    cfg = load_config(config_source(req), req.overrides)
+def base_config(req: PlanRequest, hw: Hardware | None = None) -> tuple[Config, int, list[str]]:
+    """The config every layout starts from, the global batch in sequences, and a note for each figure the
+    plan assumed because nothing set it (the sequence length, the batch, the dtype): defaults made for this
+    CPU's demo runs, which a plan for GPUs should not take silently. On a GPU an unset train.dtype is
+    bfloat16, as `tetron train` would make it there."""
+    raw = load_raw(config_source(req), req.overrides)
+    dtype = cuda_dtype(raw, device_type="cuda" if hw is not None and not hw.cpu else "cpu")
+    if dtype is not None:
+        raw["train"] = {**(raw.get("train") or {}), "dtype": dtype}
+    cfg = from_dict(raw)
     check(cfg.model is not None, "tetron plan needs a model: --model NAME (configs/ or a Hugging Face config)")
     seq = cfg.data.seq_len
     tokens = req.batch_tokens or cfg.global_batch * seq
     check(tokens % seq == 0, f"--batch-tokens={tokens} is not a multiple of data.seq_len={seq}; "
                              f"use {max(1, round(tokens / seq)) * seq}")
-    return cfg, tokens // seq
+    assumed = []
+    if not is_set(raw, "data", "seq_len"):
+        assumed.append(f"seq {seq} (--seq-len)")
+    if req.batch_tokens is None and not any(is_set(raw, "train", k) for k in ("micro_batch", "grad_acc")):
+        assumed.append(f"a batch of {tokens:,} tokens (--batch-tokens)")
+    if dtype is not None:
+        assumed.append(f"{dtype}, the default on GPUs (--train.dtype=float32 for fp32)")
+    elif not is_set(raw, "train", "dtype"):
+        assumed.append(f"{cfg.train.dtype} (--train.dtype=bfloat16)")
+    notes = [f"note: the config sets none of these, so the plan assumed: {'; '.join(assumed)}"] if assumed else []
+    return cfg, tokens // seq, notes
 
 
 def _size(n: float) -> str:
@@ -103,10 +120,11 @@ def header(cfg: Config, hw: Hardware, req: PlanRequest, batch: int, plans: list[
             f"{len(plans)} layouts valid, {len(fit)} fit" + (f"; the fastest {min(req.top, len(fit))}:" if fit else ""))
 
 
-def run(req: PlanRequest) -> tuple[str, int]:
-    """Search, and the text to print (or JSON), and the exit code: 0, or 1 when nothing fits."""
-    cfg, batch = base_config(req)
+def run(req: PlanRequest, *, progress: Callable[[str], None] | None = None) -> tuple[str, int]:
+    """Search, and the text to print (or JSON), and the exit code: 0, or 1 when nothing fits. `progress`
+    gets a line now and then while the search runs (the command prints them on stderr)."""
     hw = hardware(req)
+    cfg, batch, notes = base_config(req, hw)
     if req.measure:
         # the layouts run here: on this CPU, or on this machine's GPUs, one rank each
         here = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -115,31 +133,61 @@ def run(req: PlanRequest) -> tuple[str, int]:
         check(hw.cpu or (req.nodes == 1 and req.gpus_per_node <= here),
               f"--measure runs the layouts here: {req.nodes * req.gpus_per_node} ranks need as many GPUs on one "
               f"node, and this machine has {here}")
-    plans = search(cfg, hw, nodes=req.nodes, gpus_per_node=req.gpus_per_node, batch=batch, fixed=req.fixed)
+    plans = search(cfg, hw, nodes=req.nodes, gpus_per_node=req.gpus_per_node, batch=batch, fixed=req.fixed,
+                   progress=progress)
     fit = rank(plans)
     if req.write is not None:
         check(len(fit) >= req.pick, f"--write: {len(fit)} layouts fit, no layout #{req.pick} to write")
         chosen = fit[req.pick - 1]
-        text = yaml.safe_dump(chosen.config.to_dict(), sort_keys=False)
-        write_text(Path(req.write).expanduser(), f"# tetron plan #{req.pick}: {chosen.layout.label()}\n{text}",
-                   replace=False)
+        write_text(Path(req.write).expanduser(), written_config(chosen, pick=req.pick), replace=False)
     if req.json:
         data = as_json(fit, hw=hw, nodes=req.nodes, gpus_per_node=req.gpus_per_node, considered=len(plans))
+        data["notes"] = notes
         if req.measure:
             data["measured"] = [measured_row(p, req.steps) for p in fit[:req.measure]]
         return json.dumps(data, indent=1, default=str), 0 if fit else 1
     lines = [header(cfg, hw, req, batch, plans, fit)]
     if fit:
-        lines.append(table(fit, top=req.top))
+        lines += [table(fit, top=req.top), LEGEND]
     elif plans:
         least = min(plans, key=lambda p: p.memory.total)
         lines.append(f"nothing fits: the least memory, {_size(least.memory.total)} per rank ({least.layout.label()}), "
                      f"is over {_size(least.limit)}; use more GPUs, a smaller batch or sequence")
+    lines += notes
     if req.write is not None and fit:
-        lines.append(f"wrote {req.write}: layout #{req.pick}, {fit[req.pick - 1].layout.label()}")
+        lines.append(f"wrote {req.write}: layout #{req.pick}, {fit[req.pick - 1].layout.label()}; before training, "
+                     f"edit what it marks EDIT (the data, the steps, the run folder)")
     if req.measure and fit:
         lines.append(measure_table([measured_row(p, req.steps) for p in fit[:req.measure]]))
     return "\n".join(lines), 0 if fit else 1
+
+
+# The fields a written config keeps from the base config that a real run almost always changes: the base's
+# defaults train the demo corpus for 100 steps into runs/default.
+TO_EDIT = {("data", "path"): "the data to train on (a folder, file, hf:NAME or several data.sources)",
+           ("train", "steps"): "how long to train: steps x the batch's tokens = the run's tokens",
+           ("out",): "the run folder: checkpoints, logs, the final model"}
+
+
+def written_config(plan: Plan, *, pick: int) -> str:
+    """The YAML `--write` writes: the whole config with the plan's layout, the fields a real run needs to
+    change marked `# EDIT` with what they hold now."""
+    data = plan.config.to_dict()
+    text = yaml.safe_dump(data, sort_keys=False)
+    lines, section = [], None
+    for line in text.splitlines():
+        key = line.split(":", 1)[0].strip()
+        if not line.startswith(" "):
+            section = key
+        where = (key,) if section == key else (section, key)
+        if where in TO_EDIT:
+            line = f"{line}  # EDIT: {TO_EDIT[where]}"
+        lines.append(line)
+    marked = ", ".join(".".join(k) for k in TO_EDIT)
+    return (f"# tetron plan #{pick}: {plan.layout.label()}\n"
+            f"# Before training, edit the lines marked EDIT ({marked}): the plan keeps them as the base\n"
+            f"# config had them (the defaults train the demo corpus for 100 steps into runs/default).\n"
+            + "\n".join(lines) + "\n")
 
 
 def measured_row(plan: Plan, steps: int) -> dict[str, Any]:
@@ -197,6 +245,9 @@ def check_plan_numbers(ns: argparse.Namespace) -> None:
     for flag, value, least in (("--top", ns.top, 1), ("--pick", ns.pick, 1), ("--measure", ns.measure, 0),
                                ("--steps", ns.steps, 1)):
         check(least <= value < 2**63, f"{flag}={quoted(value)} must be at least {least}")
+    check(not ns.measure or ns.steps >= 2,
+          f"--steps={ns.steps} with --measure: the peak is measured from the second step on (the first has no "
+          f"optimizer state yet); use --steps 2 or more")
     check(ns.pp_virtual in (None, 1) or ns.pp_schedule is None or SCHEDULES[ns.pp_schedule].virtual != 1,
           f"--pp-virtual={quoted(ns.pp_virtual)} needs --pp-schedule interleaved (or zbv, with 2): "
           f"{ns.pp_schedule} runs one layer chunk per pipeline rank; leave out --pp-virtual with it")

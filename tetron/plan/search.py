@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,6 +30,20 @@ from tetron.validate import validate
 GPU_RESERVE = GiB
 # A CPU rank's interpreter, torch and its libraries, resident before any tensor (measured here: ~0.4 GB).
 CPU_PROCESS_BYTES = 400 * 2**20
+
+PROGRESS_EVERY_S = 5.0  # a progress line this often while a search runs
+
+# What a layout's label says (Layout.label), printed under the table and in docs/planning.md.
+LEGEND = """\
+legend: dpN tpN ppN cpN epN: ranks along data, tensor, pipeline, context and expert parallelism (ep: an MoE
+          model's experts split over that many of the dp*cp ranks); sp: sequence parallelism
+        ppN(S): the pipeline schedule S (afab, 1f1b, zbh1, zbv, interleaved; xV: V virtual stages per rank)
+        z0..z3: the ZeRO stage; z2f, z3f: ZeRO-2/3 accumulating gradients in full buffers (z2, z3: in slices)
+        -, sel, full: activation recomputation none, selective (keeps the matmuls' and attention's outputs,
+          redoes the element-wise work) or full (keeps each layer's input only)
+        mbMxA: micro-batches of M sequences, A of them accumulated a step, per dp rank
+        bubble: the pipeline's idle share of a step; MFU: model FLOPs over the devices' peak\
+"""
 
 AXES = ("dp", "tp", "pp", "cp", "ep", "zero", "recompute", "micro_batch", "pp_schedule", "pp_virtual", "sp",
         "zero_accumulate")
@@ -152,11 +167,21 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
 
 
 def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch: int,
-           fixed: dict[str, Any] | None = None) -> list[Plan]:
-    """Every valid layout, predicted; see `rank` for the order."""
+           fixed: dict[str, Any] | None = None, progress: Callable[[str], None] | None = None,
+           every_s: float | None = None) -> list[Plan]:
+    """Every valid layout, predicted; see `rank` for the order. `progress` gets a line every `every_s` seconds
+    (PROGRESS_EVERY_S by default) of the search (a large model's takes a while: each layout is predicted layer
+    by layer on fake tensors); a search quicker than that says nothing."""
     world, plans, refused = nodes * gpus_per_node, [], []
     limit = memory_limit(hw, gpus_per_node)
-    for layout in candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed or {}):
+    every_s = PROGRESS_EVERY_S if every_s is None else every_s
+    layouts = list(candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed or {}))
+    start = last = time.monotonic()
+    for i, layout in enumerate(layouts):
+        if progress and time.monotonic() - last >= every_s:
+            last = time.monotonic()
+            progress(f"tetron plan: {i:,} of {len(layouts):,} layouts of {world} ranks checked and predicted, "
+                     f"{len(plans):,} valid so far ({last - start:.0f} s)")
         cfg = layout.apply(base)
         try:
             validate(cfg, world_size=world)
