@@ -67,6 +67,11 @@ class LlamaConfig:
         """The sliding window of decoder layer `index` (None: the whole causal past); Llama has none."""
         return None
 
+    def one_layer(self, index: int = 0) -> LlamaConfig:
+        """This config with only decoder layer `index`, as layer 0 (what the planner builds to read a layer's
+        shapes): a family with per-layer fields cuts them to that layer's entry."""
+        return dataclasses.replace(self, num_hidden_layers=1)
+
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
