@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import json
 import os
 import random
 import subprocess
@@ -364,3 +365,36 @@ def test_a_fifo_or_a_link_loop_is_named_not_missing(folder, capsys):
     expect_one_line(["train", good, "--data", str(folder / "loop")], capsys, "loop is a loop of symbolic links")
     expect_one_line(["train", good, "--data", str(folder / "dangling")], capsys,
                     "dangling is a symbolic link to ")
+
+
+def test_a_folder_config_heavier_than_its_tensors_is_refused_before_building(folder, capsys, monkeypatch):
+    """A config.json of 10**6 layers beside two layers' tensors: train --init-from, convert and generate weigh it
+    against the safetensors headers by arithmetic and refuse it, never building the model (its meta model alone
+    took minutes)."""
+    import transformers
+
+    import tetron.checkpoint.check as check
+
+    model = base_raw(folder)["model"]
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**model)).save_pretrained(folder / "hf")
+    hf = json.loads((folder / "hf" / "config.json").read_text())
+    (folder / "hf" / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 10**6}))
+    (folder / "from-hf.yaml").write_text(yaml.safe_dump({k: v for k, v in base_raw(folder).items() if k != "model"}))
+    capsys.readouterr()  # transformers' progress bar
+    monkeypatch.setattr(check, "model_specs", lambda *a, **k: pytest.fail("the model was built"))
+    for argv in (["train", str(folder / "from-hf.yaml"), "--init-from", str(folder / "hf")],
+                 ["convert", str(folder / "hf"), str(folder / "converted")], ["generate", str(folder / "hf")]):
+        start = time.monotonic()
+        expect_one_line(argv, capsys, "describes a model of 9,280,016,416 parameters (num_hidden_layers=1000000")
+        assert time.monotonic() - start < 10, argv  # "did not build 10**6 layers" (minutes), loosely
+
+
+def test_plan_of_a_model_far_too_large_returns(folder, capsys, monkeypatch):
+    """`tetron plan` of 10**6 layers: every layout over the memory limit by arithmetic, none timed layer by layer;
+    it says nothing fits (exit 1)."""
+    from tetron.plan import search
+
+    monkeypatch.setattr(search, "estimate", lambda *a, **k: pytest.fail("a layout that does not fit was timed"))
+    code, out, _ = run_cli(["plan", "demo", "--model.num_hidden_layers=1000000", "--nodes", "1",
+                            "--gpus-per-node", "2", "--gpu", "H100"], capsys)
+    assert code == 1 and "nothing fits" in out, out

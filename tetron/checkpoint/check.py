@@ -118,6 +118,18 @@ def _check_side_files(folder: Path) -> None:
               f"{generation}: bos/eos/pad_token_id must be integers, lists of integers or null")
 
 
+def _weigh(config: Any, reader: TensorReader, where: Path) -> None:
+    """config.json's parameter count (arithmetic on its numbers) against the values the folder's safetensors
+    hold, before the model is built even on the meta device: a config describing far more than its weights (a
+    num_hidden_layers of 10**6, whose meta model alone would take minutes and gigabytes) is refused at once."""
+    stored = sum(math.prod(reader.headers[f][name][1]) for name, f in reader.file_of.items())
+    needed = config.num_params()
+    _need(needed <= stored, f"{where}: describes a model of {needed:,} parameters (num_hidden_layers="
+          f"{config.num_hidden_layers}, hidden_size={config.hidden_size}, vocab_size={config.vocab_size}), and "
+          f"the folder's tensors hold {stored:,} values: the config is not the one its weights were saved with; "
+          f"use that one")
+
+
 def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool = True,
                        verify_data: bool = True, settings: bool = True) -> dict[str, Any] | None:
     """Check a checkpoint (or, with require_state=False, any HF model folder) without loading it: JSON,
@@ -136,6 +148,7 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
         compare_models(config, model, folder / "config.json", settings=settings)
     dtypes = {"F32"} if state is not None else FLOAT_DTYPES
     reader = TensorReader(folder, "model", stored_as=stored_as_of(config))
+    _weigh(config, reader, folder / "config.json")
     for name, _, _, shape in model_specs(config, buffers=False):  # a buffer missing is left at its start value
         reader.check(name, shape, dtypes=dtypes)
     readers = [reader]
