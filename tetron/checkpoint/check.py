@@ -24,12 +24,15 @@ from tetron.errors import CheckpointError, DataError, check, failed
 from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
 from tetron.models.spec import config_from_hf, stored_as_of
 
-# the family and the shapes: always the same
+# the family and the shapes: always the same (an MoE model's experts, their width, which layers have them)
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                "num_experts", "moe_intermediate_size", "n_shared_experts", "decoder_sparse_step", "mlp_only_layers")
 # what gives trained weights their meaning without changing a shape: the same unless
-# checkpoint.new_model_settings (extending the context changes rope_theta or rope_scaling on purpose)
-SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+# checkpoint.new_model_settings (extending the context changes rope_theta or rope_scaling on purpose; an MoE
+# model's routing: which experts a token goes to, and with what weights)
+SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps", "scoring_func", "num_experts_per_tok",
+                  "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor")
 
 _need = functools.partial(check, error=CheckpointError)
 BLOCK = 16 << 20  # bytes read at a time by `tetron check`
@@ -47,13 +50,14 @@ def read_model_config(folder: Path) -> Any:
 
 def compare_models(found: Any, want: Any, where: Path, *, settings: bool = True) -> None:
     """The same shapes, and with `settings` the same SETTING_FIELDS, or a CheckpointError naming the field."""
-    for f in MODEL_FIELDS:
-        _need(getattr(found, f) == getattr(want, f),
-              f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}; "
-              f"use the same model config")
+    for f in MODEL_FIELDS:  # (a field one family lacks is None on its side: model_type differs first)
+        there, here = getattr(found, f, None), getattr(want, f, None)
+        _need(there == here, f"{where}: model.{f}={there} there, but this run has model.{f}={here}; "
+                             f"use the same model config")
     for f in SETTING_FIELDS if settings else ():
-        _need(getattr(found, f) == getattr(want, f),
-              f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}: "
+        there, here = getattr(found, f, None), getattr(want, f, None)
+        _need(there == here,
+              f"{where}: model.{f}={there} there, but this run has model.{f}={here}: "
               f"the weights were trained with the first; use it, or set checkpoint.new_model_settings=true")
 
 
