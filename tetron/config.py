@@ -131,7 +131,8 @@ class CheckpointConfig:
     async_save: bool = False  # copy the state off the training tensors; a thread writes it while training goes on
     new_tokenizer: bool = False  # start from weights with another tokenizer than the one they ship (ids change meaning)
     new_model_settings: bool = False  # start from weights trained with another rope_theta, rope_scaling or
-    # rms_norm_eps (e.g. to extend the context); otherwise such a difference is refused
+    # rms_norm_eps (e.g. to extend the context), or an MoE model's other routing (scoring_func,
+    # num_experts_per_tok, norm_topk_prob, n_group, topk_group, routed_scaling_factor); otherwise refused
     new_data: bool = False  # resume on other data than the checkpoint's (its data order does not continue)
     overwrite: bool = False  # OUT holds an earlier run (metrics, checkpoints, model): rename it to OUT.old-N and
     # start anew; without this (or resume) such a folder is refused, never mixed with or replaced
@@ -176,6 +177,31 @@ class Config:
         return dataclasses.asdict(self)
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last silently, so a file
+    that says `steps: 5000` and further down `steps: 2` would train 2 steps."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, by design
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise ConfigError(f"key {quoted_key(key)} is given twice in one mapping (lines {seen[key]} "
+                                      f"and {line}); keep one")
+                seen[key] = line
+            except TypeError:  # an unhashable key: the safe loader's own error says so
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(text: str) -> Any:
+    """A YAML document, safely (no Python objects), refusing duplicate keys."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def resolve_model(spec: Any) -> LlamaConfig:
     """The model section: a name from configs/, a HF config.json or model folder, or a dict of fields
     (optionally with `name` giving the base they override)."""
@@ -197,7 +223,7 @@ def resolve_model(spec: Any) -> LlamaConfig:
             except ValueError as err:
                 raise ConfigError(f"model={spec}: {err}") from None
         elif named.is_file():
-            section = (yaml.safe_load(named.read_text()) or {}).get("model")
+            section = (read_yaml(named.read_text()) or {}).get("model")
             if section is None:
                 raise ConfigError(f"model={spec}: {named} has no model section")
             base = dataclasses.asdict(resolve_model(section))
@@ -259,7 +285,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not p.is_file():
             raise ConfigError(f"config {path}: {missing_reason(p)} (give a YAML file or a name from configs/)")
         try:
-            raw = yaml.safe_load(read_bounded(p, 16 << 20).decode("utf-8")) or {}
+            raw = read_yaml(read_bounded(p, 16 << 20).decode("utf-8")) or {}
+        except ConfigError as err:  # a key given twice
+            raise ConfigError(f"config {p}: {err}") from None
         except OSError as err:
             raise ConfigError(f"config {p}: cannot read ({err.strerror})") from None
         except RecursionError:

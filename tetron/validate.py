@@ -18,6 +18,7 @@ from tetron.data.hub import hub_problem
 from tetron.data.loader import data_specs, tokenizer_spec
 from tetron.data.sources import resolve_files
 from tetron.data.token_store import is_store
+from tetron.data.tokenizer import MAX_BPE_VOCAB
 from tetron.device import compile_problem, device_problem
 from tetron.errors import CheckpointError, ConfigError, DataError
 from tetron.errors import check as _check
@@ -202,8 +203,9 @@ def _validate_data(cfg: Config) -> None:
                f"the store's, or give a tokenizer folder (tetron tokenize {specs[0]} --tokenizer {tok} makes a "
                f"store with one)")
         n = tok[4:]
-        _check(n.isdigit() and int(n) >= 257,
-               f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
+        _check(n.isdigit() and 257 <= int(n) <= MAX_BPE_VOCAB,
+               f"data.tokenizer={tok[:40]}: use bpe:N with N from 257 (256 bytes + EOS) to {MAX_BPE_VOCAB:,}, "
+               f"e.g. bpe:4096")
         _check(int(n) <= m.vocab_size,
                f"data.tokenizer={tok} has a larger vocabulary than model.vocab_size={m.vocab_size}; "
                f"use bpe:{m.vocab_size} or a larger vocab_size")
