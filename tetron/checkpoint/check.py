@@ -22,7 +22,7 @@ from tetron.checkpoint.save import FORMAT, model_specs, optimizer_specs, seal
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check, failed
 from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
-from tetron.models.spec import config_from_hf, stored_as_of
+from tetron.models.spec import config_from_hf, spec_of, stored_as_of
 
 # the family and the shapes: always the same (an MoE model's experts, their width, which layers have them)
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -123,15 +123,17 @@ def _check_side_files(folder: Path) -> None:
 
 
 def _weigh(config: Any, reader: TensorReader, where: Path) -> None:
-    """config.json's parameter count (arithmetic on its numbers) against the values the folder's safetensors
-    hold, before the model is built even on the meta device: a config describing far more than its weights (a
-    num_hidden_layers of 10**6, whose meta model alone would take minutes and gigabytes) is refused at once."""
-    stored = sum(math.prod(reader.headers[f][name][1]) for name, f in reader.file_of.items())
-    needed = config.num_params()
-    _need(needed <= stored, f"{where}: describes a model of {needed:,} parameters (num_hidden_layers="
-          f"{config.num_hidden_layers}, hidden_size={config.hidden_size}, vocab_size={config.vocab_size}), and "
-          f"the folder's tensors hold {stored:,} values: the config is not the one its weights were saved with; "
-          f"use that one")
+    """config.json's layers against the layers the folder's tensors hold (their names in the safetensors
+    headers), before the model is built even on the meta device: a config of far more layers than its weights
+    (a num_hidden_layers of 10**6, whose meta model alone would take minutes and gigabytes) is refused at once.
+    (Its other sizes cost nothing to build on the meta device: each tensor's shape is then checked.)"""
+    prefix = spec_of(config).plan.layers + "."
+    held = [int(i) for i in {name[len(prefix):].split(".", 1)[0] for name in reader.file_of if name.startswith(prefix)}
+            if i.isdigit() and len(i) < 20]
+    layers = max(held) + 1 if held else 0
+    _need(config.num_hidden_layers <= layers,
+          f"{where}: num_hidden_layers={config.num_hidden_layers}, and the folder's tensors hold {layers} layers "
+          f"({prefix}N): the config is not the one its weights were saved with; use that one")
 
 
 def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool = True,
