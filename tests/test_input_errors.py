@@ -473,3 +473,30 @@ def test_moe_fields_are_compared_with_the_folder_started_from(moe_folder, capsys
     else:
         with pytest.raises(ConfigError, match=f"{field}="):
             validate(allowed)
+
+
+def test_init_from_a_hub_name_offline_says_why(folder, capsys, monkeypatch):
+    """No model section, --init-from a hub name neither cached nor reachable: that is the line, not "model: none
+    given"; a path that is not there and no hub name says so."""
+    import tetron.validate
+
+    monkeypatch.setattr(tetron.validate, "hub_problem", lambda name, kind: "not in the cache, and the hub is "
+                                                                           "unreachable: offline")
+    argv = ["train", str(folder / "from-hf.yaml"), "--init-from"]
+    (folder / "from-hf.yaml").write_text(yaml.safe_dump({k: v for k, v in base_raw(folder).items() if k != "model"}))
+    expect_one_line([*argv, "Qwen/Qwen3-0.6B"], capsys,
+                    "checkpoint.init_from=Qwen/Qwen3-0.6B: not in the cache, and the hub is unreachable: offline")
+    expect_one_line([*argv, "./nowhere"], capsys, "checkpoint.init_from=./nowhere: no such folder, and not a hub name")
+
+
+@pytest.mark.parametrize("typed, meant", [
+    (["--stpes", "3"], "unknown flag --stpes (did you mean --steps?)"),
+    (["--seq_len", "32"], "unknown flag --seq_len (did you mean --seq-len?)"),
+    (["--warmup_steps", "3"], "unknown flag --warmup_steps (did you mean --train.warmup_steps?)"),
+    (["--train.stesp=3"], "train.stesp: unknown key (did you mean steps?)"),
+    (["--trian.steps=3"], "trian: unknown section (did you mean train?)"),
+    (["--tokenizer", "bpe1024"], "data.tokenizer=bpe1024: no such tokenizer folder or hub name; did you mean "
+                                 "bpe:1024?"),
+])
+def test_a_typo_gets_a_suggestion(folder, capsys, typed, meant):
+    expect_one_line(["train", str(folder / "good.yaml"), *typed], capsys, meant)

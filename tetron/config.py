@@ -19,7 +19,7 @@ from tetron.errors import ConfigError, quoted, quoted_key
 from tetron.fs import missing_reason, read_bounded
 from tetron.models import config_from_hf, family
 from tetron.models.llama import LlamaConfig
-from tetron.overrides import apply_overrides, build_section, check_expansion, coerce
+from tetron.overrides import apply_overrides, build_section, check_expansion, coerce, did_you_mean
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -255,7 +255,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(raw) - known, key=str)
     if unknown:
-        raise ConfigError(f"{quoted_key(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
+        near = did_you_mean(str(unknown[0]), sorted(known))
+        raise ConfigError(f"{quoted_key(unknown[0])}: unknown section{near}; known sections are "
+                          f"{', '.join(sorted(known))}")
     kwargs: dict[str, Any] = {name: build_section(cls, raw.get(name), name)
                               for name, cls in SECTIONS.items() if name != "model"}
     kwargs["data"] = _source_numbers(kwargs["data"])
@@ -300,4 +302,4 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         check_expansion(raw, f"config {p}")
         if not isinstance(raw, dict):
             raise ConfigError(f"config {p}: expected a mapping of sections at the top level")
-    return from_dict(apply_overrides(raw, list(overrides)))
+    return from_dict(apply_overrides(raw, list(overrides), sections=SECTIONS))

@@ -113,12 +113,33 @@ def _validate_checkpoint(cfg: Config) -> None:
                 read_model_config(path)
                 inspect_checkpoint(path, cfg.model, require_state=False, settings=not c.new_model_settings)
             else:  # a hub name: cached, or downloadable (rank 0 downloads it); refused at once when offline
-                _check(re.fullmatch(r"[\w.-]+/[\w.-]+", c.init_from) is not None,
-                       f"checkpoint.init_from={c.init_from}: no such folder, and not a hub name (org/name)")
-                problem = hub_problem(c.init_from, "model")
-                _check(problem is None, f"checkpoint.init_from={c.init_from}: {problem}")
+                _check_hub_name(c.init_from)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_hub_name(init_from: str) -> None:
+    """checkpoint.init_from that is no local folder: a hub name, cached or downloadable (not offline)."""
+    _check(re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", init_from) is not None,
+           f"checkpoint.init_from={init_from}: no such folder, and not a hub name (org/name)")
+    problem = hub_problem(init_from, "model")
+    _check(problem is None, f"checkpoint.init_from={init_from}: {problem}")
+
+
+def _validate_no_model(cfg: Config) -> None:
+    """No model section: the model comes from the folder a run starts from, so where that folder is not
+    there, that is what to say (not that no model was given)."""
+    c = cfg.checkpoint
+    names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+    if c.init_from is not None and c.resume in (None, "auto") and not Path(c.init_from).expanduser().exists():
+        _check_hub_name(c.init_from)
+        _check(False, f"model: none given, and checkpoint.init_from={c.init_from} is a hub name, whose config.json "
+                      f"is read only from a local folder: pass --model with that folder (or its config.json)")
+    if c.resume not in (None, "auto"):
+        _check(Path(c.resume).expanduser().is_dir(),
+               f"checkpoint.resume={c.resume}: no such folder (give a checkpoint folder or auto)")
+    _check(False, f"model: none given; pass --model with one of {names}, a Hugging Face config.json or model "
+                  f"folder, or a config file with a model section")
 
 
 def _validate_resume(cfg: Config) -> None:
@@ -374,9 +395,8 @@ def _validate_observing(cfg: Config) -> None:
 
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Every check that needs no process group; raises ConfigError with one line naming the field."""
-    names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
-    _check(cfg.model is not None, f"model: none given; pass --model with one of {names}, a Hugging Face config.json "
-                                  f"or model folder, or a config file with a model section")
+    if cfg.model is None:
+        _validate_no_model(cfg)
     _validate_numbers(cfg)
     _validate_model(cfg)
     _validate_moe(cfg)

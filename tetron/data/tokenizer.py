@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -157,9 +158,19 @@ def _load_saved(folder: Path) -> Tokenizer:
     return Tokenizer(backend, eos, vocab_size=vocab)
 
 
+def _meant(spec: str) -> str | None:
+    """The built-in tokenizer a spec that names nothing here was likely meant to be: bpe1024 -> bpe:1024."""
+    bpe = re.fullmatch(r"bpe[\s_=/-]?(\d+)|BPE[\s_=:/-]?(\d+)", spec.strip(), re.IGNORECASE)
+    if bpe:
+        return f"bpe:{bpe.group(1) or bpe.group(2)}"
+    return "bytes" if spec.strip().lower() in ("byte", "bytes", "byte-level", "bytelevel") else None
+
+
 def _load_pretrained(spec: str) -> Tokenizer:
     """A Hugging Face tokenizer folder, tokenizer.json file, or hub name, through transformers."""
     path = Path(spec).expanduser()
+    if not path.exists() and (meant := _meant(spec)) is not None:
+        raise DataError(f"data.tokenizer={spec}: no such tokenizer folder or hub name; did you mean {meant}?")
     if not path.exists() and (problem := hub_problem(spec, "model")) is not None:
         raise DataError(f"data.tokenizer={spec}: {problem}")  # at once, not after a minute of retries
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
