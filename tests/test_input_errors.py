@@ -500,3 +500,12 @@ def test_init_from_a_hub_name_offline_says_why(folder, capsys, monkeypatch):
 ])
 def test_a_typo_gets_a_suggestion(folder, capsys, typed, meant):
     expect_one_line(["train", str(folder / "good.yaml"), *typed], capsys, meant)
+
+
+def test_generate_and_plan_refuse_what_never_ends_or_cannot_hold_anything(folder, capsys):
+    """--max-new-tokens 10**20 sampled for ever; --memory-gb 1e-6 planned with negative MiB per rank."""
+    expect_one_line(["generate", str(folder), "--max-new-tokens", str(10**20)], capsys,
+                    f"--max-new-tokens={10**20}: at most 100,000")
+    expect_one_line(["plan", str(folder / "good.yaml"), "--nodes", "1", "--gpus-per-node", "2", "--memory-gb",
+                     "0.000001"], capsys, "--memory-gb=1e-06: 9.99e-07 GiB per device leaves nothing for tensors "
+                                          "once each rank sets aside 1 GiB")
