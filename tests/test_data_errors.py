@@ -434,3 +434,21 @@ def test_a_source_of_empty_documents_trains_no_bpe(tmp_path, capsys):
     assert err[-1] == ("tetron: error: data: " + str(tmp_path / "a.jsonl") + ": every document is empty: no text to "
                        "train a BPE on (or to train on); check the source (and data.text_field)"), err
     assert not (tmp_path / "cache" / "tokenizers").exists() or not any((tmp_path / "cache" / "tokenizers").iterdir())
+
+
+def test_a_disk_that_fills_says_no_space(corpus, tmp_path, monkeypatch, capsys):
+    """Shards written onto a full device (/dev/full: every write fails with ENOSPC): the line says "no space",
+    not numpy's "N requested and M written" (ndarray.tofile drops the errno)."""
+    import builtins
+
+    from tetron.data import token_store
+
+    def full(path, mode="r", *args, **kwargs):
+        return builtins.open("/dev/full", mode, *args, **kwargs) if "w" in mode else builtins.open(path, mode)
+
+    monkeypatch.setattr(token_store, "open", full, raising=False)
+    assert cli_main(["tokenize", str(corpus), "--tokenizer", "bytes", "--out", str(tmp_path / "s"),
+                     "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"tetron: error: {tmp_path}/s\S*: no space left on device .*, while tokenizing into "
+                        rf"{tmp_path}/s; .*\n", err), err
