@@ -425,3 +425,8 @@ def test_a_merge_key_may_be_overridden(tmp_path):
     from tetron.config import read_yaml
 
     assert read_yaml((tmp_path / "merge.yaml").read_text())["train"] == {"steps": 2, "lr": 0.1}
+
+
+def test_a_key_given_twice_in_a_command_line_value_is_refused():
+    with pytest.raises(ConfigError, match=r"^data.sources: key path is given twice in one mapping \(lines 1 and 1\)"):
+        load_config(None, ["--model", "demo", "--data.sources=[{path: a.txt, path: b.txt}]"])

@@ -19,7 +19,7 @@ from tetron.errors import ConfigError, quoted, quoted_key
 from tetron.fs import missing_reason, read_bounded
 from tetron.models import config_from_hf, family
 from tetron.models.llama import LlamaConfig
-from tetron.overrides import apply_overrides, build_section, check_expansion, coerce, did_you_mean
+from tetron.overrides import apply_overrides, build_section, check_expansion, coerce, did_you_mean, read_yaml
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -175,31 +175,6 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last silently, so a file
-    that says `steps: 5000` and further down `steps: 2` would train 2 steps."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, by design
-                continue
-            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-            try:
-                if key in seen:
-                    raise ConfigError(f"key {quoted_key(key)} is given twice in one mapping (lines {seen[key]} "
-                                      f"and {line}); keep one")
-                seen[key] = line
-            except TypeError:  # an unhashable key: the safe loader's own error says so
-                break
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_yaml(text: str) -> Any:
-    """A YAML document, safely (no Python objects), refusing duplicate keys."""
-    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def resolve_model(spec: Any) -> LlamaConfig:

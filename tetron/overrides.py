@@ -157,6 +157,31 @@ def split_known(parser: argparse.ArgumentParser, args: list[str]) -> tuple[list[
     return mine, rest
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last silently, so a file
+    that says `steps: 5000` and further down `steps: 2` would train 2 steps."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, by design
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise ConfigError(f"key {quoted_key(key)} is given twice in one mapping (lines {seen[key]} "
+                                      f"and {line}); keep one")
+                seen[key] = line
+            except TypeError:  # an unhashable key: the safe loader's own error says so
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(text: str) -> Any:
+    """A YAML document, safely (no Python objects), refusing duplicate keys."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def check_expansion(raw: Any, where: str) -> None:
     """Refuse a value that expands to more than MAX_VALUES values, or contains itself: YAML aliases let a
     few lines stand for a billion items (each alias shares its anchor's object), which anything that walks
@@ -219,7 +244,9 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
         kind = dict if dict in (origin, annotation) else list
         if text:
             try:
-                value = yaml.safe_load(value)
+                value = read_yaml(value)
+            except ConfigError as err:  # a key given twice
+                raise ConfigError(f"{where}: {err}") from None
             except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an int of over 4,300 digits
                 pass
             check_expansion(value, where)
