@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 
+from tetron import cli
 from tetron.checkpoint.check import inspect_checkpoint
 from tetron.checkpoint.convert import convert
 from tetron.checkpoint.load import TensorReader, load_model, read_header
@@ -142,14 +144,16 @@ def test_reshard_between_layouts(corpus, cache_dir, tmp_path, name):
 # ----------------------------------------------------------------------------- Hugging Face in and out
 
 
-def _hf_folder(path: Path, *, tied: bool, vocab: int = 256) -> Path:
+def _hf_folder(path: Path, *, tied: bool, vocab: int = 256, family: str = "Llama") -> Path:
+    """A tiny model of `family` (transformers' class names: Llama, Qwen2, Qwen3) as its save_pretrained writes it
+    (transformers 5 lists Qwen's per-layer `layer_types` in config.json)."""
     import transformers
 
     torch.manual_seed(3)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=tied)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(path)
     return path
 
 
@@ -166,16 +170,27 @@ def test_checkpoint_loads_in_transformers(corpus, cache_dir, tmp_path):
             torch.testing.assert_close(theirs(ids).logits, load_model(folder)(ids), rtol=0, atol=LOGITS_ATOL)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_init_from_hf_folder(corpus, cache_dir, tmp_path, tied):
+@pytest.mark.parametrize("family, tied", [("Llama", False), ("Llama", True), ("Qwen2", False), ("Qwen3", False)])
+def test_init_from_hf_folder(corpus, cache_dir, tmp_path, family, tied):
+    """Step 1's loss from a transformers-saved folder is transformers' own loss on the same batch."""
     import transformers
 
-    hf = _hf_folder(tmp_path / "hf", tied=tied)
+    hf = _hf_folder(tmp_path / "hf", tied=tied, family=family)
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", train={"steps": 1, "micro_batch": 1, "grad_acc": 2},
                       parallel={"pp": 2}, checkpoint={"init_from": str(hf)})
     del raw["model"]  # the model comes from the folder
     assert from_dict(raw).model.tie_word_embeddings is tied
-    (loss,) = run(raw)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    losses = []  # `tetron train` as typed: every check before the ranks (the memory model's too), then the ranks
+
+    def launch(cfg):
+        losses.extend(run(cfg.to_dict()))
+        return 0
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "launch", launch)
+        assert cli.main(["train", str(tmp_path / "run.yaml")]) == 0
+    (loss,) = losses
     from tetron.data.loader import DataLoader, load_tokens
 
     cfg = from_dict(raw)

@@ -406,3 +406,27 @@ def test_model_vocabulary_fits_a_bytes_or_bpe_tokenizer(capsys, tokenizer, rows)
     assert notes == [f"model.vocab_size=4096 -> {rows}: data.tokenizer={tokenizer} has {rows} token ids"]
     kept, notes = _fit_tokenizer(load_config(None, [*args, "--init-from", "some/model"]), args)
     assert kept.model.vocab_size == 4096 and notes == []
+
+
+@pytest.mark.parametrize("text, lines", [
+    ("train:\n  steps: 5000\n  lr: 0.001\n  steps: 2\n", "lines 2 and 4"),  # the last would win silently
+    ("train: {steps: 5000, steps: 2}\n", "lines 1 and 1"),
+    ("train:\n  steps: 2\ntrain:\n  lr: 0.1\n", "lines 1 and 3"),
+])
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path, text, lines):
+    (tmp_path / "twice.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=rf"twice\.yaml: key (steps|train) is given twice in one mapping \({lines}\)"):
+        load_config(str(tmp_path / "twice.yaml"))
+
+
+def test_a_merge_key_may_be_overridden(tmp_path):
+    """`<<: *base` then a key of base: YAML's way to override, not a key given twice."""
+    (tmp_path / "merge.yaml").write_text("base: &b {steps: 3, lr: 0.1}\ntrain:\n  <<: *b\n  steps: 2\n")
+    from tetron.config import read_yaml
+
+    assert read_yaml((tmp_path / "merge.yaml").read_text())["train"] == {"steps": 2, "lr": 0.1}
+
+
+def test_a_key_given_twice_in_a_command_line_value_is_refused():
+    with pytest.raises(ConfigError, match=r"^data.sources: key path is given twice in one mapping \(lines 1 and 1\)"):
+        load_config(None, ["--model", "demo", "--data.sources=[{path: a.txt, path: b.txt}]"])

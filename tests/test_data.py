@@ -145,7 +145,7 @@ def test_bytes_tokenizer(tmp_path: Path) -> None:
 
 
 def test_tokenizer_spec_errors(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="integer vocabulary size >= 257"):
+    with pytest.raises(DataError, match="integer vocabulary size from 257"):
         load_tokenizer("bpe:abc", data_spec="stdlib", cache_dir=tmp_path)
     with pytest.raises(DataError, match="give a data spec"):
         load_tokenizer("bpe:300", data_spec=None, cache_dir=tmp_path)

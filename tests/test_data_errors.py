@@ -394,3 +394,61 @@ def test_messages_about_a_mixture_name_its_sources(store, corpus, tmp_path):
     with pytest.raises(ConfigError, match=rf"^data.sources \({store}, {corpus}\): [\d,]+ tokens make [\d,]+ windows "
                                           r"of data.seq_len\+1=33, fewer than one global batch of 100000"):
         _check_data(load_config(str(path), ["--train.micro_batch=100000"]))
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe:300"])
+def test_a_lone_surrogate_is_a_bad_record(tmp_path, capsys, tokenizer):
+    """JSON may spell a lone UTF-16 surrogate ("\\ud800"), which no text encoding holds: one line naming the
+    record with on_bad_record=stop, skipped and counted with skip (a BPE trains on the rest)."""
+    (tmp_path / "a.jsonl").write_text('{"text": "hello world"}\n{"text": "bad \\ud800 here"}\n{"text": "more"}\n')
+    args = ["tokenize", str(tmp_path / "a.jsonl"), "--tokenizer", tokenizer, "--workers", "1",
+            "--cache-dir", str(tmp_path / "cache")]
+    assert cli_main([*args, "--out", str(tmp_path / "stop")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (f"tetron: error: data: {tmp_path}/a.jsonl line 2 holds a lone UTF-16 surrogate (an escape "
+                       f"such as \\ud800 without its pair): not text; data.on_bad_record=skip skips such records"), err
+    assert cli_main([*args, "--out", str(tmp_path / "skip"), "--on-bad-record", "skip"]) == 0
+    assert f"skipped 1 bad records (data.on_bad_record=skip), the first at {tmp_path}/a.jsonl line 2" in (
+        capsys.readouterr().err)
+    assert TokenStore(tmp_path / "skip").index["num_docs"] == 2
+
+
+def test_a_bpe_of_an_absurd_vocabulary_is_refused_before_training(tmp_path, capsys):
+    """bpe:10**12 aborted the process in the tokenizers library (a 72 TB allocation): refused naming the bound."""
+    (tmp_path / "a.txt").write_text("hello world\n" * 10)
+    for spec in ("bpe:1000000000000", "bpe:1048577"):
+        assert cli_main(["tokenize", str(tmp_path / "a.txt"), "--tokenizer", spec, "--out", str(tmp_path / "s"),
+                         "--cache-dir", str(tmp_path / "cache")]) == 2
+        assert "integer vocabulary size from 257 (256 bytes + EOS) to 1,048,576" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"data.tokenizer=bpe:1000000000000: use bpe:N with N from 257 .* to "
+                                          r"1,048,576"):
+        validate(load_config(None, ["--model", "demo", "--model.vocab_size=2000000000000", "--data", str(
+            tmp_path / "a.txt"), "--tokenizer", "bpe:1000000000000", "--out", str(tmp_path / "run")]))
+
+
+def test_a_source_of_empty_documents_trains_no_bpe(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    assert cli_main(["tokenize", str(tmp_path / "a.jsonl"), "--tokenizer", "bpe:300", "--out", str(tmp_path / "s"),
+                     "--cache-dir", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("tetron: error: data: " + str(tmp_path / "a.jsonl") + ": every document is empty: no text to "
+                       "train a BPE on (or to train on); check the source (and data.text_field)"), err
+    assert not (tmp_path / "cache" / "tokenizers").exists() or not any((tmp_path / "cache" / "tokenizers").iterdir())
+
+
+def test_a_disk_that_fills_says_no_space(corpus, tmp_path, monkeypatch, capsys):
+    """Shards written onto a full device (/dev/full: every write fails with ENOSPC): the line says "no space",
+    not numpy's "N requested and M written" (ndarray.tofile drops the errno)."""
+    import builtins
+
+    from tetron.data import token_store
+
+    def full(path, mode="r", *args, **kwargs):
+        return builtins.open("/dev/full", mode, *args, **kwargs) if "w" in mode else builtins.open(path, mode)
+
+    monkeypatch.setattr(token_store, "open", full, raising=False)
+    assert cli_main(["tokenize", str(corpus), "--tokenizer", "bytes", "--out", str(tmp_path / "s"),
+                     "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"tetron: error: {tmp_path}/s\S*: no space left on device .*, while tokenizing into "
+                        rf"{tmp_path}/s; .*\n", err), err

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import json
 import os
 import random
 import subprocess
@@ -30,6 +31,7 @@ from tetron.errors import DataError
 from tetron.fs import STATE_FILE, write_json
 from tetron.plan import fit
 from tetron.plan.memory import floor, predict
+from tetron.validate import validate
 
 HUGE = "9" * 400  # a 400-digit integer
 LONG_QUOTE = 120  # an error line may quote at most this much of one value
@@ -366,3 +368,146 @@ def test_a_fifo_or_a_link_loop_is_named_not_missing(folder, capsys):
     expect_one_line(["train", good, "--data", str(folder / "loop")], capsys, "loop is a loop of symbolic links")
     expect_one_line(["train", good, "--data", str(folder / "dangling")], capsys,
                     "dangling is a symbolic link to ")
+
+
+def test_a_folder_config_heavier_than_its_tensors_is_refused_before_building(folder, capsys, monkeypatch):
+    """A config.json of 10**6 layers beside four layers' tensors: train --init-from, convert and generate weigh it
+    against the safetensors headers and refuse it, never building the model (its meta model alone took
+    minutes)."""
+    import transformers
+
+    import tetron.checkpoint.check as check
+
+    model = base_raw(folder)["model"]
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**model)).save_pretrained(folder / "hf")
+    hf = json.loads((folder / "hf" / "config.json").read_text())
+    (folder / "hf" / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 10**6}))
+    (folder / "from-hf.yaml").write_text(yaml.safe_dump({k: v for k, v in base_raw(folder).items() if k != "model"}))
+    capsys.readouterr()  # transformers' progress bar
+    monkeypatch.setattr(check, "model_specs", lambda *a, **k: pytest.fail("the model was built"))
+    for argv in (["train", str(folder / "from-hf.yaml"), "--init-from", str(folder / "hf")],
+                 ["convert", str(folder / "hf"), str(folder / "converted")], ["generate", str(folder / "hf")]):
+        start = time.monotonic()
+        expect_one_line(argv, capsys, "num_hidden_layers=1000000, and the folder's tensors hold 4 layers")
+        assert time.monotonic() - start < 10, argv  # "did not build 10**6 layers" (minutes), loosely
+
+
+def test_plan_of_a_model_far_too_large_returns(folder, capsys, monkeypatch):
+    """`tetron plan` of 10**6 layers: every layout over the memory limit by arithmetic, none timed layer by layer;
+    it says nothing fits (exit 1)."""
+    from tetron.plan import search
+
+    monkeypatch.setattr(search, "estimate", lambda *a, **k: pytest.fail("a layout that does not fit was timed"))
+    code, out, _ = run_cli(["plan", "demo", "--model.num_hidden_layers=1000000", "--nodes", "1",
+                            "--gpus-per-node", "2", "--gpu", "H100"], capsys)
+    assert code == 1 and "nothing fits" in out, out
+
+
+@pytest.fixture
+def moe_folder(folder, capsys) -> Path:
+    """A tiny Qwen3-MoE as transformers' save_pretrained writes it (4 experts, top 2)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(folder / "moe")
+    (folder / "from-hf.yaml").write_text(yaml.safe_dump({k: v for k, v in base_raw(folder).items() if k != "model"}))
+    capsys.readouterr()  # transformers' progress bar
+    return folder / "moe"
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4, "rope_theta": 1e4}
+BAD_MOE_AND_ROPE = {  # config.json fields -> what the one line names
+    "n_group 0": ({"n_group": 0}, "n_group=0 must be at least 1"),
+    "decoder_sparse_step 0": ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be at least 1"),
+    "n_shared_experts -1": ({"n_shared_experts": -1}, "n_shared_experts=-1 must be >= 0"),
+    "num_experts text": ({"num_experts": "4", "num_local_experts": "4"}, "num_experts='4': expected an integer"),
+    "scoring_func 1": ({"scoring_func": 1}, "scoring_func=1: use one of"),
+    "one expert a group": ({"n_group": 4, "topk_group": 2}, "n_group=4 leaves 1 expert(s) per group"),
+    "factor a list": ({"rope_parameters": {**LLAMA3, "factor": [1]}}, "rope_scaling.factor=[1]: expected a number"),
+    "factor text": ({"rope_parameters": {**LLAMA3, "factor": "abc"}}, "rope_scaling.factor='abc': expected a number"),
+    "original length null": ({"rope_parameters": {**LLAMA3, "original_max_position_embeddings": None}},
+                             "rope_scaling.original_max_position_embeddings=None: expected a positive integer"),
+    "rope_parameters a list": ({"rope_parameters": [1, 2]}, "rope_parameters=[1, 2]: expected a mapping"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_MOE_AND_ROPE))
+def test_bad_moe_and_rope_values_in_config_json(moe_folder, capsys, name):
+    """Each bad MoE or rope value of a model folder's config.json: one line naming it in train, plan, convert
+    and generate (group-limited routing needs two experts per group: the router scores a group by its best
+    two)."""
+    change, match = BAD_MOE_AND_ROPE[name]
+    hf = json.loads((moe_folder / "config.json").read_text())
+    (moe_folder / "config.json").write_text(json.dumps({**hf, **change}))
+    here = moe_folder.parent
+    for argv in (["train", str(here / "from-hf.yaml"), "--init-from", str(moe_folder)],
+                 ["plan", "--model", str(moe_folder), "--nodes", "1", "--gpus-per-node", "2", "--seq-len", "32"],
+                 ["convert", str(moe_folder), str(here / "converted")], ["generate", str(moe_folder)]):
+        expect_one_line(argv, capsys, match)
+
+
+def test_bad_rope_factor_on_the_command_line_names_the_field(folder, capsys):
+    expect_one_line(["train", str(folder / "good.yaml"), "--model.rope_scaling={rope_type: llama3, factor: abc, "
+                     "low_freq_factor: 1, high_freq_factor: 4}"], capsys,
+                    "model.rope_scaling.factor='abc': expected a number")
+
+
+@pytest.mark.parametrize("override, kind", [
+    ("--model.num_experts_per_tok=1", "setting"), ("--model.scoring_func=sigmoid", "setting"),
+    ("--model.norm_topk_prob=true", "setting"), ("--model.routed_scaling_factor=2.5", "setting"),
+    ("--model.mlp_only_layers=[1]", "shape"), ("--model.n_shared_experts=1", "shape"),
+])
+def test_moe_fields_are_compared_with_the_folder_started_from(moe_folder, capsys, override, kind):
+    """--init-from a folder whose MoE routing or experts differ from the run's model: one line naming the
+    field; a routing change passes with checkpoint.new_model_settings, as a rope change does."""
+    field = override.split("=")[0].removeprefix("--")
+    argv = ["train", str(moe_folder.parent / "from-hf.yaml"), "--init-from", str(moe_folder), "--model",
+            str(moe_folder), override]
+    expect_one_line(argv, capsys, f"{field}=")
+    allowed = load_config(str(moe_folder.parent / "from-hf.yaml"), [*argv[2:], "--checkpoint.new_model_settings=true"])
+    if kind == "setting":
+        validate(allowed)
+    else:
+        with pytest.raises(ConfigError, match=f"{field}="):
+            validate(allowed)
+
+
+def test_init_from_a_hub_name_offline_says_why(folder, capsys, monkeypatch):
+    """No model section, --init-from a hub name neither cached nor reachable: that is the line, not "model: none
+    given"; a path that is not there and no hub name says so."""
+    import tetron.validate
+
+    monkeypatch.setattr(tetron.validate, "hub_problem", lambda name, kind: "not in the cache, and the hub is "
+                                                                           "unreachable: offline")
+    argv = ["train", str(folder / "from-hf.yaml"), "--init-from"]
+    (folder / "from-hf.yaml").write_text(yaml.safe_dump({k: v for k, v in base_raw(folder).items() if k != "model"}))
+    expect_one_line([*argv, "Qwen/Qwen3-0.6B"], capsys,
+                    "checkpoint.init_from=Qwen/Qwen3-0.6B: not in the cache, and the hub is unreachable: offline")
+    expect_one_line([*argv, "./nowhere"], capsys, "checkpoint.init_from=./nowhere: no such folder, and not a hub name")
+
+
+@pytest.mark.parametrize("typed, meant", [
+    (["--stpes", "3"], "unknown flag --stpes (did you mean --steps?)"),
+    (["--seq_len", "32"], "unknown flag --seq_len (did you mean --seq-len?)"),
+    (["--warmup_steps", "3"], "unknown flag --warmup_steps (did you mean --train.warmup_steps?)"),
+    (["--train.stesp=3"], "train.stesp: unknown key (did you mean steps?)"),
+    (["--trian.steps=3"], "trian: unknown section (did you mean train?)"),
+    (["--tokenizer", "bpe1024"], "data.tokenizer=bpe1024: no such tokenizer folder or hub name; did you mean "
+                                 "bpe:1024?"),
+])
+def test_a_typo_gets_a_suggestion(folder, capsys, typed, meant):
+    expect_one_line(["train", str(folder / "good.yaml"), *typed], capsys, meant)
+
+
+def test_generate_and_plan_refuse_what_never_ends_or_cannot_hold_anything(folder, capsys):
+    """--max-new-tokens 10**20 sampled for ever; --memory-gb 1e-6 planned with negative MiB per rank."""
+    expect_one_line(["generate", str(folder), "--max-new-tokens", str(10**20)], capsys,
+                    f"--max-new-tokens={10**20}: at most 100,000")
+    expect_one_line(["plan", str(folder / "good.yaml"), "--nodes", "1", "--gpus-per-node", "2", "--memory-gb",
+                     "0.000001"], capsys, "--memory-gb=1e-06: 9.99e-07 GiB per device leaves nothing for tensors "
+                                          "once each rank sets aside 1 GiB")

@@ -250,6 +250,9 @@ def convert_command(args: list[str]) -> int:
     return 0
 
 
+MAX_NEW_TOKENS = 100_000  # tokens `tetron generate` samples at most: hours on a CPU already (10**20 never ended)
+
+
 def _generate_args(args: list[str]) -> argparse.Namespace:
     """`tetron generate`'s arguments, each checked: one line naming the flag for a bad value."""
     parser = OneLineParser(prog="tetron generate", description="Sample text from a trained run.")
@@ -262,6 +265,8 @@ def _generate_args(args: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ns = parser.parse_args(args)
     check(ns.max_new_tokens >= 0, f"--max-new-tokens={quoted(ns.max_new_tokens)} must be >= 0")
+    check(ns.max_new_tokens <= MAX_NEW_TOKENS, f"--max-new-tokens={quoted(ns.max_new_tokens)}: at most "
+                                               f"{MAX_NEW_TOKENS:,} (each token is one forward pass)")
     check(math.isfinite(ns.temperature) and ns.temperature >= 0,
           f"--temperature={ns.temperature} must be a finite number >= 0 (0: greedy)")
     check(ns.top_k >= 0, f"--top-k={quoted(ns.top_k)} must be >= 0 (0: no limit)")

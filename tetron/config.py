@@ -19,7 +19,7 @@ from tetron.errors import ConfigError, quoted, quoted_key
 from tetron.fs import missing_reason, read_bounded
 from tetron.models import config_from_hf, family
 from tetron.models.llama import LlamaConfig
-from tetron.overrides import apply_overrides, build_section, check_expansion, coerce
+from tetron.overrides import apply_overrides, build_section, check_expansion, coerce, did_you_mean, read_yaml
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -138,7 +138,8 @@ class CheckpointConfig:
     async_save: bool = False  # copy the state off the training tensors; a thread writes it while training goes on
     new_tokenizer: bool = False  # start from weights with another tokenizer than the one they ship (ids change meaning)
     new_model_settings: bool = False  # start from weights trained with another rope_theta, rope_scaling or
-    # rms_norm_eps (e.g. to extend the context); otherwise such a difference is refused
+    # rms_norm_eps (e.g. to extend the context), or an MoE model's other routing (scoring_func,
+    # num_experts_per_tok, norm_topk_prob, n_group, topk_group, routed_scaling_factor); otherwise refused
     new_data: bool = False  # resume on other data than the checkpoint's (its data order does not continue)
     new_optimizer: bool = False  # resume with another optimizer (optim.name) than the checkpoint's: take its
     # weights and start the optimizer's state fresh; otherwise such a difference is refused
@@ -207,7 +208,7 @@ def resolve_model(spec: Any) -> LlamaConfig:
             except ValueError as err:
                 raise ConfigError(f"model={spec}: {err}") from None
         elif named.is_file():
-            section = (yaml.safe_load(named.read_text()) or {}).get("model")
+            section = (read_yaml(named.read_text()) or {}).get("model")
             if section is None:
                 raise ConfigError(f"model={spec}: {named} has no model section")
             base = dataclasses.asdict(resolve_model(section))
@@ -243,7 +244,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(raw) - known, key=str)
     if unknown:
-        raise ConfigError(f"{quoted_key(unknown[0])}: unknown section; known sections are {', '.join(sorted(known))}")
+        near = did_you_mean(str(unknown[0]), sorted(known))
+        raise ConfigError(f"{quoted_key(unknown[0])}: unknown section{near}; known sections are "
+                          f"{', '.join(sorted(known))}")
     kwargs: dict[str, Any] = {name: build_section(cls, raw.get(name), name)
                               for name, cls in SECTIONS.items() if name != "model"}
     kwargs["data"] = _source_numbers(kwargs["data"])
@@ -292,7 +295,9 @@ def load_raw(path: str | os.PathLike | None, overrides: list[str] = ()) -> dict[
         if not p.is_file():
             raise ConfigError(f"config {path}: {missing_reason(p)} (give a YAML file or a name from configs/)")
         try:
-            raw = yaml.safe_load(read_bounded(p, 16 << 20).decode("utf-8")) or {}
+            raw = read_yaml(read_bounded(p, 16 << 20).decode("utf-8")) or {}
+        except ConfigError as err:  # a key given twice
+            raise ConfigError(f"config {p}: {err}") from None
         except OSError as err:
             raise ConfigError(f"config {p}: cannot read ({err.strerror})") from None
         except RecursionError:
@@ -305,7 +310,7 @@ def load_raw(path: str | os.PathLike | None, overrides: list[str] = ()) -> dict[
         check_expansion(raw, f"config {p}")
         if not isinstance(raw, dict):
             raise ConfigError(f"config {p}: expected a mapping of sections at the top level")
-    return apply_overrides(raw, list(overrides))
+    return apply_overrides(raw, list(overrides), sections=SECTIONS)
 
 
 def is_set(raw: dict[str, Any], section: str, key: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import re
 import types
@@ -77,8 +78,34 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
-    """Apply `--a.b=v`, `--a.b v` and the short flags, in order, to the raw config dict."""
+def _nearest(name: str, known: list[str]) -> str | None:
+    """The known name a mistyped one meant: the same but for - and _ (`seq_len`: seq-len), else the closest."""
+    spelled = {k.replace("-", "_"): k for k in known}
+    return spelled.get(name.replace("-", "_")) or next(iter(difflib.get_close_matches(name, known, n=1)), None)
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """" (did you mean X?)" for the known name nearest a mistyped one (`stpes`: steps), or ""."""
+    near = _nearest(name, known)
+    return f" (did you mean {near}?)" if near else ""
+
+
+def _near_flag(key: str, sections: dict[str, type] | None) -> str:
+    """" (did you mean X?)" for the flag a mistyped `--key` meant: a short flag, or a config field by its name
+    (`--warmup_steps`: --train.warmup_steps), an exact spelling of either first."""
+    fields = {f.name: f"--{section}.{f.name}" for section, cls in (sections or {}).items() if section != "model"
+              for f in dataclasses.fields(cls)}
+    flags = {f: f"--{f}" for f in SHORT_FLAGS}
+    normal = key.replace("-", "_")
+    exact = next((spelled for name, spelled in [*flags.items(), *fields.items()]
+                  if name.replace("-", "_") == normal), None)
+    near = exact or flags.get(_nearest(key, list(flags)) or "") or fields.get(_nearest(key, list(fields)) or "")
+    return f" (did you mean {near}?)" if near else ""
+
+
+def apply_overrides(raw: dict[str, Any], args: list[str], *, sections: dict[str, type] | None = None) -> dict[str, Any]:
+    """Apply `--a.b=v`, `--a.b v` and the short flags, in order, to the raw config dict (`sections`: the config's
+    dataclasses, whose fields an unknown flag's suggestion is drawn from besides the short flags)."""
     i = 0
     while i < len(args):
         arg = args[i]
@@ -97,7 +124,8 @@ def apply_overrides(raw: dict[str, Any], args: list[str]) -> dict[str, Any]:
             key = SHORT_FLAGS[key]
         elif "." not in key and key != "out":
             flags = ", ".join("--" + f for f in SHORT_FLAGS)
-            raise ConfigError(f"unknown flag --{key}: use a dotted key (--train.lr=...) or one of {flags}")
+            raise ConfigError(f"unknown flag --{key}{_near_flag(key, sections)}: use a dotted key (--train.lr=...) "
+                              f"or one of {flags}")
         set_dotted(raw, key, value)  # kept as text: coerce converts it by the field's type
     return raw
 
@@ -127,6 +155,31 @@ def split_known(parser: argparse.ArgumentParser, args: list[str]) -> tuple[list[
             rest.append(arg)
         i += 1
     return mine, rest
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: YAML keeps the last silently, so a file
+    that says `steps: 5000` and further down `steps: 2` would train 2 steps."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden, by design
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise ConfigError(f"key {quoted_key(key)} is given twice in one mapping (lines {seen[key]} "
+                                      f"and {line}); keep one")
+                seen[key] = line
+            except TypeError:  # an unhashable key: the safe loader's own error says so
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(text: str) -> Any:
+    """A YAML document, safely (no Python objects), refusing duplicate keys."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def check_expansion(raw: Any, where: str) -> None:
@@ -191,7 +244,9 @@ def coerce(value: Any, annotation: Any, where: str) -> Any:
         kind = dict if dict in (origin, annotation) else list
         if text:
             try:
-                value = yaml.safe_load(value)
+                value = read_yaml(value)
+            except ConfigError as err:  # a key given twice
+                raise ConfigError(f"{where}: {err}") from None
             except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an int of over 4,300 digits
                 pass
             check_expansion(value, where)
@@ -245,7 +300,8 @@ def build_section(cls: type, raw: Any, where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(fields), key=str)  # (YAML keys may be numbers too)
     if unknown:
-        raise ConfigError(f"{where}.{quoted_key(unknown[0])}: unknown key; known keys are {', '.join(fields)}")
+        near = did_you_mean(str(unknown[0]), list(fields))
+        raise ConfigError(f"{where}.{quoted_key(unknown[0])}: unknown key{near}; known keys are {', '.join(fields)}")
     types_ = typing.get_type_hints(cls)  # the annotations are strings (future import): resolve them
     kwargs = {name: coerce(value, types_[name], f"{where}.{name}") for name, value in raw.items()}
     try:

@@ -19,6 +19,7 @@ from tetron.data.hub import hub_problem
 from tetron.data.loader import data_specs, tokenizer_spec
 from tetron.data.sources import resolve_files
 from tetron.data.token_store import is_store
+from tetron.data.tokenizer import MAX_BPE_VOCAB
 from tetron.device import compile_problem, device_problem
 from tetron.errors import CheckpointError, ConfigError, DataError, quoted
 from tetron.errors import check as _check
@@ -143,12 +144,33 @@ def _validate_checkpoint(cfg: Config) -> None:
                 read_model_config(path)
                 inspect_checkpoint(path, cfg.model, require_state=False, settings=not c.new_model_settings)
             else:  # a hub name: cached, or downloadable (rank 0 downloads it); refused at once when offline
-                _check(re.fullmatch(r"[\w.-]+/[\w.-]+", c.init_from) is not None,
-                       f"checkpoint.init_from={c.init_from}: no such folder, and not a hub name (org/name)")
-                problem = hub_problem(c.init_from, "model")
-                _check(problem is None, f"checkpoint.init_from={c.init_from}: {problem}")
+                _check_hub_name(c.init_from)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
+
+
+def _check_hub_name(init_from: str) -> None:
+    """checkpoint.init_from that is no local folder: a hub name, cached or downloadable (not offline)."""
+    _check(re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", init_from) is not None,
+           f"checkpoint.init_from={init_from}: no such folder, and not a hub name (org/name)")
+    problem = hub_problem(init_from, "model")
+    _check(problem is None, f"checkpoint.init_from={init_from}: {problem}")
+
+
+def _validate_no_model(cfg: Config) -> None:
+    """No model section: the model comes from the folder a run starts from, so where that folder is not
+    there, that is what to say (not that no model was given)."""
+    c = cfg.checkpoint
+    names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
+    if c.init_from is not None and c.resume in (None, "auto") and not Path(c.init_from).expanduser().exists():
+        _check_hub_name(c.init_from)
+        _check(False, f"model: none given, and checkpoint.init_from={c.init_from} is a hub name, whose config.json "
+                      f"is read only from a local folder: pass --model with that folder (or its config.json)")
+    if c.resume not in (None, "auto"):
+        _check(Path(c.resume).expanduser().is_dir(),
+               f"checkpoint.resume={c.resume}: no such folder (give a checkpoint folder or auto)")
+    _check(False, f"model: none given; pass --model with one of {names}, a Hugging Face config.json or model "
+                  f"folder, or a config file with a model section")
 
 
 def _validate_resume(cfg: Config) -> None:
@@ -235,8 +257,9 @@ def _validate_data(cfg: Config) -> None:
                f"the store's, or give a tokenizer folder (tetron tokenize {specs[0]} --tokenizer {tok} makes a "
                f"store with one)")
         n = tok[4:]
-        _check(n.isdigit() and int(n) >= 257,
-               f"data.tokenizer={tok}: use bpe:N with N >= 257 (256 bytes + EOS), e.g. bpe:4096")
+        _check(n.isdigit() and 257 <= int(n) <= MAX_BPE_VOCAB,
+               f"data.tokenizer={tok[:40]}: use bpe:N with N from 257 (256 bytes + EOS) to {MAX_BPE_VOCAB:,}, "
+               f"e.g. bpe:4096")
         _check(int(n) <= m.vocab_size,
                f"data.tokenizer={tok} has a larger vocabulary than model.vocab_size={m.vocab_size}; "
                f"use bpe:{m.vocab_size} or a larger vocab_size")
@@ -414,9 +437,8 @@ def _validate_observing(cfg: Config) -> None:
 
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Every check that needs no process group; raises ConfigError with one line naming the field."""
-    names = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml")))
-    _check(cfg.model is not None, f"model: none given; pass --model with one of {names}, a Hugging Face config.json "
-                                  f"or model folder, or a config file with a model section")
+    if cfg.model is None:
+        _validate_no_model(cfg)
     _validate_numbers(cfg)
     _validate_model(cfg)
     _validate_moe(cfg)

@@ -25,14 +25,17 @@ from tetron.checkpoint.save import ADAMW_STATE, FORMAT, model_specs, optimizer_s
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check, failed
 from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
-from tetron.models.spec import config_from_hf, stored_as_of
+from tetron.models.spec import config_from_hf, spec_of, stored_as_of
 
-# the family and the shapes: always the same
+# the family and the shapes: always the same (an MoE model's experts, their width, which layers have them)
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                "num_experts", "moe_intermediate_size", "n_shared_experts", "decoder_sparse_step", "mlp_only_layers")
 # what gives trained weights their meaning without changing a shape: the same unless
-# checkpoint.new_model_settings (extending the context changes rope_theta or rope_scaling on purpose)
-SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps")
+# checkpoint.new_model_settings (extending the context changes rope_theta or rope_scaling on purpose; an MoE
+# model's routing: which experts a token goes to, and with what weights)
+SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps", "scoring_func", "num_experts_per_tok",
+                  "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor")
 
 _need = functools.partial(check, error=CheckpointError)
 BLOCK = 16 << 20  # bytes read at a time by `tetron check`
@@ -52,13 +55,14 @@ def read_model_config(folder: Path) -> Any:
 
 def compare_models(found: Any, want: Any, where: Path, *, settings: bool = True) -> None:
     """The same shapes, and with `settings` the same SETTING_FIELDS, or a CheckpointError naming the field."""
-    for f in MODEL_FIELDS:
-        _need(getattr(found, f) == getattr(want, f),
-              f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}; "
-              f"use the same model config")
+    for f in MODEL_FIELDS:  # (a field one family lacks is None on its side: model_type differs first)
+        there, here = getattr(found, f, None), getattr(want, f, None)
+        _need(there == here, f"{where}: model.{f}={there} there, but this run has model.{f}={here}; "
+                             f"use the same model config")
     for f in SETTING_FIELDS if settings else ():
-        _need(getattr(found, f) == getattr(want, f),
-              f"{where}: model.{f}={getattr(found, f)} there, but this run has model.{f}={getattr(want, f)}: "
+        there, here = getattr(found, f, None), getattr(want, f, None)
+        _need(there == here,
+              f"{where}: model.{f}={there} there, but this run has model.{f}={here}: "
               f"the weights were trained with the first; use it, or set checkpoint.new_model_settings=true")
 
 
@@ -158,6 +162,20 @@ def _check_side_files(folder: Path) -> None:
               f"{generation}: bos/eos/pad_token_id must be integers, lists of integers or null")
 
 
+def _weigh(config: Any, reader: TensorReader, where: Path) -> None:
+    """config.json's layers against the layers the folder's tensors hold (their names in the safetensors
+    headers), before the model is built even on the meta device: a config of far more layers than its weights
+    (a num_hidden_layers of 10**6, whose meta model alone would take minutes and gigabytes) is refused at once.
+    (Its other sizes cost nothing to build on the meta device: each tensor's shape is then checked.)"""
+    prefix = spec_of(config).plan.layers + "."
+    held = [int(i) for i in {name[len(prefix):].split(".", 1)[0] for name in reader.file_of if name.startswith(prefix)}
+            if i.isdigit() and len(i) < 20]
+    layers = max(held) + 1 if held else 0
+    _need(config.num_hidden_layers <= layers,
+          f"{where}: num_hidden_layers={config.num_hidden_layers}, and the folder's tensors hold {layers} layers "
+          f"({prefix}N): the config is not the one its weights were saved with; use that one")
+
+
 def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool = True,
                        verify_data: bool = True, settings: bool = True) -> dict[str, Any] | None:
     """Check a checkpoint (or, with require_state=False, any HF model folder) without loading it: JSON,
@@ -176,6 +194,7 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
         compare_models(config, model, folder / "config.json", settings=settings)
     dtypes = {"F32"} if state is not None else FLOAT_DTYPES
     reader = TensorReader(folder, "model", stored_as=stored_as_of(config))
+    _weigh(config, reader, folder / "config.json")
     for name, _, _, shape in model_specs(config, buffers=False):  # a buffer missing is left at its start value
         reader.check(name, shape, dtypes=dtypes)
     readers = [reader]

@@ -14,6 +14,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -84,11 +85,19 @@ def resolve_files(spec: str) -> list[Path]:
     raise DataError(f"data: {spec} does not exist (give a file, a folder, a glob, 'stdlib' or hf:NAME)")
 
 
+# A UTF-16 surrogate without its pair: JSON may spell one ("\ud800"), but it is no character, and no text
+# with one can be encoded (as UTF-8, for the tokenizers and the byte-level store)
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_WHAT = "holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair): not text"
+
+
 def _texts(values: Iterator[Any], where: Callable[[int], str], text_field: str,
            skip: BadRecords | None) -> Iterator[str]:
     """The strings of a text column (null: an empty document); any other value is a bad record."""
     for i, text in enumerate(values):
-        if text is None or isinstance(text, str):
+        if isinstance(text, str) and _LONE_SURROGATE.search(text):
+            _bad(where(i), _SURROGATE_WHAT, skip)
+        elif text is None or isinstance(text, str):
             yield text or ""
         else:
             _bad(where(i), f"has a {type(text).__name__} in {text_field!r}, not text (set data.text_field)", skip)
@@ -133,6 +142,8 @@ def _jsonl_record(line: bytes, where: str, text_field: str, skip: BadRecords | N
         return _bad(where, f"is not JSON ({getattr(e, 'msg', e)}); expected one object per line", skip)
     if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
         return _bad(where, f"has no string field {text_field!r} (set data.text_field)", skip)
+    if _LONE_SURROGATE.search(obj[text_field]):
+        return _bad(where, _SURROGATE_WHAT, skip)
     return obj[text_field]
 
 

@@ -68,7 +68,9 @@ class ShardWriter:
                 self._tmp = temp_name(self.folder / f"{self._name()}.bin")
                 self._file = open(self._tmp, "wb")
             take = min(self.shard_tokens - self._count, tokens.size - pos)
-            tokens[pos: pos + take].astype(self.dtype, copy=False).tofile(self._file)
+            # file.write, not ndarray.tofile: a full disk is then an OSError with its errno (ENOSPC), which says
+            # "no space"; tofile's says "N requested and M written"
+            self._file.write(np.ascontiguousarray(tokens[pos: pos + take], dtype=self.dtype))
             mine = ends[(ends <= pos + take) & ((ends > pos) | (pos == 0))]  # pos 0: empty documents too
             self._ends.append(mine - pos + self._count)
             self._count += take
@@ -82,7 +84,8 @@ class ShardWriter:
         self._file = None
         ends = np.concatenate(self._ends) if self._ends else np.zeros(0, np.int64)
         docs_tmp = temp_name(self.folder / f"{name}.docs")
-        ends.tofile(docs_tmp)
+        with open(docs_tmp, "wb") as f:
+            f.write(np.ascontiguousarray(ends))
         fsync_file(docs_tmp)
         os.replace(docs_tmp, self.folder / f"{name}.docs")
         fsync_file(tmp)

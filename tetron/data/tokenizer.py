@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -137,19 +138,22 @@ def bytes_backend() -> Any:
     return backend
 
 
+MAX_BPE_VOCAB = 1 << 20  # 1,048,576 tokens: four times the largest vocabularies in use (Gemma's 262,144); the
+# trainer allocates by the size asked for (bpe:1000000000000 aborted the process in the Rust library)
+
+
 def _bpe_vocab_size(spec: str) -> int:
     try:
         n = int(spec[len("bpe:"):])
     except ValueError:
         n = 0
-    if n < 257:
-        raise DataError(
-            f"data: tokenizer {spec!r} needs an integer vocabulary size >= 257 (256 bytes + EOS), e.g. bpe:4096"
-        )
+    if not 257 <= n <= MAX_BPE_VOCAB:
+        raise DataError(f"data: tokenizer {spec[:40]!r} needs an integer vocabulary size from 257 (256 bytes + EOS) "
+                        f"to {MAX_BPE_VOCAB:,}, e.g. bpe:4096")
     return n
 
 
-def _train_bpe(vocab_size: int, texts: Iterator[str]) -> Tokenizer:
+def _train_bpe(vocab_size: int, texts: Iterator[str], *, data_spec: str = "the data") -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -162,7 +166,18 @@ def _train_bpe(vocab_size: int, texts: Iterator[str]) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(texts, trainer=trainer)
+    chars = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal chars
+        for text in texts:
+            chars += len(text)
+            yield text
+
+    backend.train_from_iterator(counted(), trainer=trainer)
+    if chars == 0:  # a BPE of no text is the byte alphabet alone, and the store would hold no tokens
+        raise DataError(f"data: {data_spec}: every document is empty: no text to train a BPE on (or to train on); "
+                        f"check the source (and data.text_field)")
     return Tokenizer(backend, backend.token_to_id(EOS_TOKEN))
 
 
@@ -244,9 +259,19 @@ def _check_config_file(folder: Path, backend: Any) -> None:
             raise DataError(f"{path}: {key}={token!r} is no token of tokenizer.json")
 
 
+def _meant(spec: str) -> str | None:
+    """The built-in tokenizer a spec that names nothing here was likely meant to be: bpe1024 -> bpe:1024."""
+    bpe = re.fullmatch(r"bpe[\s_=/-]?(\d+)|BPE[\s_=:/-]?(\d+)", spec.strip(), re.IGNORECASE)
+    if bpe:
+        return f"bpe:{bpe.group(1) or bpe.group(2)}"
+    return "bytes" if spec.strip().lower() in ("byte", "bytes", "byte-level", "bytelevel") else None
+
+
 def _load_pretrained(spec: str) -> Tokenizer:
     """A Hugging Face tokenizer folder, tokenizer.json file, or hub name, through transformers."""
     path = Path(spec).expanduser()
+    if not path.exists() and (meant := _meant(spec)) is not None:
+        raise DataError(f"data.tokenizer={spec}: no such tokenizer folder or hub name; did you mean {meant}?")
     if not path.exists() and (problem := hub_problem(spec, "model")) is not None:
         raise DataError(f"data.tokenizer={spec}: {problem}")  # at once, not after a minute of retries
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -296,7 +321,8 @@ def load_tokenizer(
         if say is not None:
             say(f"training a {vocab_size}-token byte-level BPE on {data_spec} (once; cached in {folder.parent})")
         skip = BadRecords() if skip_bad else None
-        tok = _train_bpe(vocab_size, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes, skip=skip))
+        tok = _train_bpe(vocab_size, iter_texts(data_spec, text_field=text_field, max_bytes=max_bytes, skip=skip),
+                         data_spec=data_spec)
         # Save under a temporary name and rename, so a crash never leaves a partial cache entry.
         tmp = temp_name(folder)
         tok.save(tmp)

@@ -67,6 +67,11 @@ class LlamaConfig:
         """The sliding window of decoder layer `index` (None: the whole causal past); Llama has none."""
         return None
 
+    def one_layer(self, index: int = 0) -> LlamaConfig:
+        """This config with only decoder layer `index`, as layer 0 (what the planner builds to read a layer's
+        shapes): a family with per-layer fields cuts them to that layer's entry."""
+        return dataclasses.replace(self, num_hidden_layers=1)
+
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -85,6 +90,9 @@ class LlamaConfig:
 
     def _normalized_rope_scaling(self, scaling: dict) -> dict | None:
         """Accept HF's spellings ("type" or "rope_type", optional original length); keep one form."""
+        if not isinstance(scaling, dict):
+            raise ValueError(f"rope_scaling={scaling!r}: expected a mapping (e.g. {{rope_type: llama3, factor: 8, "
+                             f"...}}) or null")
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "default":
             return None
@@ -94,10 +102,15 @@ class LlamaConfig:
         if missing:
             raise ValueError(f"rope_scaling of type 'llama3' lacks {missing}; it needs {list(_LLAMA3_KEYS)}")
         original = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+        if type(original) is float and original.is_integer():
+            original = int(original)
+        if type(original) is not int:
+            raise ValueError(f"rope_scaling.original_max_position_embeddings={original!r}: expected a positive "
+                             f"integer (or leave it out: max_position_embeddings)")
         return {
             "rope_type": "llama3",
-            **{k: float(scaling[k]) for k in _LLAMA3_KEYS},
-            "original_max_position_embeddings": int(original),
+            **{k: _rope_number(scaling[k], k) for k in _LLAMA3_KEYS},
+            "original_max_position_embeddings": original,
         }
 
     @classmethod
@@ -116,6 +129,8 @@ class LlamaConfig:
         _check_hf_types(kwargs)
         # transformers 5 writes RoPE as one "rope_parameters" dict; 4.x as rope_theta + rope_scaling.
         rope = hf.get("rope_parameters")
+        if rope is not None and not isinstance(rope, dict):
+            raise ValueError(f"rope_parameters={rope!r}: expected a mapping (rope_type, rope_theta, ...) or null")
         if rope:
             if any(isinstance(v, dict) for v in rope.values()):
                 raise ValueError("per-layer-type rope_parameters are not supported for Llama")
@@ -175,6 +190,18 @@ class LlamaConfig:
         """
         n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
         return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+
+
+def _rope_number(value: object, key: str) -> float:
+    """A rope_scaling number: a number, or text that reads as one (YAML 1.1 keeps `1e3` as text)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"rope_scaling.{key}={value!r}: expected a number")
+    return float(value)
 
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

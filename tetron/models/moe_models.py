@@ -55,12 +55,25 @@ class MoeConfig(LlamaConfig):
         super().__post_init__()
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
+        for name in ("num_experts", "decoder_sparse_step", "n_group", "moe_intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts={self.n_shared_experts} must be >= 0")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
                              f"num_experts={self.num_experts}")
         if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"n_group={self.n_group} must divide num_experts={self.num_experts} and "
                              f"topk_group={self.topk_group} be between 1 and n_group")
+        per_group = self.num_experts // self.n_group
+        # the router scores a group by its two best experts (moe.Router._best_groups), and a token's top_k
+        # experts must come from its topk_group groups
+        if self.n_group > 1 and (per_group < 2 or self.num_experts_per_tok > self.topk_group * per_group):
+            raise ValueError(f"n_group={self.n_group} leaves {per_group} expert(s) per group of num_experts="
+                             f"{self.num_experts}: group-limited routing needs at least 2 per group and "
+                             f"num_experts_per_tok={self.num_experts_per_tok} <= topk_group={self.topk_group} x "
+                             f"{per_group}; use fewer groups (n_group=1 turns it off)")
 
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
@@ -76,6 +89,7 @@ class MoeConfig(LlamaConfig):
             raise ValueError("use_sliding_window=true is not supported; use false")
         if "num_local_experts" in hf:  # transformers 5 writes Qwen3-MoE's num_experts under this name too
             hf.setdefault("num_experts", hf["num_local_experts"])
+        _check_moe_types(hf)
         return super().from_hf(hf)
 
     def to_hf(self, dtype: str = "float32") -> dict:
@@ -108,6 +122,34 @@ class MoeConfig(LlamaConfig):
         """Training FLOPs per token from the ACTIVE parameters: 6 * N_active + 12*L*H*s (see LlamaConfig's)."""
         n = self.num_params(include_embedding=False, active=True) + self.vocab_size * self.hidden_size
         return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+
+
+_MOE_INTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "n_group",
+             "topk_group", "n_shared_experts")
+_MOE_NUMBERS = ("router_aux_loss_coef", "router_z_loss_coef", "moe_capacity_factor", "routed_scaling_factor",
+                "moe_bias_update_rate")
+_MOE_CHOICES = {"moe_aux_loss": ("sequence", "batch"), "scoring_func": ("softmax", "sigmoid")}
+
+
+def _check_moe_types(hf: dict) -> None:
+    """Each MoE field of a config.json has its type ("num_experts": "4" would fail far later, on every rank)."""
+    for name in _MOE_INTS:
+        value = hf.get(name)
+        if name in hf and type(value) is not int and not (value is None and name == "moe_intermediate_size"):
+            raise ValueError(f"{name}={value!r}: expected an integer")
+    for name in _MOE_NUMBERS:
+        value = hf.get(name)
+        if name in hf and (not isinstance(value, (int, float)) or isinstance(value, bool)) and not (
+                value is None and name == "moe_capacity_factor"):
+            raise ValueError(f"{name}={value!r}: expected a number")
+    for name, choices in _MOE_CHOICES.items():
+        if name in hf and hf[name] not in choices:
+            raise ValueError(f"{name}={hf[name]!r}: use one of {list(choices)}")
+    if "norm_topk_prob" in hf and type(hf["norm_topk_prob"]) is not bool:
+        raise ValueError(f"norm_topk_prob={hf['norm_topk_prob']!r}: expected true or false")
+    only = hf.get("mlp_only_layers")
+    if only is not None and not (isinstance(only, list) and all(type(i) is int for i in only)):
+        raise ValueError(f"mlp_only_layers={only!r}: expected a list of layer indices")
 
 
 @dataclass

@@ -15,6 +15,7 @@ norms (`head_norms`) and their gradients are summed over tp (parallel/tensor_par
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -54,6 +55,11 @@ class SlidingLayersConfig(LlamaConfig):
         else:
             windowed = index >= self.max_window_layers
         return self.sliding_window if windowed else None
+
+    def one_layer(self, index: int = 0) -> SlidingLayersConfig:
+        kinds = None if self.layer_types is None else [self.layer_types[index]]
+        max_window = 0 if index >= self.max_window_layers else 1  # layer 0 windowed as layer `index` is
+        return dataclasses.replace(self, num_hidden_layers=1, layer_types=kinds, max_window_layers=max_window)
 
 
 @dataclass

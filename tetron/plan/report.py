@@ -23,7 +23,7 @@ from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan import hardware as hwlib
 from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import predict_rank
-from tetron.plan.search import LEGEND, Plan, as_json, rank, search, table
+from tetron.plan.search import CPU_PROCESS_BYTES, GPU_RESERVE, LEGEND, Plan, as_json, memory_limit, rank, search, table
 from tetron.plan.sizes import is_moe
 
 
@@ -124,6 +124,12 @@ def run(req: PlanRequest, *, progress: Callable[[str], None] | None = None) -> t
     """Search, and the text to print (or JSON), and the exit code: 0, or 1 when nothing fits. `progress`
     gets a line now and then while the search runs (the command prints them on stderr)."""
     hw = hardware(req)
+    if memory_limit(hw, req.gpus_per_node) <= 0:  # what a rank keeps aside leaves nothing for tensors
+        aside, what = (CPU_PROCESS_BYTES, "the interpreter and torch") if hw.cpu else (GPU_RESERVE, "the CUDA "
+                                                                                         "context and NCCL")
+        given = f"--memory-gb={req.memory_gb:g}" if req.memory_gb else f"the {hw.name}"
+        raise ConfigError(f"{given}: {hw.memory / GiB:.3g} GiB per device leaves nothing for tensors once each rank "
+                          f"sets aside {aside / GiB:.3g} GiB ({what}); give more memory")
     cfg, batch, notes = base_config(req, hw)
     if req.measure:
         # the layouts run here: on this CPU, or on this machine's GPUs, one rank each

@@ -94,7 +94,7 @@ class Plan:
     layout: Layout
     config: Config
     memory: MemoryEstimate
-    time: TimeEstimate
+    time: TimeEstimate | None  # None where the layout does not fit: it is not ranked, so not timed
     limit: int  # the bytes a rank may use on this hardware
 
     @property
@@ -195,7 +195,9 @@ def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch:
             layout = replace(layout, zero_accumulate="sharded")
             cfg = layout.apply(base)
             memory = _memory(cfg, limit)
-        plans.append(Plan(layout, cfg, memory, estimate(cfg, hw, gpus_per_node=gpus_per_node), limit))
+        # a layout over the limit is not ranked: timing it would walk every layer of a model far too large
+        step = estimate(cfg, hw, gpus_per_node=gpus_per_node) if memory.total <= limit else None
+        plans.append(Plan(layout, cfg, memory, step, limit))
     if not plans:  # say why: the first refusal, or that the sizes leave nothing to try
         raise ConfigError(f"no layout of {world} ranks is valid: {refused[0]}" if refused else
                           f"no layout of {world} ranks divides the model (heads, layers) and the batch of {batch} "

@@ -94,7 +94,7 @@ def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str, bool]
     if key not in _LAYER_PARAMS:
         spec = family(cfg.model.model_type)
         # one layer and a one-token vocabulary: a layer's shapes do not depend on the vocabulary's size
-        one = dataclasses.replace(cfg.model, num_hidden_layers=1, vocab_size=1)
+        one = dataclasses.replace(cfg.model.one_layer(0), vocab_size=1)
         if is_moe(one):  # layer 0 as the kind asked for
             one = dataclasses.replace(one, decoder_sparse_step=1, mlp_only_layers=[] if moe else [0])
         with torch.device("meta"):
