@@ -177,13 +177,13 @@ def test_sinks_match_gpt_oss(masked):
 
 
 def _options_rank(impl: str, dv: int) -> dict:
-    """cp ranks: ring or Ulysses attention with sinks, a scale, (ring) soft-capping and v of its own width,
+    """cp ranks: ring or Ulysses attention with sinks, a scale, soft-capping and v of its own width,
     against one process's sdpa_attention on the whole sequence: outputs and gradients of q, k, v and sinks."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     mesh = Mesh(cp=cp)
     q, k, v = _qkv(8, dv, seed=5)
     sinks = torch.randn(H, generator=torch.Generator().manual_seed(6))
-    options = {"scale": 0.3, "softcap": 2.0 if impl == "ring" else None, "sinks": sinks}
+    options = {"scale": 0.3, "softcap": 2.0, "sinks": sinks}
     dout = torch.randn(B, H, T, dv, generator=torch.Generator().manual_seed(7))
     idx = shard_indices(T, cp, rank)
     local = [t[:, :, idx].clone().requires_grad_(True) for t in (q, k, v)]
@@ -216,7 +216,8 @@ def test_cp_attention_with_options_equals_one_process(impl, dv):
 
 def test_projection_qk_norm_matches_olmo3():
     """Olmo3Attention (q_norm over all query heads' width, k_norm over all key heads') on the same weights."""
-    cfg = _ToyConfig(**_TOY_MODEL, sinks=False, v_head_dim=8, layer_types=["full_attention"] * 2)
+    cfg = _ToyConfig(**_TOY_MODEL, sinks=False, v_head_dim=8, layer_types=["full_attention"] * 2,
+                     query_pre_attn_scalar=None, attn_logit_softcapping=None)
     ours = Attention(cfg, 0).eval()
     hf_cfg = transformers.Olmo3Config(hidden_size=32, num_attention_heads=H, num_key_value_heads=KVH,
                                       intermediate_size=64, num_hidden_layers=2, rms_norm_eps=cfg.rms_norm_eps)
@@ -240,14 +241,17 @@ def test_projection_qk_norm_matches_olmo3():
 
 @dataclass
 class _ToyConfig(LlamaConfig):
-    """A family only this file knows: q/k heads wider than v heads, sinks, whole-projection q/k norms, and
-    sliding layers between full ones."""
+    """A family only this file knows: q/k heads wider than v heads, sinks, whole-projection q/k norms, sliding
+    layers between full ones, Gemma's scale, and soft-capping in the full layers (which so run ring attention's
+    math blocks, while the sliding ones run its fused kernel with v padded)."""
 
     model_type: str = "toy_attention"
     v_head_dim: int = 4  # narrower than head_dim (hidden 32 / 4 heads = 8)
     sinks: bool = True
     sliding_window: int | None = 5
     layer_types: list[str] | None = field(default=None)
+    query_pre_attn_scalar: float | None = 12.0  # scale = query_pre_attn_scalar**-0.5
+    attn_logit_softcapping: float | None = 3.0
 
     hf_architecture: ClassVar[str] = "ToyAttentionForCausalLM"
 
@@ -260,8 +264,10 @@ class _ToyConfig(LlamaConfig):
 
     def attention_options(self, index: int) -> AttentionOptions:
         window = layer_windows(self.layer_types, self.sliding_window, self.num_hidden_layers)[index]
+        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
         return AttentionOptions(head_dim=self.head_dim, v_head_dim=self.v_head_dim, window=window, sinks=self.sinks,
-                                qk_norm="projection")
+                                qk_norm="projection", scale=scale,
+                                softcap=None if window else self.attn_logit_softcapping)
 
 
 _TOY_MODEL = dict(hidden_size=32, num_attention_heads=H, num_key_value_heads=KVH, num_hidden_layers=2)

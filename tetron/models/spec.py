@@ -10,7 +10,8 @@ What the module class must offer (Llama's, models/llama.py, is the pattern): it 
 (`model_class(config)`, on the meta device too), keeps that config as `.config`, names its tensors as
 transformers' class does, has the plan's parts at the plan's paths (a part a pipeline stage drops is set to
 None and skipped by `forward`), its decoder layers in a ModuleDict keyed "0", "1", ..., its attention modules
-with an `attn_fn(q, k, v, docs)` attribute (context parallelism and the KV cache swap it), `tie_weights()`,
+with an `attn_fn(q, k, v, docs, window, **options)` attribute (context parallelism and the KV cache swap it;
+models/attention.py's AttentionOptions.extras says which options), `tie_weights()`,
 and `forward(input_ids, position_ids, docs)`. Its config dataclass has a `model_type` field, `from_hf`,
 `to_hf`, `num_params` and `flops_per_token`, and the Llama size fields that validation checks.
 """
