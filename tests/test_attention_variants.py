@@ -85,19 +85,23 @@ def test_value_width_of_its_own(dv, masked):
         torch.testing.assert_close(got.grad.double(), want.grad, **TOL, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("scale", [None, 0.3])
 @pytest.mark.parametrize("dv", [4, 12])
-def test_block_kernels_with_a_value_width_of_its_own(dv):
-    """A block on the CPU flash kernel (padded) and on the math path: the same out, lse and gradients."""
+def test_block_kernels_with_a_value_width_of_its_own(dv, scale):
+    """A block on the CPU flash kernel (padded: q and k padded where v is wider, their scale kept) and on the math
+    path: the same out, lse and gradients."""
     q, k, v = _qkv(8, dv)
     k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     mask = document_mask(IDS, torch.arange(T), torch.arange(T))
     dout = torch.randn(B, H, T, dv, generator=torch.Generator().manual_seed(2))
     results = []
     for kernel in ("cpu_flash", "math"):
-        out, lse = block_attention(q, k, v, True, kernel=kernel, mask=mask)
-        grads = block_attention_backward(dout, q, k, v, out, lse, True, kernel=kernel, mask=mask)
+        out, lse = block_attention(q, k, v, True, kernel=kernel, mask=mask, scale=scale)
+        grads = block_attention_backward(dout, q, k, v, out, lse, True, kernel=kernel, mask=mask, scale=scale)
         results.append((out, lse, *grads))
-    assert results[0][0].shape == (B, H, T, dv) and results[0][4].shape == v.shape
+    assert results[0][0].shape == (B, H, T, dv) and results[0][2].shape == q.shape and results[0][4].shape == v.shape
+    ref = _reference(q, k, v, ids=IDS, scale=scale)
+    torch.testing.assert_close(results[1][0].double(), ref, **TOL)
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(got, want, **TOL, msg=name)
 
