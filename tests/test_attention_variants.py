@@ -19,7 +19,14 @@ from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.gpt_oss import modeling_gpt_oss
 
 from tetron.mesh import Mesh
-from tetron.models.attention import AttentionOptions, Documents, document_mask, layer_windows, sdpa_attention
+from tetron.models.attention import (
+    AttentionOptions,
+    Documents,
+    document_mask,
+    layer_windows,
+    scored_attention,
+    sdpa_attention,
+)
 from tetron.models.llama import LLAMA, Attention, LlamaConfig, rope_cos_sin
 from tetron.models.spec import FAMILIES, ModelSpec, ParallelPlan, register
 from tetron.parallel.block_attention import block_attention, block_attention_backward
@@ -163,10 +170,13 @@ def test_scale_and_softcap_match_gemma2():
         torch.testing.assert_close(got_grad, want_grad, **TOL, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("dv", [8, 4])
 @pytest.mark.parametrize("masked", ["none", "window", "docs"])
-def test_sinks_match_gpt_oss(masked):
-    """One learned logit per head in the denominator, as transformers' GptOss eager attention adds it."""
-    q, k, v = _qkv()
+def test_sinks_match_gpt_oss(masked, dv):
+    """One learned logit per head in the denominator, as transformers' GptOss eager attention adds it: on the
+    CPU's fused kernel (the sinks added to its log-sum-exp) and on the math path (scored_attention, CUDA's),
+    with the same gradients of q, k, v and the sinks."""
+    q, k, v = _qkv(8, dv)
     sinks = torch.randn(H, generator=torch.Generator().manual_seed(4))
     window, docs = (5 if masked == "window" else None), (Documents(IDS) if masked == "docs" else None)
     pos = torch.arange(T)
@@ -175,9 +185,21 @@ def test_sinks_match_gpt_oss(masked):
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")).expand(B, 1, T, T)
     module = SimpleNamespace(num_key_value_groups=H // KVH, training=False, sinks=sinks)
     want, _ = modeling_gpt_oss.eager_attention_forward(module, q, k, v, additive, scaling=8 ** -0.5)
-    got = sdpa_attention(q, k, v, docs, window, sinks=sinks)
-    torch.testing.assert_close(got, want.transpose(1, 2), **TOL)
-    assert (sdpa_attention(q, k, v, docs, window) - got).abs().max() > 1e-3
+    dout = torch.randn(B, H, T, dv, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for path in ("fused", "math"):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+        if path == "fused":
+            got = sdpa_attention(*inputs[:3], docs, window, sinks=inputs[3])
+        else:
+            rep = [t.repeat_interleave(H // KVH, 1) for t in inputs[1:3]]
+            got = scored_attention(inputs[0], *rep, docs, window, sinks=inputs[3])
+        torch.testing.assert_close(got, want.transpose(1, 2), **TOL, msg=path)
+        got.backward(dout)
+        grads.append([t.grad for t in inputs])
+    for name, fused, math in zip(("dq", "dk", "dv", "dsinks"), *grads):
+        torch.testing.assert_close(fused, math, **TOL, msg=name)
+    assert (sdpa_attention(q, k, v, docs, window) - want.transpose(1, 2)).abs().max() > 1e-3  # sinks matter
 
 
 def _options_rank(impl: str, dv: int) -> dict:

@@ -18,7 +18,8 @@ query_pre_attn_scalar), logit soft-capping (Gemma 2: scores = cap * tanh(scores 
 (Qwen3) or over the whole projection (OLMo 3). An attention function takes the scale, cap and sinks as
 keywords (`scale=`, `softcap=`, `sinks=`), given only where a layer sets them. The fused kernels run whatever
 they can: SDPA takes a v of another width than q and k; the CPU flash kernel does not, so the narrower side is padded
-with zeros there (equal_widths) and the output cut back; soft-capping and sinks materialise the scores (the math path).
+with zeros there (equal_widths) and the output cut back; sinks on the CPU enter that kernel's log-sum-exp; soft-
+capping (and sinks off the CPU) materialise the scores (scored_attention, the math path).
 """
 
 from __future__ import annotations
@@ -97,8 +98,13 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = Non
         v = v.repeat_interleave(rep, dim=1)  # [B, n_heads, T, v_head_dim]
     if window is not None and window >= q.shape[2]:
         window = None  # no query is further than T-1 from a key: the window masks nothing
-    if softcap is not None or sinks is not None:
+    if softcap is not None or (sinks is not None and q.device.type != "cpu"):
         return scored_attention(q, k, v, docs, window, scale=scale, softcap=softcap, sinks=sinks)
+    if sinks is not None:  # the CPU's fused kernel, the sinks added to its log-sum-exp
+        bias = None if docs is None and window is None else (
+            docs.bias(q.dtype, window) if docs is not None else _window_bias(q.shape[2], window, q.dtype, q.device))
+        *qkv, scale = equal_widths(q, k, v, scale)
+        return _SinksCPU.apply(*qkv, bias, sinks, scale)[..., :v.shape[-1]]
     if docs is None and window is None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # takes v of another width
@@ -191,6 +197,31 @@ class _CausalMaskedCPU(torch.autograd.Function):
         dq, dk, dv = cpu_flash_attention_backward(dout.contiguous(), q, k, v, out, lse, True, bias=bias,
                                                   scale=ctx.scale)
         return dq, dk, dv, None, None
+
+
+class _SinksCPU(torch.autograd.Function):
+    """Causal attention with learned sinks on the CPU's fused kernel, no [T, T] scores kept: the sink, a key
+    with no value, enters the kernel's log-sum-exp afterwards (lse' = logaddexp(lse, sink), out * exp(lse -
+    lse')); given lse', the kernel's own backward is the sinks' attention's (its delta, sum(dout * out), holds the
+    sink's share), and the sinks' gradient is -sum over queries of exp(sink - lse') * delta (as ring attention's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, sinks, scale):
+        out, lse = cpu_flash_attention(q, k, v, True, bias=bias, scale=scale)
+        with_sink = torch.logaddexp(lse.float(), sinks.float().view(1, -1, 1))  # [B, H, T]
+        out = (out.float() * (lse.float() - with_sink).exp().unsqueeze(-1)).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, with_sink, bias, sinks)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, bias, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = cpu_flash_attention_backward(dout, q, k, v, out, lse, True, bias=bias, scale=ctx.scale)
+        delta = (dout.float() * out.float()).sum(-1)  # [B, H, T]
+        dsinks = -((sinks.float().view(1, -1, 1) - lse).exp() * delta).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, None, dsinks, None
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents, window: int | None = None) -> Tensor:
