@@ -331,3 +331,12 @@ def test_toy_family_layout_matches_single_process(toy_family, corpus, cache_dir,
     assert state["model.layers.0.self_attn.sinks"].shape == (H,)
     assert state["model.layers.0.self_attn.q_norm.weight"].shape == (H * 8,)
     assert (state["model.layers.0.self_attn.q_norm.weight"] - 1).abs().max() > 1e-4  # the norm trained
+
+
+def test_toy_counts_its_parameters_and_flops():
+    """num_params counts v's own width, the sinks and the projection norms; flops_per_token the scores over
+    head_dim and the weighted values over v_head_dim."""
+    cfg = _ToyConfig(**_TOY_MODEL, vocab_size=64, intermediate_size=64)
+    assert cfg.num_params() == sum(p.numel() for p in LLAMA.model_class(cfg).parameters())
+    n = cfg.num_params(include_embedding=False) + 64 * 32
+    assert cfg.flops_per_token(16) == 6 * n + 2 * 2 * 16 * H * (3 * 8 + 3 * 4)  # 2 layers, fwd + 2x bwd

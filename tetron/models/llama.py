@@ -179,7 +179,8 @@ class LlamaConfig:
         N = num_params(include_embedding=False) + vocab_size*hidden_size: every matmul weight,
         the output projection included even when tied (the embedding lookup is no matmul);
         6 = 2 forward + 4 backward FLOPs per weight. 12*L*H*s counts the attention scores and
-        weighted values, with L layers, H = num_attention_heads*head_dim, s = seq_len, the training
+        weighted values, with L layers, H = num_attention_heads*head_dim (the mean of the q/k and v widths where
+        they differ), s = seq_len, the training
         sequence length. Causal masking is not discounted (not halved): PaLM, Megatron-LM and
         torchtitan count it this way, so MFUs compare across reports; the fused kernels skip most
         masked blocks, so the FLOPs actually run are about 6*L*H*s fewer (5% of the total for
@@ -187,7 +188,12 @@ class LlamaConfig:
         MFU is the model's FLOPs, not the hardware's.
         """
         n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
-        return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+        opts = self.attention_options(0)
+        if opts.v_head_dim == opts.head_dim:
+            return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+        # scores over head_dim, weighted values over v_head_dim: half of the 12 each
+        widths = opts.head_dim + opts.v_head_dim
+        return 6.0 * n + 6.0 * self.num_hidden_layers * self.num_attention_heads * widths * seq_len
 
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
