@@ -179,11 +179,10 @@ class LlamaConfig:
         N = num_params(include_embedding=False) + vocab_size*hidden_size: every matmul weight,
         the output projection included even when tied (the embedding lookup is no matmul);
         6 = 2 forward + 4 backward FLOPs per weight. 12*L*H*s counts the attention scores and
-        weighted values, with L layers, H = num_attention_heads*head_dim (the mean of the q/k and v widths where
-        they differ), s = seq_len, the training
-        sequence length. Causal masking is not discounted (not halved): PaLM, Megatron-LM and
-        torchtitan count it this way, so MFUs compare across reports; the fused kernels skip most
-        masked blocks, so the FLOPs actually run are about 6*L*H*s fewer (5% of the total for
+        weighted values, with L layers, H = num_attention_heads*head_dim (the mean of the q/k and v widths
+        where they differ), s = seq_len, the training sequence length. Causal masking is not discounted (not
+        halved): PaLM, Megatron-LM and torchtitan count it this way, so MFUs compare across reports; the
+        fused kernels skip most masked blocks, so the FLOPs actually run are about 6*L*H*s fewer (5% of the total for
         SmolLM-1.7B at s=2048), and MFU counts those as done. Recomputation is not counted either:
         MFU is the model's FLOPs, not the hardware's.
         """

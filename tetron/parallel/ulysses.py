@@ -14,8 +14,8 @@ layout (context_parallel.shard_indices, passed in as `shards`) that is not posit
 gathered sequence is permuted into position order before the causal kernel and back after it.
 
 Options (models/attention.py's AttentionOptions). The local attention is sdpa_attention itself, so the
-scale, soft-capping and a v narrower than q and k are its business (a narrower v travels in an all-to-all of
-its own); learned sinks are one per head, so they split with the heads: this rank keeps its heads' sinks.
+scale, soft-capping and a v of another width than q and k are its business (such a v travels in an all-to-all
+of its own); learned sinks are one per head, so they split with the heads: this rank keeps its heads' sinks.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = 
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [B, KVH*r, Tl, D]
     kvh = k.shape[1]
     # One all-to-all for q, k and v: per destination rank, its query heads, then its k and v heads (v in one of
-    # its own where it is narrower than q and k).
+    # its own where its width is not theirs).
     together = (q, k, v) if v.shape[-1] == q.shape[-1] else (q, k)
     parts = [t.unflatten(1, (cp, -1)) for t in together]  # [B, cp, heads/cp, Tl, D]
     qkv = torch.cat(parts, dim=2).flatten(1, 2)  # [B, H+2*KVH, Tl, D], grouped by destination rank
@@ -124,4 +124,4 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = 
     out = sdpa_attention(q, k, v, docs, window, sinks=sinks, **options)  # [B, H/cp, T, Dv], positions in order
     if orders is not None:
         out = out.index_select(2, orders[0])
-    return all_to_all(out, group, scatter_dim=2, gather_dim=1)  # [B, H, T/cp, D]
+    return all_to_all(out, group, scatter_dim=2, gather_dim=1)  # [B, H, T/cp, Dv]
