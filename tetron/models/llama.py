@@ -10,7 +10,10 @@ and the MoE families), each a config subclass of LlamaConfig that sets the optio
 - `qk_norm` (a class attribute, no config field: a family has it or not): an RMSNorm over head_dim of each
   query and key head before RoPE, one weight shared by all heads (`self_attn.q_norm`, `k_norm`: Qwen3);
 - `layer_window(i)`: layer i's sliding window (None: the whole causal past), passed to `attn_fn` as its
-  `window` (models/attention.py); Mistral's is `sliding_window` in every layer, Qwen's per `layer_types`.
+  `window` (models/attention.py); Mistral's is `sliding_window` in every layer, Qwen's per `layer_types`;
+- `attention_options(i)`: all of layer i's attention options (models/attention.py's AttentionOptions: the
+  above, and v's head width, the scale, soft-capping, sinks, QK-norm over the whole projection); a family
+  whose attention differs in more than the above overrides it.
 Llama's own config sets none of them but attention_bias, which Llama checkpoints may have; with none set, the
 blocks compute exactly what they did without the options.
 """
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tetron.models.attention import Documents, sdpa_attention
+from tetron.models.attention import AttentionOptions, Documents, ProjectionRMSNorm, sdpa_attention
 from tetron.models.loss import head_cross_entropy
 from tetron.models.spec import Block, ModelSpec, ParallelPlan, read_hf_config, register
 
@@ -71,6 +74,11 @@ class LlamaConfig:
         """This config with only decoder layer `index`, as layer 0 (what the planner builds to read a layer's
         shapes): a family with per-layer fields cuts them to that layer's entry."""
         return dataclasses.replace(self, num_hidden_layers=1)
+
+    def attention_options(self, index: int) -> AttentionOptions:
+        """Decoder layer `index`'s attention: Llama's, with the family's window and per-head q/k norms."""
+        return AttentionOptions(head_dim=self.head_dim, v_head_dim=self.head_dim, window=self.layer_window(index),
+                                qk_norm="head" if self.qk_norm else None)
 
     def __post_init__(self) -> None:
         for name in ("num_attention_heads", "num_key_value_heads"):
@@ -161,11 +169,16 @@ class LlamaConfig:
         }
 
     def attention_params(self) -> int:
-        """Parameters of one decoder layer but its feed-forward: attention (biases, q/k norms) and the two norms."""
-        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        """Parameters of one decoder layer but its feed-forward: attention (biases, q/k norms, sinks) and the two
+        norms (the options that size parameters are the same in every layer)."""
+        opts = self.attention_options(0)
+        h, heads, kv_heads = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        q, k = heads * opts.head_dim, kv_heads * opts.head_dim
+        v, o_in = kv_heads * opts.v_head_dim, heads * opts.v_head_dim
         qkv_bias, o_bias = self.attention_biases()
-        return (h * q + 2 * h * kv + q * h + 2 * h + (q + 2 * kv) * qkv_bias + h * o_bias
-                + 2 * self.head_dim * self.qk_norm)
+        norms = {None: 0, "head": 2 * opts.head_dim, "projection": q + k}[opts.qk_norm]
+        return (h * (q + k + v) + o_in * h + 2 * h + (q + k + v) * qkv_bias + h * o_bias + norms
+                + heads * opts.sinks)
 
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Exact parameter count; without embedding it leaves out embed_tokens and lm_head."""
@@ -181,15 +194,20 @@ class LlamaConfig:
         N = num_params(include_embedding=False) + vocab_size*hidden_size: every matmul weight,
         the output projection included even when tied (the embedding lookup is no matmul);
         6 = 2 forward + 4 backward FLOPs per weight. 12*L*H*s counts the attention scores and
-        weighted values, with L layers, H = num_attention_heads*head_dim, s = seq_len, the training
-        sequence length. Causal masking is not discounted (not halved): PaLM, Megatron-LM and
-        torchtitan count it this way, so MFUs compare across reports; the fused kernels skip most
-        masked blocks, so the FLOPs actually run are about 6*L*H*s fewer (5% of the total for
+        weighted values, with L layers, H = num_attention_heads*head_dim (the mean of the q/k and v widths
+        where they differ), s = seq_len, the training sequence length. Causal masking is not discounted (not
+        halved): PaLM, Megatron-LM and torchtitan count it this way, so MFUs compare across reports; the
+        fused kernels skip most masked blocks, so the FLOPs actually run are about 6*L*H*s fewer (5% of the total for
         SmolLM-1.7B at s=2048), and MFU counts those as done. Recomputation is not counted either:
         MFU is the model's FLOPs, not the hardware's.
         """
         n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
-        return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+        opts = self.attention_options(0)
+        if opts.v_head_dim == opts.head_dim:
+            return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+        # scores over head_dim, weighted values over v_head_dim: half of the 12 each
+        widths = opts.head_dim + opts.v_head_dim
+        return 6.0 * n + 6.0 * self.num_hidden_layers * self.num_attention_heads * widths * seq_len
 
 
 def _rope_number(value: object, key: str) -> float:
@@ -302,35 +320,48 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; head counts come from the projections' sizes. The family's
-    options (the module docstring) add biases, per-head q/k norms and layer `index`'s sliding window."""
+    options for layer `index` (the module docstring, `config.attention_options`) add biases, q/k norms, a
+    sliding window, a v head width of its own, sinks, a scale and soft-capping."""
 
     def __init__(self, config: LlamaConfig, index: int = 0) -> None:
         super().__init__()
-        h, hd = config.hidden_size, config.head_dim
+        opts = config.attention_options(index)
+        h, hd, vd = config.hidden_size, opts.head_dim, opts.v_head_dim
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         qkv_bias, o_bias = config.attention_biases()
-        self.head_dim = hd
-        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=qkv_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=o_bias)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
-        self.sliding_window = config.layer_window(index)
+        self.head_dim, self.v_head_dim, self.qk_norm = hd, vd, opts.qk_norm
+        self.q_proj = nn.Linear(h, heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, kv_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, kv_heads * vd, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * vd, h, bias=o_bias)
+        self.q_norm = self.k_norm = None
+        if opts.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(hd, config.rms_norm_eps), RMSNorm(hd, config.rms_norm_eps)
+        elif opts.qk_norm == "projection":
+            self.q_norm = ProjectionRMSNorm(heads * hd, config.rms_norm_eps)
+            self.k_norm = ProjectionRMSNorm(kv_heads * hd, config.rms_norm_eps)
+        # one logit per query head (tensor parallelism splits it with the heads)
+        self.sinks = nn.Parameter(torch.zeros(heads)) if opts.sinks else None
+        self.sliding_window = opts.window
+        self.attn_options = opts.extras()  # scale, softcap: the keywords attn_fn gets where set
         self.attn_fn = sdpa_attention  # context parallelism swaps in ring attention here
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, heads*head_dim]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, heads*head_dim], v [B, T, kv_heads*v_dim]
+        if self.qk_norm == "projection":  # the whole projection normed, before RoPE (OLMo 3)
+            q, k = self.q_norm(q), self.k_norm(k)
         # Heads are counted from q/k/v themselves, so tensor parallelism can shard the projections.
         B, T = q.shape[:2]
         q = q.view(B, T, -1, self.head_dim)  # [B, T, n_heads, head_dim]
         k = k.view(B, T, -1, self.head_dim)  # [B, T, n_kv_heads, head_dim]
-        if self.q_norm is not None:  # each head normed over its head_dim, before RoPE (Qwen3)
+        if self.qk_norm == "head":  # each head normed over its head_dim, before RoPE (Qwen3)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, head_dim]
-        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
+        v = v.view(B, T, -1, self.v_head_dim).transpose(1, 2)  # [B, n_kv_heads, T, v_head_dim]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attn_fn(q, k, v, docs, self.sliding_window)  # [B, n_heads, T, head_dim]
-        out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, n_heads*head_dim]
+        extras = self.attn_options if self.sinks is None else {**self.attn_options, "sinks": self.sinks}
+        out = self.attn_fn(q, k, v, docs, self.sliding_window, **extras)  # [B, n_heads, T, v_head_dim]
+        out = out.transpose(1, 2).reshape(B, T, -1)  # [B, T, n_heads*v_head_dim]
         return self.o_proj(out)
 
 

@@ -10,7 +10,8 @@ What the module class must offer (Llama's, models/llama.py, is the pattern): it 
 (`model_class(config)`, on the meta device too), keeps that config as `.config`, names its tensors as
 transformers' class does, has the plan's parts at the plan's paths (a part a pipeline stage drops is set to
 None and skipped by `forward`), its decoder layers in a ModuleDict keyed "0", "1", ..., its attention modules
-with an `attn_fn(q, k, v, docs)` attribute (context parallelism and the KV cache swap it), `tie_weights()`,
+with an `attn_fn(q, k, v, docs, window, **options)` attribute (context parallelism and the KV cache swap it;
+models/attention.py's AttentionOptions.extras says which options), `tie_weights()`,
 and `forward(input_ids, position_ids, docs)`. Its config dataclass has a `model_type` field, `from_hf`,
 `to_hf`, `num_params` and `flops_per_token`, and the Llama size fields that validation checks.
 """
@@ -45,6 +46,11 @@ class ParallelPlan:
     # under sequence parallelism, so their gradients are summed over tp), relative to the layer
     head_norms: tuple[str, ...] = ()  # norms inside a tp block, whole on every tp rank, applied to each head
     # (Qwen3's q_norm, k_norm): a rank's gradient holds only its heads' share, so it is summed over tp always
+    head_params: tuple[str, ...] = ()  # parameters of a tp block with one entry per attention head (gpt-oss's
+    # "self_attn.sinks"): split by head (dim 0) under tp, as the heads are
+    projection_norms: tuple[str, ...] = ()  # norms over a whole column-parallel projection's output (OLMo 3's
+    # q_norm, k_norm): their weights split with the projection's rows (dim 0), their statistic (the sum of squares
+    # over the whole width) summed over tp by the norm's `sum_over_shards`, which tensor parallelism sets
     replicated: tuple[str, ...] = ()  # parts of a layer outside every tp block, whole on every tp rank (an MoE
     # layer's mlp: router, experts, shared experts); under sp each rank runs them on its own tokens, so their
     # gradients are summed over tp, as the residual norms' are
@@ -81,9 +87,12 @@ class ParallelPlan:
 
     def tp_dim(self, name: str) -> int | None:
         """The dim along which tensor parallelism splits a decoder layer's parameter (`self_attn.q_proj.weight`,
-        relative to the layer): 0 for column-parallel weights and biases, 1 for row-parallel weights, None for
-        what stays whole (norms, a row-parallel bias, added once after the sum)."""
+        relative to the layer): 0 for column-parallel weights and biases, per-head parameters and the weights of
+        norms over a whole projection, 1 for row-parallel weights, None for what stays whole (other norms, a
+        row-parallel bias, added once after the sum)."""
         module, _, kind = name.rpartition(".")
+        if name in self.head_params or (module in self.projection_norms and kind == "weight"):
+            return 0
         for block in self.blocks:
             if module in {f"{block.path}.{c}" for c in block.column}:
                 return 0

@@ -10,6 +10,14 @@ transfer overlapping the current block's compute. Blocks are merged with the onl
 (running log-sum-exp). The backward pass recomputes each block's gradients from the final output
 and log-sum-exp, and sends the key/value gradients around the ring with the blocks, so after a full
 turn every rank holds the gradients of its own keys and values.
+
+The attention options (models/attention.py) go to each block: the scale and soft-capping (soft-capped blocks
+run on the math path, which alone sees the scores). Learned sinks (gpt-oss) are one more logit per head in
+the softmax's denominator, a key without a value: they enter once, after the blocks are merged, as one more
+log-sum-exp term (lse' = logaddexp(lse, sink), out' = out * exp(lse - lse')). The backward of each block then
+needs nothing new: its probabilities come from the final lse', and the usual delta = sum(dout * out') already
+holds the sink's share (its value is zero); the sink's own gradient is -sum over queries of exp(sink - lse') *
+delta.
 """
 
 from __future__ import annotations
@@ -131,13 +139,13 @@ class _RingAttention(torch.autograd.Function):
     same ring, with key/value gradients travelling alongside their blocks back to their owners."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, layout, docs, window):
-        # q [B, H, Tl, D]; k, v [B, KVH, Tl, D]: GQA heads are repeated per block, not sent repeated;
-        # docs (or None): the documents of the whole window, for the mask of each pair of shards (with the
-        # sliding window, where there is one)
+    def forward(ctx, q, k, v, sinks, ring, layout, docs, window, scale, softcap):
+        # q [B, H, Tl, D]; k [B, KVH, Tl, D], v [B, KVH, Tl, Dv]: GQA heads are repeated per block, not sent
+        # repeated; docs (or None): the documents of the whole window, for the mask of each pair of shards (with
+        # the sliding window, where there is one); sinks [H] or None
         cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
         rep, tl = q.shape[1] // k.shape[1], q.shape[2]
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         k, v = k.contiguous(), v.contiguous()  # once, not at every hop
         own_k, own_v = k, v
@@ -152,20 +160,25 @@ class _RingAttention(torch.autograd.Function):
                 mask = _block_mask(q, docs, window, (rank - step) % cp, ring, layout, qs, ks)
                 # the mask is causal by true positions too; `causal` (the diagonal block, whose local
                 # order is position order) lets the kernel skip the blocks above the diagonal
-                block_out, block_lse = block_attention(q[:, :, qs], kb, vb, causal, mask=mask)
+                block_out, block_lse = block_attention(q[:, :, qs], kb, vb, causal, mask=mask, scale=scale,
+                                                       softcap=softcap)
                 out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
             if step < cp - 1:
                 _wait(works)
                 k, v = k_next, v_next
+        if sinks is not None:  # one more term of the denominator, with no value: out shrinks by its share
+            with_sink = torch.logaddexp(lse, sinks.float().view(1, -1, 1))  # [B, H, Tl]
+            out, lse = out * (lse - with_sink).exp().unsqueeze(-1), with_sink
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, own_k, own_v, out, lse)
-        ctx.ring, ctx.layout, ctx.docs, ctx.window = ring, layout, docs, window
+        ctx.save_for_backward(q, own_k, own_v, out, lse, sinks)
+        ctx.ring, ctx.layout, ctx.docs, ctx.window, ctx.scale, ctx.softcap = ring, layout, docs, window, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors  # k, v: this rank's own block; the ring restarts from it
+        q, k, v, out, lse, sinks = ctx.saved_tensors  # k, v: this rank's own block; the ring restarts from it
         ring, layout, docs, window = ctx.ring, ctx.layout, ctx.docs, ctx.window
+        options = {"scale": ctx.scale, "softcap": ctx.softcap}
         cp, rank = dist.get_world_size(ring.group), dist.get_rank(ring.group)
         rep, tl, kv_heads = q.shape[1] // k.shape[1], q.shape[2], k.shape[1]
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -182,9 +195,9 @@ class _RingAttention(torch.autograd.Function):
                 vb = v[:, :, ks].repeat_interleave(rep, dim=1)
                 mask = _block_mask(q, docs, window, (rank - step) % cp, ring, layout, qs, ks)
                 dqb, dkb, dvb = block_attention_backward(dout[:, :, qs], q[:, :, qs], kb, vb, out[:, :, qs],
-                                                         lse[:, :, qs], causal, mask=mask)
+                                                         lse[:, :, qs], causal, mask=mask, **options)
                 dq[:, :, qs] += dqb.float()
-                dk[:, :, ks] += dkb.float().unflatten(1, (kv_heads, rep)).sum(2)  # [B, KVH, Tk, D]
+                dk[:, :, ks] += dkb.float().unflatten(1, (kv_heads, rep)).sum(2)  # [B, KVH, Tk, D(v)]
                 dv[:, :, ks] += dvb.float().unflatten(1, (kv_heads, rep)).sum(2)
             if cp > 1:
                 (dk, dv), dkv_works = ring.start([dk, dv])
@@ -192,20 +205,26 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 _wait(kv_works)
                 k, v = k_next, v_next
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = None
+        if sinks is not None:  # d(loss)/d(sink) = -sum over queries of p(sink) * delta, p(sink) = exp(sink - lse)
+            delta = (dout.float() * out.float()).sum(-1)  # [B, H, Tl]
+            dsinks = -((sinks.float().view(1, -1, 1) - lse).exp() * delta).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None, window: int | None = None, *,
-                   mesh: Mesh, layout: str = "zigzag") -> Tensor:
+                   mesh: Mesh, layout: str = "zigzag", scale: float | None = None, softcap: float | None = None,
+                   sinks: Tensor | None = None) -> Tensor:
     """Causal attention over the whole sequence, from this cp rank's share of q, k, v
     ([B, heads, T/cp, head_dim], positions as `shard_indices` gives them); with `docs` (the whole window's
     documents) each position attends only within its document, with `window` only to the `window` latest
     positions. A block the window leaves no pair of is still scored (all masked): the ring passes every
-    block on anyway, and which blocks are empty depends on the layout."""
+    block on anyway, and which blocks are empty depends on the layout. `scale`, `softcap` and `sinks` [H] as
+    models/attention.py's AttentionOptions."""
     if mesh.size("cp") == 1:
-        return sdpa_attention(q, k, v, docs, window)
+        return sdpa_attention(q, k, v, docs, window, scale=scale, softcap=softcap, sinks=sinks)
     ring = _Ring(mesh.group("cp"), mesh.cp_next, mesh.cp_prev)
-    return _RingAttention.apply(q, k, v, ring, layout, docs, window)
+    return _RingAttention.apply(q, k, v, sinks, ring, layout, docs, window, scale, softcap)
 
 
 def apply_context_parallel(model: nn.Module, mesh: Mesh, *, layout: str = "zigzag", impl: str = "ring") -> nn.Module:

@@ -22,6 +22,11 @@ rank but each rank's gradient holding only its own heads' share; summed, they st
 A part of a layer the plan keeps whole (`replicated`: an MoE layer's mlp, its experts split by expert
 parallelism instead) runs on every tp rank: on the same tokens without sequence parallelism (the same
 gradients, nothing to sync), on each rank's share of them with it (gradients summed over tp, as the norms').
+
+Per-head parameters (the plan's `head_params`: gpt-oss's sinks, one logit per query head) split with the
+heads. A norm over a whole projection's output (the plan's `projection_norms`: OLMo 3's q_norm over all query
+heads) splits its weight with the projection's rows, and its statistic, the sum of squares over the whole width,
+is summed over tp (`sum_over_tp`: every rank's heads are normed by the same number, as in one process).
 """
 
 from __future__ import annotations
@@ -234,6 +239,7 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
                 setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none"))
             setattr(part, block.row, RowParallelLinear(getattr(part, block.row), group, sequence_parallel=sp))
             part.register_forward_pre_hook(enter(group))
+        _split_heads(layer, plan, group)
         # a norm weight whose gradient on each rank is a share (of the tokens under sp, of the heads always)
         for norm in (*plan.residual_norms, *plan.head_norms) if sp else plan.head_norms:
             set_layout(layer.get_submodule(norm).weight, summed_over_tp=True)
@@ -251,6 +257,50 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
                                                           padded_out=padded))
     model.tie_weights()
     return model
+
+
+class _SumOverTP(torch.autograd.Function):
+    """forward: all-reduce (sum); backward: all-reduce (sum): each rank's sum feeds its own heads' norm, so the
+    gradient of any rank's share is the sum of every rank's gradient of the total."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        with timer(group):
+            dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        with timer(ctx.group):
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The sum of every tp rank's `x` on every rank, differentiable (_SumOverTP); the identity on one rank."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _SumOverTP.apply(x, group)
+
+
+def _split_heads(layer: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup) -> None:
+    """Split the layer's per-head parameters and projection norms by rows (dim 0), as the heads are split; a norm
+    over the whole projection sums its statistic over tp. Parts this layer does not have are skipped."""
+    world = dist.get_world_size(group)
+    for path in plan.head_params:
+        module_path, _, name = path.rpartition(".")
+        module = layer.get_submodule(module_path)
+        param = getattr(module, name, None)
+        if param is not None:
+            setattr(module, name, _shard_param(param, (param.shape[0] // world, *param.shape[1:]), dim=0, group=group))
+    for path in plan.projection_norms:
+        norm = plan.part(layer, path)
+        if norm is not None:
+            norm.weight = _shard_param(norm.weight, (norm.weight.shape[0] // world,), dim=0, group=group)
+            norm.sum_over_shards = functools.partial(sum_over_tp, group=group)
 
 
 def _copy_input(group: dist.ProcessGroup):

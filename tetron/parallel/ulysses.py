@@ -12,6 +12,10 @@ they do. The all-to-alls block: nothing overlaps them.
 Positions. After the all-to-all the sequence is every rank's shard in rank order; under the zigzag
 layout (context_parallel.shard_indices, passed in as `shards`) that is not position order, so the
 gathered sequence is permuted into position order before the causal kernel and back after it.
+
+Options (models/attention.py's AttentionOptions). The local attention is sdpa_attention itself, so the
+scale, soft-capping and a v of another width than q and k are its business (such a v travels in an all-to-all
+of its own); learned sinks are one per head, so they split with the heads: this rank keeps its heads' sinks.
 """
 
 from __future__ import annotations
@@ -85,28 +89,39 @@ def _orders(shards: Shards, seq_len: int, cp: int, device: torch.device) -> tupl
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None, window: int | None = None,
-                      *, mesh: Mesh, shards: Shards) -> Tensor:
-    """Causal attention over the whole sequence from this cp rank's share of q [B, H, T/cp, D] and
-    k, v [B, KVH, T/cp, D] (the positions `shards` gives); returns this rank's share of the output, like q.
-    With `docs` (the whole window's documents) attention stays within each, with `window` within the
-    `window` latest positions: the local kernel sees the whole sequence in order, so it masks both."""
+                      *, mesh: Mesh, shards: Shards, scale: float | None = None, softcap: float | None = None,
+                      sinks: Tensor | None = None) -> Tensor:
+    """Causal attention over the whole sequence from this cp rank's share of q [B, H, T/cp, D],
+    k [B, KVH, T/cp, D] and v [B, KVH, T/cp, Dv] (the positions `shards` gives); returns this rank's share of
+    the output, [B, H, T/cp, Dv]. With `docs` (the whole window's documents) attention stays within each, with
+    `window` within the `window` latest positions: the local kernel sees the whole sequence in order, so it
+    masks both. `scale`, `softcap` and `sinks` [H] as models/attention.py's AttentionOptions."""
     cp = mesh.size("cp")
+    options = {"scale": scale, "softcap": softcap}
     if cp == 1:
-        return sdpa_attention(q, k, v, docs, window)
+        return sdpa_attention(q, k, v, docs, window, sinks=sinks, **options)
     group, heads, tl = mesh.group("cp"), q.shape[1], q.shape[2]
     r = kv_repeats(heads, k.shape[1], cp)
     if r > 1:  # too few kv heads for cp: each rank needs the kv heads of its query heads (autograd sums back)
         k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [B, KVH*r, Tl, D]
     kvh = k.shape[1]
-    # One all-to-all for q, k and v: per destination rank, its query heads, then its k and v heads.
-    parts = [t.unflatten(1, (cp, -1)) for t in (q, k, v)]  # [B, cp, heads/cp, Tl, D]
+    # One all-to-all for q, k and v: per destination rank, its query heads, then its k and v heads (v in one of
+    # its own where its width is not theirs).
+    together = (q, k, v) if v.shape[-1] == q.shape[-1] else (q, k)
+    parts = [t.unflatten(1, (cp, -1)) for t in together]  # [B, cp, heads/cp, Tl, D]
     qkv = torch.cat(parts, dim=2).flatten(1, 2)  # [B, H+2*KVH, Tl, D], grouped by destination rank
     qkv = all_to_all(qkv, group, scatter_dim=1, gather_dim=2)  # [B, (H+2*KVH)/cp, T, D]
-    q, k, v = qkv.split([heads // cp, kvh // cp, kvh // cp], dim=1)
+    if len(together) == 3:
+        q, k, v = qkv.split([heads // cp, kvh // cp, kvh // cp], dim=1)
+    else:
+        q, k = qkv.split([heads // cp, kvh // cp], dim=1)
+        v = all_to_all(v, group, scatter_dim=1, gather_dim=2)  # [B, KVH/cp, T, Dv]
+    if sinks is not None:  # this rank's heads' sinks (autograd leaves the other heads' gradient zero here)
+        sinks = sinks.unflatten(0, (cp, -1))[dist.get_rank(group)]  # [H/cp]
     orders = _orders(shards, tl * cp, cp, q.device)
     if orders is not None:  # rank order is not position order (zigzag): sort for the causal mask, and back
         q, k, v = (t.index_select(2, orders[1]) for t in (q, k, v))
-    out = sdpa_attention(q, k, v, docs, window)  # [B, H/cp, T, D], positions in order
+    out = sdpa_attention(q, k, v, docs, window, sinks=sinks, **options)  # [B, H/cp, T, Dv], positions in order
     if orders is not None:
         out = out.index_select(2, orders[0])
-    return all_to_all(out, group, scatter_dim=2, gather_dim=1)  # [B, H, T/cp, D]
+    return all_to_all(out, group, scatter_dim=2, gather_dim=1)  # [B, H, T/cp, Dv]
