@@ -340,3 +340,23 @@ def test_toy_counts_its_parameters_and_flops():
     assert cfg.num_params() == sum(p.numel() for p in LLAMA.model_class(cfg).parameters())
     n = cfg.num_params(include_embedding=False) + 64 * 32
     assert cfg.flops_per_token(16) == 6 * n + 2 * 2 * 16 * H * (3 * 8 + 3 * 4)  # 2 layers, fwd + 2x bwd
+
+
+def test_kv_cache_takes_the_toy_familys_options():
+    """Generation's KV cache (observe/generate.py) with v of its own width, sinks, a scale, soft-capping and
+    alternating windows: each new token's logits equal the whole sequence's forward pass."""
+    from tetron.observe.generate import kv_cache
+
+    cfg = _ToyConfig(**_TOY_MODEL, vocab_size=64, intermediate_size=64, sliding_window=3)
+    torch.manual_seed(0)
+    model = LLAMA.model_class(cfg).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # sinks start at 0: make them count
+            if name.endswith("sinks"):
+                param.normal_()
+        ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+        full = model(ids)[0]  # [10, vocab]
+        with kv_cache(model):
+            steps = [model(ids[:, :3])[0, -1]]  # the prompt, then one token at a time
+            steps += [model(ids[:, t:t + 1], torch.tensor([t]))[0, -1] for t in range(3, 10)]
+    torch.testing.assert_close(torch.stack(steps), full[2:], atol=1e-5, rtol=1e-5)

@@ -28,20 +28,32 @@ class KVCache:
         self.k: Tensor | None = None  # [B, kv_heads, T so far, head_dim], RoPE applied
         self.v: Tensor | None = None
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs: object = None, window: int | None = None) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, docs: object = None, window: int | None = None, *,
+                 scale: float | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         if docs is not None:  # generation continues one text: no packed documents
             raise ValueError("the KV cache generates one sequence per row; it takes no document mask")
         if self.k is not None:
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
         self.k, self.v = k, v
-        if q.shape[2] == k.shape[2]:
-            return sdpa_attention(q, k, v, window=window)  # the prompt: causal over itself
+        if q.shape[2] == k.shape[2]:  # the prompt: causal over itself
+            return sdpa_attention(q, k, v, window=window, scale=scale, softcap=softcap, sinks=sinks)
         # one new query, after every cached key: nothing to mask but what a sliding window leaves out
         if window is not None:
             k, v = k[:, :, -window:], v[:, :, -window:]  # [B, kv_heads, <= window, head_dim]
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, heads, T, head_dim]
-        return F.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if softcap is None and sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        # the math path (as models/attention.py's scored_attention), one query row: no mask to build
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # [B, heads, 1, T]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if sinks is not None:  # a column of sink logits, softmaxed with the scores, then dropped
+            B, H = q.shape[:2]
+            scores = torch.cat([scores, sinks.float().view(1, H, 1, 1).expand(B, H, 1, 1)], dim=-1)
+        probs = scores.softmax(dim=-1)[..., :k.shape[2]]
+        return (probs @ v.float()).to(q.dtype)
 
 
 @contextlib.contextmanager
