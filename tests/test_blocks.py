@@ -300,10 +300,11 @@ def test_families_start_as_with_suffix_rules(model_type):
     assert set(init_rules(model)) >= {n for n, _ in model.named_parameters()}
 
 
-@pytest.mark.parametrize("parallel", [{"dp": 2}, {"tp": 2, "sp": True}], ids=["dp2", "tp2-sp"])
+@pytest.mark.parametrize("parallel", [{"dp": 2}, {"tp": 2, "sp": True}, {"pp": 2}], ids=["dp2", "tp2-sp", "pp2"])
 def test_sandwich_family_layouts_match_single_process(sandwich_family, corpus, cache_dir, tmp_path, parallel):
-    """A family defined only in this file trains in dp2 and tp2 with sp equal to one process (losses 1e-5
-    relative, weights 1e-5): its plain MLP splits as its plan says, its four norms per layer summed over tp."""
+    """A family defined only in this file trains in dp2, tp2 with sp and pp2 equal to one process (losses 1e-5
+    relative, weights 1e-5): its plain MLP splits as its plan says, its four norms per layer summed over tp, its
+    embedding scaled on the first stage only."""
     # Seed 2, not conftest's 1: at seed 1 one embedding element's step-2 gradient is 5e-9 in one process and
     # -2e-8 under tp2 sp (rounding, 1e-6 of its row's largest), and AdamW turns either sign into a whole step of
     # lr (measured; conftest's LAYOUT_LR note): the final weights then differ there by 3e-4, the losses by 1e-7.
