@@ -360,3 +360,15 @@ def test_kv_cache_takes_the_toy_familys_options():
             steps = [model(ids[:, :3])[0, -1]]  # the prompt, then one token at a time
             steps += [model(ids[:, t:t + 1], torch.tensor([t]))[0, -1] for t in range(3, 10)]
     torch.testing.assert_close(torch.stack(steps), full[2:], atol=1e-5, rtol=1e-5)
+
+
+def test_the_toy_familys_norms_start_at_one_and_its_sinks_drawn(toy_family):
+    """The family's init (ModelSpec.init, by module type): the whole-projection q/k norms start at ones, as
+    Olmo3's do; the sinks are drawn, as GptOss's _init_weights draws them."""
+    from tetron.parallel.init import seeded_model
+
+    cfg = _ToyConfig(**_TOY_MODEL, vocab_size=64, intermediate_size=64)
+    weights = dict(seeded_model(cfg, seed=1, device=torch.device("cpu")).named_parameters())
+    assert torch.equal(weights["model.layers.0.self_attn.q_norm.weight"], torch.ones(H * 8))
+    assert torch.equal(weights["model.layers.1.self_attn.k_norm.weight"], torch.ones(KVH * 8))
+    assert weights["model.layers.0.self_attn.sinks"].std() > 0

@@ -228,7 +228,7 @@ def test_from_hf_errors(tmp_path) -> None:
         LlamaConfig.from_hf({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="linear"):
         LlamaConfig(**TINY, rope_scaling={"type": "linear", "factor": 2.0})
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "gelu"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "xielu"}))
     with pytest.raises(ValueError, match="hidden_act"):
         LlamaConfig.from_hf(tmp_path)
 

@@ -5,6 +5,8 @@ one `ModelSpec` (spec.py) that tells the rest of tetron where its parts are and 
     llama.py      Llama (LlamaForCausalLM's names and numerics), the first family, whose blocks the others share
     qwen.py       Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms): Llama's blocks with options
     mistral.py    Mistral: Llama's blocks with a sliding window
+    blocks.py     shared blocks: the MLP (activation by name, gated or not), RMSNorm (weight or 1 + weight),
+                  norm placements (pre, post, sandwich), the standard init
     attention.py  causal grouped-query attention, and the document masks of packed windows
     loss.py       cross entropy with a one-pass backward
     moe.py        the mixture-of-experts layer: router, experts, dispatch, balancing

@@ -14,8 +14,14 @@ and the MoE families), each a config subclass of LlamaConfig that sets the optio
 - `attention_options(i)`: all of layer i's attention options (models/attention.py's AttentionOptions: the
   above, and v's head width, the scale, soft-capping, sinks, QK-norm over the whole projection); a family
   whose attention differs in more than the above overrides it.
-Llama's own config sets none of them but attention_bias, which Llama checkpoints may have; with none set, the
-blocks compute exactly what they did without the options.
+- the MLP (models/blocks.py): its activation `hidden_act` and biases `mlp_bias` (fields, transformers' names),
+  gated or not (`mlp_gated`), clamped (`mlp_limit`); the activations and biases a family's transformers class
+  reads (`mlp_activations`, `mlp_bias_option`);
+- the norms (models/blocks.py): where they sit (`norm_placement`: "pre", Llama's; "post", OLMo's; "sandwich",
+  Gemma's, with transformers' names for each), a plain or a (1 + weight) weight (`norm_unit_offset`), and the
+  embedding's output scaled by sqrt(hidden_size) (`scale_embeddings`, Gemma's).
+Llama's own config sets none of them but attention_bias, hidden_act and mlp_bias, which Llama checkpoints may
+have; with none set, the blocks compute exactly what they did without the options.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tetron.models.attention import AttentionOptions, Documents, ProjectionRMSNorm, sdpa_attention
+from tetron.models.blocks import ACTIVATIONS, MLP, NORM_PLACEMENTS, RMSNorm, activation, layer_norm_names, mlp_params
 from tetron.models.loss import head_cross_entropy
 from tetron.models.spec import Block, ModelSpec, ParallelPlan, read_hf_config, register
 
@@ -44,7 +50,7 @@ class LlamaConfig:
     model_type: str = "llama"  # the model family (models/spec.py): a registered Hugging Face model_type
     vocab_size: int = 32000  # number of token ids (rows of the embedding)
     hidden_size: int = 4096  # width of the residual stream
-    intermediate_size: int = 11008  # width of the SwiGLU MLP's hidden layer
+    intermediate_size: int = 11008  # width of the MLP's hidden layer
     num_hidden_layers: int = 32  # number of decoder layers
     num_attention_heads: int = 32  # query heads per layer
     num_key_value_heads: int | None = None  # key/value heads (GQA); None: same as query heads
@@ -58,9 +64,18 @@ class LlamaConfig:
     bos_token_id: int | None = None  # beginning-of-sequence token id, for tokenizers and generation
     eos_token_id: int | list[int] | None = None  # end-of-sequence token id(s)
     attention_bias: bool = False  # q, k, v and o projections carry biases (Qwen2: q, k, v always)
+    hidden_act: str = "silu"  # the MLP's activation, as transformers names it: silu, gelu, gelu_pytorch_tanh, ...
+    mlp_bias: bool = False  # the MLP's linears carry biases (Llama's option)
 
     hf_architecture: ClassVar[str] = "LlamaForCausalLM"  # transformers' class, written to config.json
     qk_norm: ClassVar[bool] = False  # an RMSNorm over each query and key head (Qwen3's q_norm, k_norm)
+    mlp_gated: ClassVar[bool] = True  # down(act(gate(x)) * up(x)); False: down(act(up(x)))
+    mlp_limit: ClassVar[float | None] = None  # clamp the gate from above and up on both sides (gpt-oss)
+    mlp_activations: ClassVar[tuple[str, ...]] = tuple(ACTIVATIONS)  # the hidden_act values the family takes
+    mlp_bias_option: ClassVar[bool] = True  # the family's transformers class reads mlp_bias (Llama's does)
+    norm_placement: ClassVar[str] = "pre"  # where a layer's norms sit: "pre", "post" or "sandwich" (blocks.py)
+    norm_unit_offset: ClassVar[bool] = False  # RMSNorm multiplies by (1 + weight) (Gemma), not by weight
+    scale_embeddings: ClassVar[bool] = False  # the embedding's output times sqrt(hidden_size) (Gemma)
 
     def attention_biases(self) -> tuple[bool, bool]:
         """(q, k and v have biases, o has a bias), as transformers' attention of the family builds them."""
@@ -81,6 +96,14 @@ class LlamaConfig:
                                 qk_norm="head" if self.qk_norm else None)
 
     def __post_init__(self) -> None:
+        activation(self.hidden_act)  # one line naming hidden_act and the supported names
+        if self.hidden_act not in self.mlp_activations:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported by tetron's {self.hf_architecture}; "
+                             f"use one of {', '.join(self.mlp_activations)}")
+        if self.mlp_bias and not self.mlp_bias_option:
+            raise ValueError(f"mlp_bias=True: {self.hf_architecture}'s MLP has no biases; use false")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement={self.norm_placement!r}: use one of {', '.join(NORM_PLACEMENTS)}")
         for name in ("num_attention_heads", "num_key_value_heads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
@@ -128,10 +151,6 @@ class LlamaConfig:
         if hf.get("model_type", cls.model_type) != cls.model_type:
             raise ValueError(f"model_type={hf['model_type']!r} is not {cls.model_type!r}; read it with "
                              "models.config_from_hf, which picks its family")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; tetron's MLP uses 'silu'")
-        if hf.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported; tetron's MLP linears have no bias")
         names = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "rope_scaling"}
         kwargs = {k: v for k, v in hf.items() if k in names}
         _check_hf_types(kwargs)
@@ -164,26 +183,26 @@ class LlamaConfig:
             "rope_parameters": rope_parameters,  # transformers 5 reads this; 4.x reads rope_theta/scaling
             "architectures": [self.hf_architecture],
             "dtype": dtype,
-            "hidden_act": "silu",
-            "mlp_bias": False,
         }
 
     def attention_params(self) -> int:
-        """Parameters of one decoder layer but its feed-forward: attention (biases, q/k norms, sinks) and the two
+        """Parameters of one decoder layer but its feed-forward: attention (biases, q/k norms, sinks) and its
         norms (the options that size parameters are the same in every layer)."""
         opts = self.attention_options(0)
         h, heads, kv_heads = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
         q, k = heads * opts.head_dim, kv_heads * opts.head_dim
         v, o_in = kv_heads * opts.v_head_dim, heads * opts.v_head_dim
         qkv_bias, o_bias = self.attention_biases()
-        norms = {None: 0, "head": 2 * opts.head_dim, "projection": q + k}[opts.qk_norm]
-        return (h * (q + k + v) + o_in * h + 2 * h + (q + k + v) * qkv_bias + h * o_bias + norms
+        qk_norms = {None: 0, "head": 2 * opts.head_dim, "projection": q + k}[opts.qk_norm]
+        norms = len(layer_norm_names(self.norm_placement)) * h
+        return (h * (q + k + v) + o_in * h + norms + (q + k + v) * qkv_bias + h * o_bias + qk_norms
                 + heads * opts.sinks)
 
     def num_params(self, *, include_embedding: bool = True) -> int:
         """Exact parameter count; without embedding it leaves out embed_tokens and lm_head."""
         h = self.hidden_size
-        n = self.num_hidden_layers * (self.attention_params() + 3 * h * self.intermediate_size) + h
+        mlp = mlp_params(h, self.intermediate_size, gated=self.mlp_gated, bias=self.mlp_bias)
+        n = self.num_hidden_layers * (self.attention_params() + mlp) + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return n
@@ -237,7 +256,8 @@ def _check_hf_types(kwargs: dict) -> None:
         if name in ("rms_norm_eps", "initializer_range") and (
                 not isinstance(value, (int, float)) or isinstance(value, bool)):
             raise ValueError(f"{name}={value!r}: expected a number")
-        if name in ("tie_word_embeddings", "attention_bias", "use_sliding_window") and type(value) is not bool:
+        if name in ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias") and (
+                type(value) is not bool):
             raise ValueError(f"{name}={value!r}: expected true or false")
         if name == "eos_token_id" and not (value is None or type(value) is int or (
                 isinstance(value, list) and all(type(v) is int for v in value))):
@@ -301,23 +321,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 and cast back before the weight, as HF does."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32:  # the same arithmetic in one fused kernel (about 20% faster on a CPU)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; head counts come from the projections' sizes. The family's
     options for layer `index` (the module docstring, `config.attention_options`) add biases, q/k norms, a
@@ -365,32 +368,37 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+def mlp_of(config: LlamaConfig) -> MLP:
+    """The dense feed-forward of `config`'s family (models/blocks.py)."""
+    return MLP(config.hidden_size, config.intermediate_size, act=config.hidden_act, gated=config.mlp_gated,
+               bias=config.mlp_bias, limit=config.mlp_limit)
 
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+def norm_of(config: LlamaConfig, dim: int) -> RMSNorm:
+    """An RMSNorm of the family's kind (plain or 1 + weight) over `dim`."""
+    return RMSNorm(dim, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """x + attn(x), then + mlp(x), with norms where the family places them (blocks.NORM_PLACEMENTS): before
+    each (pre, Llama), on each output before the residual add (post, OLMo), or both (sandwich, Gemma)."""
 
     def __init__(self, config: LlamaConfig, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(config, index)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp_of(config)
+        # (attention's input, its output, the MLP's input, its output): transformers' names, None where none
+        self.norm_names = NORM_PLACEMENTS[config.norm_placement]
+        for name in layer_norm_names(config.norm_placement):
+            setattr(self, name, norm_of(config, config.hidden_size))
+
+    def _norm(self, slot: int, x: Tensor) -> Tensor:
+        name = self.norm_names[slot]
+        return x if name is None else getattr(self, name)(x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._norm(1, self.self_attn(self._norm(0, x), cos, sin, docs))
+        return x + self._norm(3, self.mlp(self._norm(2, x)))
 
 
 class LlamaModel(nn.Module):
@@ -402,11 +410,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
         # A dict keyed "0", "1", ... gives HF's names, and keeps them when a pipeline stage drops layers.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_hidden_layers)})
-        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm: RMSNorm | None = norm_of(config, config.hidden_size)
 
     def forward(self, x: Tensor, position_ids: Tensor, docs: Tensor | None = None) -> Tensor:
         # A pipeline stage sets the parts it does not own to None; then x is hidden states.
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # [B, T, hidden]
+        if self.embed_tokens is not None and self.config.scale_embeddings:
+            # Gemma's sqrt(hidden), rounded to the embedding's dtype first, as transformers does
+            h = h * torch.tensor(self.config.hidden_size ** 0.5, device=h.device).to(h.dtype)
         # RoPE is recomputed each call rather than cached in a buffer: no state to lose on the
         # meta device, and position ids may be arbitrary (offsets, context-parallel chunks).
         cos, sin = rope_cos_sin(self.config, position_ids, dtype=h.dtype)

@@ -24,6 +24,7 @@ class MistralConfig(LlamaConfig):
     # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window)
 
     hf_architecture: ClassVar[str] = "MistralForCausalLM"
+    mlp_bias_option: ClassVar[bool] = False  # MistralMLP has no biases
 
     def __post_init__(self) -> None:
         super().__post_init__()

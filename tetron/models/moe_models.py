@@ -50,6 +50,8 @@ class MoeConfig(LlamaConfig):
 
     hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
     qk_norm: ClassVar[bool] = True
+    mlp_activations: ClassVar[tuple[str, ...]] = ("silu",)  # the experts (moe.py) are SwiGLU
+    mlp_bias_option: ClassVar[bool] = False  # nor have they biases
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -29,6 +29,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class SlidingLayersConfig(LlamaConfig):
     """Llama's fields and Qwen's per-layer sliding windows (transformers' names and defaults)."""
 
+    mlp_bias_option: ClassVar[bool] = False  # Qwen2MLP and Qwen3MLP have no biases
+
     use_sliding_window: bool = False  # the layers from max_window_layers on attend within sliding_window
     sliding_window: int | None = 4096  # a windowed layer's query attends to this many latest positions, itself
     # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window)

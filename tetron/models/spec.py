@@ -21,10 +21,19 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Init:
+    """How a parameter starts: "normal" (N(0, std), drawn from a seed of the run seed and the tensor's name:
+    parallel/init.py), "ones" or "zeros"."""
+
+    kind: Literal["normal", "ones", "zeros"]
+    std: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,10 @@ class ModelSpec:
     # of the tensor is row i's pieces concatenated along their dim 0), or None (stored as named). tetron's
     # writers store tensors so (split_stored); its readers take either (assemble).
     stored_as: Callable[[str, Any], str | list[list[str]] | None] | None = None
+    # The family's initialisation, as transformers' _init_weights of the family: (a module of the plain model,
+    # the name of one of its own parameters, the config) -> how that parameter starts. None: models/blocks.py's
+    # standard_init (normal(initializer_range), ones for norm weights, zeros for (1 + weight) norms and biases).
+    init: Callable[[nn.Module, str, Any], Init] | None = None
 
 
 def piece_names(stored: str | list[list[str]]) -> list[str]:

@@ -2,7 +2,9 @@
 and the parameter's name, and every rank copies in only its own slice of it.
 
 So a parameter starts bit-identical whether it is whole on one rank or split over eight, which is
-what lets every parallel layout be compared with a single-process run.
+what lets every parallel layout be compared with a single-process run. How each tensor starts (normal, ones,
+zeros) is the family's own choice (ModelSpec.init, by the module of the plain model that holds it), asked of
+the plain model built on the meta device, since the model here may already hold tensor-parallel modules.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tetron.models.spec import spec_of
+from tetron.models.blocks import init_by_type, standard_init
+from tetron.models.spec import FAMILIES, Init, spec_of
 from tetron.parallel.layout import full_shape, layout_of, local_slice
 
 
@@ -23,15 +26,36 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def full_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
-    """The full fp32 initial value of parameter `name`: ones for norm weights, zeros for biases (as
-    transformers initialises both), N(0, std) otherwise."""
-    if name.endswith("norm.weight"):
+def full_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float = 0.0,
+                init: Init | None = None) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name`, as `init` says (None: N(0, std))."""
+    init = init or Init("normal", std)
+    if init.kind == "ones":
         return torch.ones(shape)
-    if name.endswith(".bias"):
+    if init.kind == "zeros":
         return torch.zeros(shape)
     generator = torch.Generator().manual_seed(name_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    return torch.empty(shape).normal_(0.0, init.std, generator=generator)
+
+
+def init_rules(model: nn.Module, *, std: float | None = None) -> dict[str, Init]:
+    """How each parameter of `model`'s plain form starts, by name. A model of a family (its `.config` names
+    one) asks the family's init of each module of a plain copy built on meta; any other module its own
+    modules by type (models/blocks.py's init_by_type with `std`)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in FAMILIES:
+        spec = spec_of(config)
+        init = spec.init or standard_init
+        with torch.device("meta"):
+            plain = spec.model_class(config)
+        return {f"{prefix}.{name}" if prefix else name: init(module, name, config)
+                for prefix, module in plain.named_modules()
+                for name, _ in module.named_parameters(recurse=False)}
+    if std is None:
+        raise ValueError("a module of no model family needs the std of its normal init")
+    return {f"{prefix}.{name}" if prefix else name: init_by_type(module, name, std=std)
+            for prefix, module in model.named_modules()
+            for name, _ in module.named_parameters(recurse=False)}
 
 
 def materialize_(model: nn.Module, device: torch.device) -> None:
@@ -55,14 +79,16 @@ def materialize_(model: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def init_weights_(model: nn.Module, *, seed: int, std: float) -> None:
-    """Fill every parameter of `model` (named as in the plain, unwrapped model) from its full tensor.
+def init_weights_(model: nn.Module, *, seed: int, std: float | None = None) -> None:
+    """Fill every parameter of `model` (named as in the plain, unwrapped model) from its full tensor, started
+    as init_rules says (`std`: the normal init's of a module of no family; a family's init reads its config).
 
     A parameter whose layout names a `source` starts from that tensor: a pipeline's last stage holds its
     own copy of a tied embedding as `lm_head.weight`, initialised as `model.embed_tokens.weight`."""
+    rules = init_rules(model, std=std)
     for name, param in model.named_parameters():
-        full = full_tensor(layout_of(param).source or name, full_shape(param), seed=seed, std=std)
-        param.copy_(local_slice(param, full))
+        source = layout_of(param).source or name
+        param.copy_(local_slice(param, full_tensor(source, full_shape(param), seed=seed, init=rules[source])))
 
 
 def seeded_model(config: Any, *, seed: int, device: torch.device) -> nn.Module:
@@ -71,5 +97,5 @@ def seeded_model(config: Any, *, seed: int, device: torch.device) -> nn.Module:
     with torch.device("meta"):
         model = spec_of(config).model_class(config)
     materialize_(model, device)
-    init_weights_(model, seed=seed, std=config.initializer_range)
+    init_weights_(model, seed=seed)
     return model

@@ -80,7 +80,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
         apply_expert_parallel(chunk, mesh)
         materialize_(chunk, device)
         # Names stay Hugging Face names, so every layout starts from the same weights.
-        init_weights_(chunk, seed=cfg.train.seed, std=cfg.model.initializer_range)
+        init_weights_(chunk, seed=cfg.train.seed)  # as the family initialises (ModelSpec.init)
         scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc,
                          cp=mesh.size("cp"), pieces=sequence_pieces(mesh, sequence_parallel=p.sp))
         apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
