@@ -17,10 +17,11 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from tetron.torch_private import TorchDispatchMode, is_fake, tree_leaves
-from tetron.torch_private.fake import real_mode, unbox_group
+from tetron.torch_private.fake import parse_to, real_mode, unbox_group
 
 aten, c10d = torch.ops.aten, torch.ops.c10d
 
@@ -121,3 +122,22 @@ class DryRunMode(TorchDispatchMode):
         for fake, value in zip(tree_leaves(out), tree_leaves(r_out)):
             if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor):
                 self.shadow[fake] = value
+
+
+class CrossDeviceCopies(TorchFunctionMode):
+    """Copies between the CPU and fake `cuda` tensors, answered before torch's device guard refuses them in a CPU
+    build: `copy_` writes nothing (fake tensors hold nothing), `.to(cuda)` and `.cuda()` give a fake tensor there.
+    The CUDA forward check's (dry_run.cuda_forward): whatever the copies, every other op sees the devices as
+    the real run would."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "copy_" and args[0].device != args[1].device:
+            return args[0]
+        if name in ("to", "cuda") and isinstance(args[0], torch.Tensor):
+            device, dtype = (torch.device("cuda"), None) if name == "cuda" else parse_to(*args[1:], **kwargs)
+            x = args[0]
+            if device is not None and device.type != x.device.type:
+                return torch.empty_like(x, device=device, dtype=dtype or x.dtype).requires_grad_(x.requires_grad)
+        return func(*args, **kwargs)

@@ -19,8 +19,10 @@ reported, not fatal): the check of the CUDA path's device placement.
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -28,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from tetron.config import Config
+from tetron.config import Config, from_dict
 from tetron.data.batch import MicroBatch
 from tetron.mesh import Mesh
-from tetron.plan.dry_modes import DryRunMode
+from tetron.plan.dry_modes import CrossDeviceCopies, DryRunMode
 from tetron.plan.memory import predict_rank
 from tetron.torch_private import grouped_mm_available
 from tetron.torch_private.fake import fake_store, fake_tensor_mode, memory_tracker
@@ -76,13 +78,15 @@ def fake_rank(cfg: Config, rank: int):
         dist.destroy_process_group()
 
 
-def simulate_rank(cfg: Config, rank: int) -> RankFigures:
-    """One training step of global rank `rank` on fake CPU tensors: its peak memory, FLOPs and collectives."""
+def simulate_rank(cfg: Config, rank: int, *, fake: bool = True) -> RankFigures:
+    """One training step of global rank `rank` on fake CPU tensors: its peak memory, FLOPs and collectives.
+    `fake=False` runs the same on real tensors (the reference the tests hold the fake figures to)."""
     from tetron.train import assemble_run, dispatch_step  # the loop's own functions; train imports plan
 
     device = torch.device("cpu")
     grouped_mm_available("cpu")  # probed on real tensors, once per process: under fake ones the probe would fail
-    with warnings.catch_warnings(), fake_rank(cfg, rank) as mesh, fake_tensor_mode(), DryRunMode() as watch:
+    with warnings.catch_warnings(), fake_rank(cfg, rank) as mesh, \
+            fake_tensor_mode() if fake else contextlib.nullcontext(), DryRunMode() as watch:
         # data_parallel compares data pointers (a view or a copy?); fake ones are all 0: "a view", no copy
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         tracker = memory_tracker()
@@ -112,3 +116,96 @@ def model_flops_per_rank(cfg: Config) -> int:
     of the global batch's tokens, shared by the world's ranks."""
     tokens = cfg.global_batch * cfg.data.seq_len
     return int(cfg.model.flops_per_token(cfg.data.seq_len) * tokens / cfg.world_size)
+
+
+# Measured here (torch 2.13 CPU build): matmuls and attention run on fake cuda tensors, but a view (slicing, a
+# gradient buffer's view_as) and copies between devices meet torch's device guard, which a CPU build lacks.
+CPU_BUILD = "not run: a CPU build of torch (no cuda device guard: views of fake cuda tensors fail)"
+
+
+def cuda_forwards(cfg: Config, ranks: list[int], *, timeout_s: float = 600.0) -> list[str]:
+    """Each rank's forward on fake `cuda` tensors, in a child process (a CPU build of torch may abort in it):
+    "ok", or the error (a tensor left on the CPU, say), per rank."""
+    if torch.version.cuda is None:
+        return [CPU_BUILD] * len(ranks)
+    request = json.dumps({"config": cfg.to_dict(), "ranks": ranks})
+    try:
+        done = subprocess.run([sys.executable, "-m", "tetron.plan.dry_run"], input=request, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [f"timed out after {timeout_s:.0f} s"] * len(ranks)
+    results = [line.split("\t", 1)[1] for line in done.stdout.splitlines() if line.startswith("cuda\t")]
+    if len(results) < len(ranks):
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        results += [f"the process ended ({last[:200]})"] * (len(ranks) - len(results))
+    return results
+
+
+def cuda_forward(cfg: Config, rank: int) -> str:
+    """The forward of every micro-batch of rank `rank` on fake `cuda` tensors, nothing kept for a backward."""
+    from tetron.train import assemble_run
+
+    device = torch.device("cuda")
+    try:
+        with warnings.catch_warnings(), fake_rank(cfg, rank) as mesh, fake_tensor_mode(), DryRunMode(), \
+                CrossDeviceCopies(), torch.no_grad():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            run = assemble_run(cfg, mesh, device, tokenizer=None, loader=None)
+            batch = fake_batches(cfg, run.device_positions, device)
+            if run.pipeline is not None:
+                run.pipeline.forward_only(batch)
+            else:
+                for mb in batch:
+                    run.model.dp_chunks[0](mb.inputs, mb.positions, mb.docs, targets=mb.targets)
+    except Exception as err:  # reported in the table: the CUDA path's placement is what this checks
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    return "ok"
+
+
+def _main() -> None:
+    """The child of cuda_forwards: a JSON request on stdin, a line "cuda\\t<result>" per rank on stdout."""
+    request = json.loads(sys.stdin.read())
+    cfg = from_dict(request["config"])
+    for rank in request["ranks"]:
+        print(f"cuda\t{cuda_forward(cfg, rank)}", flush=True)
+
+
+if __name__ == "__main__":
+    _main()
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def table(cfg: Config, figures: list[RankFigures]) -> str:
+    """One row per simulated rank: peak memory and FLOPs, each beside the planner's and their ratio, then the
+    bytes (GiB) each kind of collective moved over the step, then the CUDA forward's result."""
+    kinds = sorted({k for f in figures for k in f.collective_bytes})
+    head = (f"{'rank':>5} {'pp':>3}  {'peak GiB':>9} {'planner':>8} {'ratio':>6}  {'TFLOP':>9} {'planner':>9} "
+            f"{'ratio':>6}  " + " ".join(f"{k + ' GiB':>17}" for k in kinds) + "  cuda forward")
+    rows = [head]
+    for f in figures:
+        rows.append(f"{f.rank:>5} {f.pp_rank:>3}  {_gib(f.peak_bytes):>9} {_gib(f.predicted_bytes):>8} "
+                    f"{f.peak_bytes / max(f.predicted_bytes, 1):>6.3f}  {f.flops / 1e12:>9.2f} "
+                    f"{f.predicted_flops / 1e12:>9.2f} {f.flops / max(f.predicted_flops, 1):>6.3f}  "
+                    + " ".join(f"{_gib(f.collective_bytes.get(k, 0)):>17}" for k in kinds) + f"  {f.cuda_forward}")
+    return "\n".join(rows)
+
+
+def dry_run(cfg: Config) -> str:
+    """Simulate each distinct rank of `cfg`'s layout (simulate_rank), then check the CUDA forward; the report."""
+    start = time.perf_counter()
+    ranks = distinct_ranks(cfg)
+    figures = [simulate_rank(cfg, rank) for rank in ranks]
+    for f, result in zip(figures, cuda_forwards(cfg, ranks)):
+        f.cuda_forward = result
+    p = cfg.parallel
+    layout = (f"dp{p.dp} tp{p.tp} pp{p.pp}" + (f"({p.pp_schedule}x{p.pp_virtual})" if p.pp > 1 else "")
+              + f" cp{p.cp} ep{p.ep} zero{p.zero} {cfg.train.recompute} mb{cfg.train.micro_batch}x{cfg.train.grad_acc}")
+    head = (f"tetron dry run: {cfg.model.num_params():,} parameters, {cfg.world_size} ranks ({layout}), seq "
+            f"{cfg.data.seq_len}, {cfg.train.dtype}: one step of each pipeline rank on fake tensors "
+            f"({time.perf_counter() - start:.0f} s)")
+    note = ("planner: peak = plan.memory.predict_rank; FLOPs = the model FLOPs (6N + attention a token, as MFU counts "
+            "them) of the global batch over the ranks. MoE routing taken as even.")
+    return "\n".join([head, table(cfg, figures), note])

@@ -48,23 +48,47 @@ def fake_store() -> Any:
     return FakeStore()
 
 
+class _NoModules:
+    """Stands in for MemTracker's ModTracker: no module hooks. Those keep statistics per module, refuse a model
+    called again from the top (the next micro-batch), and their backward hooks fail inside `autograd.grad` (the
+    zero-bubble schedules' split backward); the whole peak needs none of it."""
+
+    is_bw = False
+    parents: set[str] = {"Global"}
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoModules:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
 def memory_tracker() -> Any:
-    """A MemTracker: `with tracker: ...`, then `tracker.get_tracker_snapshot("peak")` by device and category.
-    It keeps statistics per module too and refuses a model called again from the top (the next micro-batch);
-    only the whole peak is wanted here, so each new top-level call starts the per-module statistics afresh."""
+    """A MemTracker of the whole peak: `with tracker: ...`, then `tracker.get_tracker_snapshot("peak")`, bytes
+    by device and category (every storage an op made, until it is freed or resized)."""
     _need("MemTracker")
     try:
-        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
     except ImportError as err:
         raise DryRunUnavailable(f"--dry-run needs torch.distributed._tools.mem_tracker.MemTracker ({err})") from None
 
     class PeakTracker(MemTracker):
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:  # "multiple iterative calls": the next micro-batch's forward
-                self.reset_mod_stats()
-                super()._pre_fw_hook(module, inputs)
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = _NoModules()
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # the whole peak only: the per-module walk after every op costs O(modules) each (minutes at full size)
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
 
     return PeakTracker()
 
@@ -86,3 +110,14 @@ def unbox_group(group: Any) -> Any:
     if not hasattr(dist.ProcessGroup, "unbox"):
         raise DryRunUnavailable("--dry-run needs torch.distributed.ProcessGroup.unbox")
     return dist.ProcessGroup.unbox(group)
+
+
+def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """(device, dtype) of a `Tensor.to(...)` call's arguments, either None where not given."""
+    import torch
+
+    parse = getattr(getattr(torch._C, "_nn", None), "_parse_to", None)
+    if parse is None:
+        raise DryRunUnavailable("--dry-run needs torch._C._nn._parse_to")
+    device, dtype = parse(*args, **kwargs)[:2]
+    return device, dtype
