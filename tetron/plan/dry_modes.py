@@ -84,6 +84,11 @@ class DryRunMode(TorchDispatchMode):
                                    f"hold none")
             with real_mode():
                 return self.shadow[args[0]].item()
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            # its fake (meta) kernel takes bf16 only, where the CPU's real one also runs fp32: the shape in bf16
+            dtype = args[0].dtype
+            return func(*[a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                          for a in args], **kwargs).to(dtype)
         if func is aten.bincount.default:
             return self._balanced_counts(args[0], kwargs.get("minlength", args[2] if len(args) > 2 else 0))
         out = func(*args, **kwargs)

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
 
 from tetron.config import Config, from_dict
 from tetron.data.batch import MicroBatch
@@ -36,7 +35,7 @@ from tetron.mesh import Mesh
 from tetron.plan.dry_modes import CrossDeviceCopies, DryRunMode
 from tetron.plan.memory import predict_rank
 from tetron.torch_private import grouped_mm_available
-from tetron.torch_private.fake import fake_store, fake_tensor_mode, memory_tracker
+from tetron.torch_private.fake import fake_store, fake_tensor_mode, flop_counter, memory_tracker
 
 
 @dataclass
@@ -93,7 +92,7 @@ def simulate_rank(cfg: Config, rank: int, *, fake: bool = True) -> RankFigures:
         with tracker:  # from the first parameter: the model's state counts toward the peak
             run = assemble_run(cfg, mesh, device, tokenizer=None, loader=None)
             batch = fake_batches(cfg, run.device_positions, device)
-            with FlopCounterMode(display=False) as flops:
+            with flop_counter() as flops:
                 dispatch_step(run, 0, batch)
         peak = _peak(tracker, device)
         pp_rank = mesh.local_rank("pp")
@@ -174,22 +173,31 @@ if __name__ == "__main__":
     _main()
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _flops(n: float) -> str:
+    return f"{n / 1e12:.1f} T" if n >= 1e12 else f"{n / 1e6:.1f} M"
 
 
 def table(cfg: Config, figures: list[RankFigures]) -> str:
     """One row per simulated rank: peak memory and FLOPs, each beside the planner's and their ratio, then the
-    bytes (GiB) each kind of collective moved over the step, then the CUDA forward's result."""
+    bytes each kind of collective moved over the step, then the CUDA forward's result."""
     kinds = sorted({k for f in figures for k in f.collective_bytes})
-    head = (f"{'rank':>5} {'pp':>3}  {'peak GiB':>9} {'planner':>8} {'ratio':>6}  {'TFLOP':>9} {'planner':>9} "
-            f"{'ratio':>6}  " + " ".join(f"{k + ' GiB':>17}" for k in kinds) + "  cuda forward")
+    head = (f"{'rank':>5} {'pp':>3}  {'peak':>11} {'planner':>11} {'ratio':>6}  {'FLOPs':>9} {'planner':>9} "
+            f"{'ratio':>6}  " + " ".join(f"{k:>14}" for k in kinds))
     rows = [head]
     for f in figures:
-        rows.append(f"{f.rank:>5} {f.pp_rank:>3}  {_gib(f.peak_bytes):>9} {_gib(f.predicted_bytes):>8} "
-                    f"{f.peak_bytes / max(f.predicted_bytes, 1):>6.3f}  {f.flops / 1e12:>9.2f} "
-                    f"{f.predicted_flops / 1e12:>9.2f} {f.flops / max(f.predicted_flops, 1):>6.3f}  "
-                    + " ".join(f"{_gib(f.collective_bytes.get(k, 0)):>17}" for k in kinds) + f"  {f.cuda_forward}")
+        rows.append(f"{f.rank:>5} {f.pp_rank:>3}  {_size(f.peak_bytes):>11} {_size(f.predicted_bytes):>11} "
+                    f"{f.peak_bytes / max(f.predicted_bytes, 1):>6.3f}  {_flops(f.flops):>9} "
+                    f"{_flops(f.predicted_flops):>9} {f.flops / max(f.predicted_flops, 1):>6.3f}  "
+                    + " ".join(f"{_size(f.collective_bytes.get(k, 0)):>14}" for k in kinds))
+    results = sorted({f.cuda_forward for f in figures})
+    if len(results) == 1:
+        rows.append(f"cuda forward: {results[0]}")
+    else:
+        rows += [f"cuda forward of rank {f.rank}: {f.cuda_forward}" for f in figures]
     return "\n".join(rows)
 
 
@@ -197,7 +205,13 @@ def dry_run(cfg: Config) -> str:
     """Simulate each distinct rank of `cfg`'s layout (simulate_rank), then check the CUDA forward; the report."""
     start = time.perf_counter()
     ranks = distinct_ranks(cfg)
-    figures = [simulate_rank(cfg, rank) for rank in ranks]
+    figures, failed = [], []
+    for rank in ranks:
+        try:
+            figures.append(simulate_rank(cfg, rank))
+        except Exception as err:  # a rank's step that fails under fake tensors: said, and the others still run
+            failed.append(f"rank {rank}: the step failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    ranks = [f.rank for f in figures]
     for f, result in zip(figures, cuda_forwards(cfg, ranks)):
         f.cuda_forward = result
     p = cfg.parallel
@@ -208,4 +222,4 @@ def dry_run(cfg: Config) -> str:
             f"({time.perf_counter() - start:.0f} s)")
     note = ("planner: peak = plan.memory.predict_rank; FLOPs = the model FLOPs (6N + attention a token, as MFU counts "
             "them) of the global batch over the ranks. MoE routing taken as even.")
-    return "\n".join([head, table(cfg, figures), note])
+    return "\n".join([head, table(cfg, figures), *failed, note])

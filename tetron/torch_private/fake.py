@@ -121,3 +121,27 @@ def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         raise DryRunUnavailable("--dry-run needs torch._C._nn._parse_to")
     device, dtype = parse(*args, **kwargs)[:2]
     return device, dtype
+
+
+def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of torch._grouped_mm (which FlopCounterMode does not count), from the shapes: [M, K] @ [G, K, N]
+    (the experts' forward, and their input gradient) or [K, M] @ [M, N] in groups of M's rows (the weight
+    gradient): 2 * M * K * N either way."""
+    if len(a) == 2 and len(b) == 3:
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    raise NotImplementedError(f"FLOPs of a grouped matmul of shapes {a} and {b}")
+
+
+def flop_counter() -> Any:
+    """A FlopCounterMode of the whole step: get_total_flops(). Without its module tracker, whose backward hooks fail
+    inside `autograd.grad` (the zero-bubble schedules' split backward) and which only splits the count by module."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
+    if not hasattr(counter, "mod_tracker"):
+        raise DryRunUnavailable("--dry-run expects torch.utils.flop_counter.FlopCounterMode to have a mod_tracker")
+    counter.mod_tracker = _NoModules()
+    return counter
