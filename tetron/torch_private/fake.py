@@ -134,13 +134,32 @@ def _grouped_mm_flops(a: Any, b: Any, *args: Any, out_shape: Any = None, **kwarg
     raise NotImplementedError(f"FLOPs of a grouped matmul of shapes {a} and {b}")
 
 
+def _cpu_attention_flops(q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """The CPU flash attention's FLOPs (which FlopCounterMode does not count): as torch counts the CUDA one's."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(q, k, v)
+
+
+def _cpu_attention_backward_flops(grad: Any, q: Any, k: Any, v: Any, *args: Any, out_shape: Any = None,
+                                  **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+
+    return sdpa_backward_flop_count(grad, q, k, v)
+
+
 def flop_counter() -> Any:
-    """A FlopCounterMode of the whole step: get_total_flops(). Without its module tracker, whose backward hooks fail
+    """A FlopCounterMode of the whole step: get_total_flops(); with the grouped matmul's and the CPU flash
+    attention's FLOPs, which it lacks. Without its module tracker, whose backward hooks fail
     inside `autograd.grad` (the zero-bubble schedules' split backward) and which only splits the count by module."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
+    aten = torch.ops.aten
+    counter = FlopCounterMode(display=False, custom_mapping={
+        aten._grouped_mm: _grouped_mm_flops,
+        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward_flops})
     if not hasattr(counter, "mod_tracker"):
         raise DryRunUnavailable("--dry-run expects torch.utils.flop_counter.FlopCounterMode to have a mod_tracker")
     counter.mod_tracker = _NoModules()
