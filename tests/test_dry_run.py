@@ -116,3 +116,15 @@ def test_bad_layout_refused_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 0 and "tp=3" in err
     assert plan_command([write_yaml(tmp_path, dp=2), "--dry-run", "--nodes", "1", "--gpus-per-node", "4"]) == 2
     assert "--gpus-per-node 4" in capsys.readouterr().err
+
+
+def test_storage_pool_resizes_under_fake_tensors():
+    """ZeRO-3's pool swaps storages on the CPU, which MemTracker cannot see (a released unit would count as held);
+    the dry run plays a GPU run, whose pool resizes them."""
+    from tetron.torch_private import storage_swap_available
+    from tetron.torch_private.fake import fake_tensor_mode
+
+    cpu = torch.device("cpu")
+    with fake_tensor_mode():
+        assert not storage_swap_available(cpu)
+    assert storage_swap_available(cpu) == hasattr(torch.UntypedStorage, "_swap_data_ptr_")
