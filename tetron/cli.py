@@ -57,10 +57,11 @@ except KeyboardInterrupt:
     print("tetron: interrupted", file=sys.stderr)
     raise SystemExit(130) from None
 
-USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] [--print-config]
+USAGE = """usage: tetron train [CONFIG] [--section.key=value ...] [short flags] [--print-config] [--dry-run]
                     (tetron train --help lists every field and short flag)
        tetron plan [CONFIG] [--model NAME] --nodes N --gpus-per-node G [--gpu NAME | --memory-gb X]
                    [--seq-len S] [--batch-tokens T] [axes] [--json] [--write CONFIG.yaml] [--measure K]
+                   tetron plan CONFIG --dry-run [axes]: one step of each rank on fake tensors
                    (tetron plan --help: rank the layouts that fit, predicted memory and step time)
        tetron slurm CONFIG --nodes N --gpus-per-node G [--partition P --time T --account A] [--submit]
                     [--cpus-per-task C] [--sbatch OPT ...] [--setup FILE]   (tetron slurm --help)
@@ -171,6 +172,14 @@ def train_command(args: list[str]) -> int:
     config_path = None
     if args and not args[0].startswith("--"):
         config_path, args = args[0], args[1:]
+    if "--dry-run" in args:  # no rank, no data: one step of each pipeline rank on fake tensors (tetron plan's)
+        from tetron.plan.commands import dry_run_config
+
+        try:
+            cfg = load_config(config_path, [a for a in args if a != "--dry-run"])
+        except UserError as err:
+            return failed(str(err))
+        return dry_run_config(cfg)
     inside_launch = "RANK" in os.environ
     lock = None  # rank 0, or the launching process, holds the run folder while the run lasts
     notes: list[str] = []

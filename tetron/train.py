@@ -145,6 +145,18 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
     """Everything a rank needs before its first step. `trace` keeps test-only records (pipeline
     actions, data-parallel collective counts)."""
     tokenizer, loader = load_data(cfg, mesh, device)
+    run = assemble_run(cfg, mesh, device, tokenizer=tokenizer, loader=loader, trace=trace, stop=stop)
+    restore(run)
+    if mesh.rank == 0:
+        describe(run)
+    return run
+
+
+def assemble_run(cfg: Config, mesh: Mesh, device: torch.device, *, tokenizer: Tokenizer | None,
+                 loader: DataLoader | MixtureLoader | None, trace: bool = False,
+                 stop: StopRequest | None = None) -> Run:
+    """The model, optimizer and schedule of a run at its seeded start, around the data given (the dry run,
+    plan/dry_run.py, gives none: it feeds dispatch_step its own batches)."""
     model = parallelize(cfg, mesh, device, count_collectives=trace)
     t = cfg.train
     # Sum over tokens, divided by this rank's tokens per step: after averaging over dp*cp the
@@ -158,9 +170,6 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
               positions=positions, device_positions=positions.to(device), pipeline=None,
               layer_ranks=layer_ranks(cfg), stop=stop,
               background=BackgroundSaver() if cfg.checkpoint.async_save else None)
-    restore(run)
-    if mesh.rank == 0:
-        describe(run)
     if mesh.size("pp") > 1:
         run.pipeline = Pipeline(model.dp_chunks, mesh, schedule_name=cfg.parallel.pp_schedule,
                                 micro_batches=t.grad_acc, shape=activation_shape(cfg),

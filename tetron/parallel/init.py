@@ -69,7 +69,9 @@ def materialize_(model: nn.Module, device: torch.device) -> None:
         for name, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             if id(param) not in new:
                 fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-                fresh.__dict__.update(param.__dict__)
+                # its layout and other attributes; not what a tensor subclass keeps there of its own (a fake
+                # tensor's device: the dry run, plan/dry_run.py)
+                fresh.__dict__.update({k: v for k, v in param.__dict__.items() if k not in fresh.__dict__})
                 new[id(param)] = fresh
             setattr(module, name, new[id(param)])
         # state that is no parameter (an MoE routing bias): zeros, as transformers initialises it

@@ -6,13 +6,14 @@ import argparse
 import sys
 import typing
 
-from tetron.config import Config, Recompute, ZeroAccumulate, cuda_dtype, from_dict, load_raw
-from tetron.errors import UserError, failed
+from tetron.config import Config, Recompute, ZeroAccumulate, cuda_dtype, from_dict, load_config, load_raw
+from tetron.errors import UserError, check, failed
 from tetron.fs import check_new_file
 from tetron.overrides import OneLineParser, split_known
 from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan.report import PlanRequest, check_plan_numbers, fixed_axes, run
 from tetron.plan.slurm import CORES_PER_RANK, SlurmJob, submit, write_job
+from tetron.validate import validate
 
 
 def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -22,8 +23,9 @@ def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "predicted step time (tetron/plan/). Other --section.key=value and short flags (--model, --seq-len, "
         "--data, --train.dtype=bfloat16, ...) set the base config."))
     parser.add_argument("config", nargs="?", help="a base config (YAML file or configs/ name)")
-    parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="ranks per node (CPU: processes)")
+    parser.add_argument("--nodes", type=int, help="nodes (required, but with --dry-run)")
+    parser.add_argument("--gpus-per-node", type=int, help="ranks per node (CPU: processes; required, but with "
+                                                          "--dry-run)")
     parser.add_argument("--gpu", help="a known GPU: H200, H100, A100-80GB, A100-40GB, L40S, B200 (default: this "
                                       "machine's GPU, else its CPU)")
     parser.add_argument("--memory-gb", type=float, help="memory per device in GiB (overrides the GPU's)")
@@ -43,9 +45,19 @@ def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--measure", type=int, nargs="?", const=3, default=0, metavar="K",
                         help="run the best K layouts here for a few steps: predicted beside measured (default 3)")
     parser.add_argument("--steps", type=int, default=3, help="steps --measure runs before timing (default 3)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="the config's own layout (with the axes given here): one real step of each pipeline "
+                             "rank at full size on fake tensors, its peak memory, FLOPs and collectives beside the "
+                             "planner's (tetron/plan/dry_run.py)")
     mine, rest = split_known(parser, args)
     ns = parser.parse_args(mine)
-    check_plan_numbers(ns)
+    if not ns.dry_run:
+        for flag, value in (("--nodes", ns.nodes), ("--gpus-per-node", ns.gpus_per_node)):
+            if value is None:
+                parser.error(f"the following arguments are required: {flag}")
+    # --dry-run needs no --nodes: the other numbers are checked all the same
+    check_plan_numbers(argparse.Namespace(**{**vars(ns), "nodes": ns.nodes or 1,
+                                             "gpus_per_node": ns.gpus_per_node or 1}))
     if ns.write is not None:
         check_new_file(ns.write, "--write")  # before the search: refused in a moment, not after it
     return ns, rest
@@ -54,6 +66,8 @@ def plan_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def plan_command(args: list[str]) -> int:
     try:
         ns, overrides = plan_args(args)
+        if ns.dry_run:
+            return dry_run_command(ns, overrides)
         fixed = fixed_axes({"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "ep": ns.ep, "zero": ns.zero,
                             "recompute": ns.recompute, "micro_batch": ns.micro_batch, "pp_schedule": ns.pp_schedule,
                             "pp_virtual": ns.pp_virtual, "sp": ns.sp, "zero_accumulate": ns.zero_accumulate})
@@ -84,6 +98,37 @@ def job_config(path: str, overrides: list[str]) -> tuple[Config, str | None]:
     raw["train"] = {**(raw.get("train") or {}), "dtype": dtype}
     note = f"train.dtype={dtype}: the default on GPUs when the config sets none (--train.dtype=float32 trains in fp32)"
     return from_dict(raw), note
+
+
+def dry_run_command(ns: argparse.Namespace, overrides: list[str]) -> int:
+    """`tetron plan CONFIG --dry-run`: the config's layout, the axes given as flags set in it, checked as
+    `tetron train` checks it (one line, exit 2), then dry_run's table."""
+    axes = {"dp": ns.dp, "tp": ns.tp, "pp": ns.pp, "cp": ns.cp, "ep": ns.ep, "zero": ns.zero,
+            "pp_schedule": ns.pp_schedule, "pp_virtual": ns.pp_virtual, "sp": ns.sp,
+            "zero_accumulate": ns.zero_accumulate}
+    given = [f"--parallel.{k}={v}" for k, v in axes.items() if v is not None]
+    given += [f"--train.{k}={v}" for k, v in (("recompute", ns.recompute), ("micro_batch", ns.micro_batch))
+              if v is not None]
+    cfg = load_config(ns.config, [*overrides, *given])
+    return dry_run_config(cfg, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node)
+
+
+def dry_run_config(cfg: Config, *, nodes: int | None = None, gpus_per_node: int | None = None) -> int:
+    """Validate `cfg` (and that nodes x gpus_per_node, where given, is its world size), then print the dry run."""
+    from tetron.plan.dry_run import dry_run  # fake tensors and torch's private tools only when asked for
+    from tetron.torch_private.fake import DryRunUnavailable
+
+    try:
+        if nodes is not None and gpus_per_node is not None:
+            check(nodes * gpus_per_node == cfg.world_size,
+                  f"--nodes {nodes} x --gpus-per-node {gpus_per_node} = {nodes * gpus_per_node} ranks, but the "
+                  f"layout has {cfg.world_size} (dp*tp*pp*cp); give a layout of that many ranks (--dp, ...)")
+        validate(cfg)
+        text = dry_run(cfg)
+    except (UserError, DryRunUnavailable) as err:
+        return failed(str(err))
+    print(text)
+    return 0
 
 
 def slurm_command(args: list[str]) -> int:

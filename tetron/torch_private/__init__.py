@@ -19,6 +19,8 @@ its caller's (StoragePool(reuse=False) resizes), and queue_after_backward has no
                    UntypedStorage._swap_data_ptr_, torch._foreach_*,     (see each function for the rest)
                    torch._subclasses' is_fake, torch.utils._pytree's tree_leaves,
                    OpOverload._opname, Tensor._base and _version, torch.utils._python_dispatch
+    fake.py        FakeTensorMode, the `fake` process group's FakeStore,   -> none: `tetron plan --dry-run` says
+                   MemTracker, FlopCounterMode's module tracker              which is missing, in one line
 
 This package sits on the ground floor: models, parallel, observe and plan may all import it.
 """

@@ -72,8 +72,17 @@ def in_backward(*, fallback: bool = False) -> bool:
 
 def storage_swap_available(device: torch.device) -> bool:
     """Whether swap_storages runs here: on the CPU, where the call exists (a GPU's caching allocator reuses
-    freed blocks anyway)."""
-    return device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    freed blocks anyway); not under fake tensors (the dry run: no memory to swap, and it plays a GPU run, whose
+    resizes a memory tracker follows where it cannot see a swap)."""
+    return device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_") and not _fake_mode_active()
+
+
+def _fake_mode_active() -> bool:
+    try:
+        from torch._guards import active_fake_mode
+    except ImportError:
+        return False
+    return active_fake_mode() is not None
 
 
 def swap_storages(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
