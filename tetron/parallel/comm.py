@@ -132,3 +132,32 @@ def gather_from_sequence(x: Tensor, group: dist.ProcessGroup, *, dim: int = 1) -
 def reduce_scatter_to_sequence(x: Tensor, group: dist.ProcessGroup, *, dim: int = 1) -> Tensor:
     """Sequence-parallel g: forward reduce-scatter along dim, backward all-gather."""
     return x if _size(group) == 1 else _ReduceScatterToSequence.apply(x, dim, group)
+
+
+class _AllReduceBothWays(torch.autograd.Function):
+    """forward: all-reduce; backward: all-reduce. For a sum that every rank goes on to use for its own part (a
+    norm's statistic over a projection split by tp): the gradient of any rank's share is the sum of every
+    rank's gradient of the total."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        with timer(group):
+            dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        with timer(ctx.group):
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_both_ways(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The sum of every rank's `x` on every rank of `group`, differentiable (_AllReduceBothWays); the identity
+    on one rank."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllReduceBothWays.apply(x, group)

@@ -26,7 +26,7 @@ gradients, nothing to sync), on each rank's share of them with it (gradients sum
 Per-head parameters (the plan's `head_params`: gpt-oss's sinks, one logit per query head) split with the
 heads. A norm over a whole projection's output (the plan's `projection_norms`: OLMo 3's q_norm over all query
 heads) splits its weight with the projection's rows, and its statistic, the sum of squares over the whole width,
-is summed over tp (`sum_over_tp`: every rank's heads are normed by the same number, as in one process).
+is summed over tp (`comm.all_reduce_both_ways`: every rank's heads are normed by the same number, as in one process).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from tetron.models.loss import linear_cross_entropy
 from tetron.models.spec import ParallelPlan, spec_of
 from tetron.parallel.comm import (
+    all_reduce_both_ways,
     copy_to_group,
     gather_from_sequence,
     reduce_from_group,
@@ -259,33 +260,6 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
     return model
 
 
-class _SumOverTP(torch.autograd.Function):
-    """forward: all-reduce (sum); backward: all-reduce (sum): each rank's sum feeds its own heads' norm, so the
-    gradient of any rank's share is the sum of every rank's gradient of the total."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.clone()
-        with timer(group):
-            dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        with timer(ctx.group):
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def sum_over_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """The sum of every tp rank's `x` on every rank, differentiable (_SumOverTP); the identity on one rank."""
-    if dist.get_world_size(group) == 1:
-        return x
-    return _SumOverTP.apply(x, group)
-
-
 def _split_heads(layer: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup) -> None:
     """Split the layer's per-head parameters and projection norms by rows (dim 0), as the heads are split; a norm
     over the whole projection sums its statistic over tp. Parts this layer does not have are skipped."""
@@ -300,7 +274,7 @@ def _split_heads(layer: nn.Module, plan: ParallelPlan, group: dist.ProcessGroup)
         norm = plan.part(layer, path)
         if norm is not None:
             norm.weight = _shard_param(norm.weight, (norm.weight.shape[0] // world,), dim=0, group=group)
-            norm.sum_over_shards = functools.partial(sum_over_tp, group=group)
+            norm.sum_over_shards = functools.partial(all_reduce_both_ways, group=group)
 
 
 def _copy_input(group: dist.ProcessGroup):
