@@ -254,14 +254,8 @@ def test_hostile_values_never_run_as_shell_code(tmp_path, monkeypatch, capsys):
     from tetron.cli import main
     from tetron.plan.slurm import SlurmJob, _check_job
 
+    env = _stubbed(tmp_path, monkeypatch)
     stubs = tmp_path / "stubs"
-    stubs.mkdir()
-    for name, text in STUBS.items():
-        (stubs / name).write_text(text)
-        (stubs / name).chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(stubs / "python"))
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "data.txt").write_text("x = 1\n" * 100)
     canary = tmp_path / "pwned"
     out = f"runs/x $(touch {canary}) `touch {canary}` ';' \"q\" 50%j"
     run = ["slurm", "demo", "--data", "data.txt", "--tokenizer", "bytes", "--parallel.device=cpu", "--dp", "2",
@@ -269,8 +263,6 @@ def test_hostile_values_never_run_as_shell_code(tmp_path, monkeypatch, capsys):
     assert main([*run, "--out", out]) == 0, capsys.readouterr().err
     slurm_dir = tmp_path / out / "slurm"
     job = (slurm_dir / "job.sh").read_text()
-    env = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(tmp_path),
-           "SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}
     result = subprocess.run(["bash", str(slurm_dir / "job.sh")], cwd=stubs, env=env, capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 0, result.stderr
