@@ -97,7 +97,7 @@ class RankWatch:
         self.max_restarts = max_restarts
         # (attempt, rank) -> (when its process ended, its exit code or minus the signal that ended it)
         self.exits: dict[tuple[int, int], tuple[float, int]] = {}
-        self.waited: set[int] = set()  # pids an exit watcher waits for
+        self.waiters: dict[int, tuple[int, threading.Thread]] = {}  # pid -> (attempt, its exit watcher)
         self.signals = stop_signals(stop_signal)
         self.stop_signal: str | None = None  # the signal that asked this run to stop
         self.attempt = -1
@@ -165,10 +165,11 @@ class RankWatch:
             self.attempt, self.forwarded, self.failed_at, self.stuck = attempt, set(), None, {}
         running = {rank: r for rank, r in reports.items() if r["state"] == "running"}
         for rank, r in running.items():
-            if r["pid"] not in self.waited:
-                self.waited.add(r["pid"])
-                threading.Thread(target=self._wait_exit, args=(attempt, rank, r["pid"]), daemon=True,
-                                 name="tetron-rank-exit").start()
+            if r["pid"] not in self.waiters:
+                waiter = threading.Thread(target=self._wait_exit, args=(attempt, rank, r["pid"]), daemon=True,
+                                          name="tetron-rank-exit")
+                self.waiters[r["pid"]] = (attempt, waiter)
+                waiter.start()
         if self.aborted is not None:
             for r in running.values():
                 _kill(r["pid"])
@@ -206,6 +207,11 @@ class RankWatch:
         """What ended `attempt`, in words: a rank's user error; else the first rank whose process died without a
         word (a signal, a crash); else a rank whose collective timed out or lost its peer (which is what the
         others of a dead rank meet)."""
+        # the attempt's ranks have ended: let their exit watchers note how (on a loaded machine a watcher whose
+        # waitid has returned may not yet have run again, and the restart would blame a rank's peer instead)
+        for a, waiter in self.waiters.values():
+            if a == attempt:
+                waiter.join(timeout=5)
         ordered = [r for _, r in sorted(reports.items())]
         errors = [r for r in ordered if r["state"] == "error"]
         if errors:
