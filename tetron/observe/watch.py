@@ -21,6 +21,8 @@ answering, or the rank that died.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -95,8 +97,8 @@ class RankWatch:
                  max_restarts: int = 0) -> None:
         self.folder, self.out, self.steps, self.timeout_s = Path(folder), out, steps, timeout_s
         self.max_restarts = max_restarts
-        # (attempt, rank) -> (when its process ended, its exit code or minus the signal that ended it)
-        self.exits: dict[tuple[int, int], tuple[float, int]] = {}
+        # (attempt, rank) -> (when its process ended, the launcher's Process object for it)
+        self.exits: dict[tuple[int, int], tuple[float, multiprocessing.process.BaseProcess]] = {}
         self.waiters: dict[int, tuple[int, threading.Thread]] = {}  # pid -> (attempt, its exit watcher)
         self.signals = stop_signals(stop_signal)
         self.stop_signal: str | None = None  # the signal that asked this run to stop
@@ -191,24 +193,24 @@ class RankWatch:
                     _kill(r["pid"])
 
     def _wait_exit(self, attempt: int, rank: int, pid: int) -> None:
-        """Note how and when a rank's process ends, without reaping it (WNOWAIT: torch's launcher, its parent
-        in this process, still collects it), so that a restart can name the rank that died and its signal."""
-        if not hasattr(os, "waitid"):  # not on macOS: the restart line then names no signal
+        """Note when a rank's process ends (its sentinel closes), so that a restart can name the rank that died
+        first and, from its Process object, its signal. Only the launcher's own children have one: a rank
+        started otherwise is not watched (the restart line then blames the rank whose report says why)."""
+        process = {p.pid: p for p in multiprocessing.active_children()}.get(pid)
+        if process is None:
             return
-        try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-        except OSError:  # ChildProcessError: already collected, or not this process's child
-            return
-        if info is not None:
-            killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-            self.exits[(attempt, rank)] = (time.monotonic(), -info.si_status if killed else info.si_status)
+        # Waiting on the sentinel never collects the process, so it cannot race torch's launcher for it (a
+        # waitid(WNOWAIT) did, on a loaded machine, and lost: the restart then blamed the dead rank's peer);
+        # the exit code is read from the Process object once the launcher has collected it.
+        multiprocessing.connection.wait([process.sentinel])
+        self.exits[(attempt, rank)] = (time.monotonic(), process)
 
     def first_failure(self, attempt: int, reports: dict[int, dict[str, Any]]) -> str:
         """What ended `attempt`, in words: a rank's user error; else the first rank whose process died without a
         word (a signal, a crash); else a rank whose collective timed out or lost its peer (which is what the
         others of a dead rank meet)."""
-        # the attempt's ranks have ended: let their exit watchers note how (on a loaded machine a watcher whose
-        # waitid has returned may not yet have run again, and the restart would blame a rank's peer instead)
+        # the attempt's ranks have ended: let their exit watchers note when (on a loaded machine a watcher whose
+        # sentinel has closed may not yet have run again, and the restart would blame a rank's peer instead)
         for a, waiter in self.waiters.values():
             if a == attempt:
                 waiter.join(timeout=5)
@@ -216,8 +218,10 @@ class RankWatch:
         errors = [r for r in ordered if r["state"] == "error"]
         if errors:
             return f"rank {errors[0]['rank']} failed (an error)"
-        silent = sorted((when, rank, how) for (a, rank), (when, how) in self.exits.items()
-                        if a == attempt and how and reports.get(rank, {}).get("state", "running") == "running")
+        # (a Process's exitcode is minus the signal that ended it; None until the launcher has collected it)
+        silent = sorted((when, rank, process.exitcode) for (a, rank), (when, process) in self.exits.items()
+                        if a == attempt and process.exitcode and
+                        reports.get(rank, {}).get("state", "running") == "running")
         if silent:
             _, rank, how = silent[0]
             return (f"rank {rank} was killed by {signal.Signals(-how).name}" if how < 0 else
