@@ -361,20 +361,26 @@ def test_a_stop_signal_sent_to_one_rank_ends_with_the_stopped_line(tmp_path, cap
 
 
 def test_a_restart_names_the_rank_that_died_and_its_signal(tmp_path):
-    """The launcher notes how each rank's process ends without collecting it (torch's launcher still does),
-    and the restart's line names the first rank to die and its signal, and where the ranks resume."""
-    import subprocess
-    import sys
+    """The launcher notes when each rank's process ends and keeps its Process object, so the restart's line
+    names the first rank to die and its signal even when torch's launcher has collected the process first
+    (a waitid racing it lost, on a loaded machine, and blamed the dead rank's peer), and where ranks resume."""
+    import multiprocessing
+    import threading
+    import time
 
     from tetron.observe.watch import RankWatch
 
     (tmp_path / "reports").mkdir()
     watch = RankWatch(tmp_path / "reports", out=str(tmp_path / "out"), steps=10, timeout_s=5, stop_signal=None,
                       max_restarts=2)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+    waiter = threading.Thread(target=watch._note_exit, args=(0, 1, child))  # as poll() starts it
+    waiter.start()
     child.kill()
-    watch._wait_exit(0, 1, child.pid)
-    assert child.wait(timeout=10) == -signal.SIGKILL  # still there to be collected by its parent
+    child.join(timeout=10)  # torch's launcher collects it, maybe before the watcher has run again
+    waiter.join(timeout=10)
+    assert child.exitcode == -signal.SIGKILL
     _report(tmp_path / "reports", 0, 0, "peer", message="connection closed by peer")  # what rank 1's death did
     _report(tmp_path / "reports", 0, 1, "running")
     assert watch.restart_line(1) == "restart 1 of 2 after rank 1 was killed by SIGKILL: starting over: no checkpoint " \

@@ -166,12 +166,15 @@ class RankWatch:
                 print(f"tetron: {self.restart_line(attempt)}", flush=True)
             self.attempt, self.forwarded, self.failed_at, self.stuck = attempt, set(), None, {}
         running = {rank: r for rank, r in reports.items() if r["state"] == "running"}
-        for rank, r in running.items():
-            if r["pid"] not in self.waiters:
-                waiter = threading.Thread(target=self._wait_exit, args=(attempt, rank, r["pid"]), daemon=True,
-                                          name="tetron-rank-exit")
-                self.waiters[r["pid"]] = (attempt, waiter)
-                waiter.start()
+        new = {rank: r["pid"] for rank, r in running.items() if r["pid"] not in self.waiters}
+        # the launcher's own children, looked up once, while they run (a rank started otherwise has none: it is
+        # not watched, and a restart then blames the rank whose report says why)
+        children = {p.pid: p for p in multiprocessing.active_children()} if new else {}
+        for rank, pid in new.items():
+            waiter = threading.Thread(target=self._note_exit, args=(attempt, rank, children.get(pid)), daemon=True,
+                                      name="tetron-rank-exit")
+            self.waiters[pid] = (attempt, waiter)
+            waiter.start()
         if self.aborted is not None:
             for r in running.values():
                 _kill(r["pid"])
@@ -192,16 +195,13 @@ class RankWatch:
                     self.stuck[rank] = state
                     _kill(r["pid"])
 
-    def _wait_exit(self, attempt: int, rank: int, pid: int) -> None:
+    def _note_exit(self, attempt: int, rank: int, process: multiprocessing.process.BaseProcess | None) -> None:
         """Note when a rank's process ends (its sentinel closes), so that a restart can name the rank that died
-        first and, from its Process object, its signal. Only the launcher's own children have one: a rank
-        started otherwise is not watched (the restart line then blames the rank whose report says why)."""
-        process = {p.pid: p for p in multiprocessing.active_children()}.get(pid)
+        first and, from its Process object, its signal. Waiting on the sentinel never collects the process, so
+        it cannot race torch's launcher for it (a waitid(WNOWAIT) did, on a loaded machine, and lost: the restart
+        then blamed the dead rank's peer); the exit code is read once the launcher has collected it."""
         if process is None:
             return
-        # Waiting on the sentinel never collects the process, so it cannot race torch's launcher for it (a
-        # waitid(WNOWAIT) did, on a loaded machine, and lost: the restart then blamed the dead rank's peer);
-        # the exit code is read from the Process object once the launcher has collected it.
         multiprocessing.connection.wait([process.sentinel])
         self.exits[(attempt, rank)] = (time.monotonic(), process)
 
