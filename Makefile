@@ -32,9 +32,9 @@ lint: $(STAMP)
 
 # The linter first: a lint error fails CI before the (longer) test suite starts. One pytest worker per core
 # (pytest-xdist), each test file on one worker (its module fixtures run once): while one worker runs a
-# single-process test, the other's ranks take the second core.
+# single-process test, the other's ranks take the second core; the longest files first (tests/conftest.py).
 test: lint
-	$(PY) -m pytest -q -n auto --dist loadfile tests
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 # The GPU check: correctness, speed (tokens/s, MFU) and the memory model as one table, within 8 minutes on
 # one GPU; tiny sizes in seconds without one. No install, no network: the venv's python if there is one,
