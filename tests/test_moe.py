@@ -1,7 +1,7 @@
-"""The mixture-of-experts layer (models/moe.py) and its families (models/moe_models.py): each block equal to
-transformers' on the same weights and inputs, each family's model equal to transformers' class (fp32 logits
-within 1e-5), its folders loaded by transformers, capacity dropping counted, and data-parallel training equal
-to the single process, balancing figures included."""
+"""The mixture-of-experts layer (models/moe.py) and its families (models/qwen3_moe.py, models/mixtral.py): each
+block equal to transformers' on the same weights and inputs, each family's model equal to transformers' class
+(fp32 logits within 1e-5), its folders loaded by transformers, capacity dropping counted, and data-parallel
+training equal to the single process, balancing figures included."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from tetron.config import from_dict
 from tetron.data.loader import prepare_data
 from tetron.device import compile_problem
 from tetron.errors import ConfigError
+from tetron.models.mixtral import MixtralConfig
 from tetron.models.moe import Experts, MoEBlock, Router, sequence_balance_losses
-from tetron.models.moe_models import MixtralConfig, MoeConfig
+from tetron.models.qwen3_moe import MoeConfig
 from tetron.parallel import compile as compile_module
 from tetron.parallel.init import seeded_model
 from tetron.parallel.moe_balance import FIGURES, finish_moe_step
