@@ -212,5 +212,5 @@ def experts_one_by_one(name: str, config: MoeConfig, *, block: str = "mlp",
 # tokens; with sp on its own share of them. A dense layer's mlp (mlp_only_layers) stays whole too.
 MOE_PLAN = ParallelPlan(blocks=LLAMA_PLAN.blocks[:1], residual_norms=LLAMA_PLAN.residual_norms, replicated=("mlp",))
 QWEN3_MOE = register(ModelSpec(name="qwen3_moe", model_types=("qwen3_moe",), config_class=MoeConfig,
-                               model_class=MoeForCausalLM, plan=replace(MOE_PLAN, head_norms=QWEN3_PLAN.head_norms),
+                               model_class=MoeForCausalLM, plan=replace(MOE_PLAN, kept_whole=QWEN3_PLAN.kept_whole),
                                stored_as=experts_one_by_one))
