@@ -50,8 +50,7 @@ class MoeConfig(LlamaConfig):
 
     hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
     qk_norm: ClassVar[bool] = True
-    mlp_activations: ClassVar[tuple[str, ...]] = ("silu",)  # the experts (moe.py) are SwiGLU
-    mlp_bias_option: ClassVar[bool] = False  # nor have they biases
+    mlp_bias_option: ClassVar[bool] = False  # the experts (moe.py) have no biases
     norm_topk_always: ClassVar[bool] = False  # top-k weights renormalized whatever norm_topk_prob says (Mixtral)
 
     def __post_init__(self) -> None:
@@ -159,7 +158,7 @@ def moe_block(config: MoeConfig) -> MoEBlock:
     return MoEBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                     config.num_experts_per_tok, capacity_factor=config.moe_capacity_factor,
                     aux_loss_coef=config.router_aux_loss_coef, z_loss_coef=config.router_z_loss_coef,
-                    aux_loss=config.moe_aux_loss, n_shared_experts=config.n_shared_experts,
+                    aux_loss=config.moe_aux_loss, n_shared_experts=config.n_shared_experts, act=config.hidden_act,
                     scoring=config.scoring_func,
                     norm_topk_prob=config.norm_topk_prob or config.norm_topk_always,
                     n_group=config.n_group, topk_group=config.topk_group,
