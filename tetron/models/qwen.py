@@ -1,5 +1,5 @@
 """Qwen2 and Qwen3 (transformers' Qwen2ForCausalLM, Qwen3ForCausalLM): Llama's blocks with the options that
-make them Qwen (models/llama.py's docstring lists them), a config each, and one registration each.
+make them Qwen (models/llama/'s docstring lists them), a config each, and one registration each.
 
 - Qwen2: biases on q, k and v (not o), always: transformers builds them whatever `attention_bias` says.
 - Qwen3: an RMSNorm over each query and key head (`q_norm`, `k_norm`, one weight of head_dim shared by the
