@@ -49,7 +49,7 @@ from tetron.device import synchronize
 from tetron.launch import setup_rank
 from tetron.mesh import Mesh
 from tetron.models.moe import moe_blocks
-from tetron.models.moe_models import MoeConfig
+from tetron.models.qwen3_moe import MoeConfig
 from tetron.observe.step_report import read_back
 from tetron.parallel.init import seeded_model
 from tetron.parallel.parallelize import build_optimizer, parallelize, sequence_positions

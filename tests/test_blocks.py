@@ -41,11 +41,19 @@ def test_activation_matches_transformers(name):
     torch.testing.assert_close(ACTIVATIONS[name](x), ACT2FN[name](x), atol=ATOL, rtol=0)
 
 
+@dataclass
+class _SiluOnlyConfig(LlamaConfig):
+    """A family whose transformers class takes one activation only."""
+
+    hf_architecture: ClassVar[str] = "SiluOnlyForCausalLM"
+    mlp_activations: ClassVar[tuple[str, ...]] = ("silu",)
+
+
 def test_unsupported_activation_is_one_line():
     with pytest.raises(ValueError, match=r"^hidden_act='xielu' is not supported; use one of silu, swish, gelu"):
         LlamaConfig(hidden_act="xielu")
-    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported by tetron's Qwen3MoeForCausalLM"):
-        family("qwen3_moe").config_class(hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported by tetron's SiluOnlyForCausalLM"):
+        _SiluOnlyConfig(hidden_act="gelu")
     with pytest.raises(ValueError, match="mlp_bias=True: Qwen2ForCausalLM's MLP has no biases"):
         family("qwen2").config_class(mlp_bias=True)
 

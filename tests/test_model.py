@@ -238,7 +238,8 @@ def test_norm_and_rope_bitwise_in_low_precision(dtype: torch.dtype) -> None:
     """RMSNorm's fp32 math and cast order, and RoPE's cos/sin, equal transformers' exactly."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-    from tetron.models.llama import RMSNorm, rope_cos_sin
+    from tetron.models.blocks import RMSNorm
+    from tetron.models.llama import rope_cos_sin
 
     cfg = CONFIGS["llama3_rope"]
     x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(6)).to(dtype)

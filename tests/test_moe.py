@@ -1,7 +1,7 @@
-"""The mixture-of-experts layer (models/moe.py) and its families (models/moe_models.py): each block equal to
-transformers' on the same weights and inputs, each family's model equal to transformers' class (fp32 logits
-within 1e-5), its folders loaded by transformers, capacity dropping counted, and data-parallel training equal
-to the single process, balancing figures included."""
+"""The mixture-of-experts layer (models/moe.py) and its families (models/qwen3_moe.py, models/mixtral.py): each
+block equal to transformers' on the same weights and inputs, each family's model equal to transformers' class
+(fp32 logits within 1e-5), its folders loaded by transformers, capacity dropping counted, and data-parallel
+training equal to the single process, balancing figures included."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ from tetron.config import from_dict
 from tetron.data.loader import prepare_data
 from tetron.device import compile_problem
 from tetron.errors import ConfigError
+from tetron.models.blocks import ACTIVATIONS
+from tetron.models.mixtral import MixtralConfig
 from tetron.models.moe import Experts, MoEBlock, Router, sequence_balance_losses
-from tetron.models.moe_models import MixtralConfig, MoeConfig
+from tetron.models.qwen3_moe import MoeConfig, MoeForCausalLM
 from tetron.parallel import compile as compile_module
 from tetron.parallel.init import seeded_model
 from tetron.parallel.moe_balance import FIGURES, finish_moe_step
@@ -45,10 +47,10 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_laye
 MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
-def _hf_block(kind: str):
+def _hf_block(kind: str, act: str = "silu"):
     """transformers' block of `kind` and the keyword arguments of tetron's MoEBlock with its routing rules."""
     common = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=16, num_experts_per_tok=2,
-                  hidden_act="silu")
+                  hidden_act=act)
     if kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**common, num_experts=8, norm_topk_prob=False)
         return transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(cfg), dict(
@@ -63,13 +65,15 @@ def _hf_block(kind: str):
         bias_update_rate=0.01)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_the_block_equals_transformers(kind):
+def test_the_block_equals_transformers(kind, act):
     """Same weights, same input: the output, and the gradients of the input and every weight, within 1e-5
-    (DeepSeek-V3's with a nonzero routing bias that changes which experts win)."""
+    (DeepSeek-V3's with a nonzero routing bias that changes which experts win); the experts' (and the shared
+    experts') activation the config's hidden_act, as transformers' experts read it."""
     torch.manual_seed(0)
-    hf, kwargs = _hf_block(kind)
-    ours = MoEBlock(32, 16, kwargs.pop("num_experts"), 2, **kwargs)
+    hf, kwargs = _hf_block(kind, act)
+    ours = MoEBlock(32, 16, kwargs.pop("num_experts"), 2, act=act, **kwargs)
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.2)
@@ -175,6 +179,49 @@ def test_the_grouped_matmul_path_equals_the_loop_over_experts():
         for got in grads[1:]:
             for a, b in zip(got, grads[0]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _experts_by_definition(experts: Experts, x: torch.Tensor, counts: torch.Tensor, act) -> torch.Tensor:
+    """Each row through its expert, down(act(gate x) * up x), one row at a time in fp64."""
+    expert = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    rows = []
+    for row, e in zip(x.double(), expert.tolist()):
+        gate, up = (experts.gate_up_proj[e].double() @ row).chunk(2)
+        rows.append(experts.down_proj[e].double() @ (act(gate) * up))
+    return torch.stack(rows)
+
+
+def test_experts_take_the_configs_activation():
+    """GELU experts (loop, CPU grouped, CUDA's aligned grouped) equal the definition computed here within 1e-5,
+    forward and backward; silu experts give the bits of the SwiGLU written out; a MoE family's config hands its
+    hidden_act to its experts and its shared experts."""
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 6, 2])
+    x = torch.randn(int(counts.sum()), 16)
+    gelu = Experts(4, 16, 8, act="gelu_pytorch_tanh")
+    with torch.no_grad():
+        for p in gelu.parameters():
+            p.normal_(0, 0.5)
+    want = _experts_by_definition(gelu, x, counts, lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+    assert (want - _experts_by_definition(gelu, x, counts, torch.nn.functional.silu)).abs().max() > 1e-2
+    cotangent = torch.randn(want.shape)
+    want_grads = torch.autograd.grad((want * cotangent.double()).sum(), list(gelu.parameters()))
+    for run in (gelu.loop, gelu.grouped, functools.partial(gelu.grouped, align=1)):
+        got = run(x, counts)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        for got_grad, want_grad in zip(torch.autograd.grad((got * cotangent).sum(), list(gelu.parameters())),
+                                       want_grads):
+            torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+    silu = Experts(4, 16, 8)
+    silu.load_state_dict(gelu.state_dict())
+    swiglu = []
+    for e, (start, n) in enumerate(zip((counts.cumsum(0) - counts).tolist(), counts.tolist())):
+        gate, up = torch.nn.functional.linear(x[start:start + n], silu.gate_up_proj[e]).chunk(2, dim=-1)
+        swiglu.append(torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, silu.down_proj[e]))
+    assert torch.equal(silu.loop(x, counts), torch.cat(swiglu))
+    block = MoeForCausalLM(MoeConfig(**{**TINY, "hidden_act": "gelu_pytorch_tanh", "n_shared_experts": 1})).model
+    assert block.layers["0"].mlp.experts.act_fn is block.layers["0"].mlp.shared_experts.act_fn is ACTIVATIONS[
+        "gelu_pytorch_tanh"]
 
 
 def test_selective_recompute_keeps_the_grouped_experts_and_replays_the_rest(monkeypatch):

@@ -195,3 +195,28 @@ def test_apply_functions_have_one_caller():
     callers = {name for name, tree in MODULES.items() for node in ast.walk(tree)
                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in axes}
     assert callers == {"tetron.parallel.parallelize"}
+
+
+MAX_MODEL_FILE_LINES = 400
+
+
+def test_model_files_are_one_idea_each():
+    """tetron/models holds a folder or module per family beside the shared blocks; none grows past one idea's
+    length (a family's config, modules and plan split into files of their own when they would)."""
+    long = {path.name: n for path in sorted((PACKAGE / "models").rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODEL_FILE_LINES}
+    assert not long, long
+
+
+def test_models_know_nothing_of_parallelism():
+    """The models are plain single-device modules: no torch.distributed in them (parallel/ transforms them)."""
+    offenders = []
+    for name, tree in MODULES.items():
+        if unit_of(name) != "models":
+            continue
+        for node in ast.walk(tree):
+            imported = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                        else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{name}:{node.lineno}" for module in imported if module.startswith("torch.distributed")]
+    assert not offenders
+

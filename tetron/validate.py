@@ -24,7 +24,7 @@ from tetron.device import compile_problem, device_problem
 from tetron.errors import CheckpointError, ConfigError, DataError, quoted
 from tetron.errors import check as _check
 from tetron.fs import find_latest, is_run_folder
-from tetron.models.moe_models import MoeConfig
+from tetron.models.qwen3_moe import MoeConfig
 from tetron.observe.profiling import parse_steps
 from tetron.optim import OPTIMIZERS
 from tetron.overrides import one_of

@@ -11,7 +11,7 @@ and not later"; a cp rank, which holds a share of the window's positions, still 
 whole window (ring and Ulysses attention build the mask of any pair of shards from them).
 
 A family's attention may differ from Llama's in more than the window; `AttentionOptions` holds, per layer, what
-the shared attention (models/llama.py's `Attention`) and every attention function here and under parallel/
+the shared attention (models/llama/model.py's `Attention`) and every attention function here and under parallel/
 take: separate q/k and v head widths (DeepSeek-V3's MLA), a scale other than 1/sqrt(head_dim) (Gemma's
 query_pre_attn_scalar), logit soft-capping (Gemma 2: scores = cap * tanh(scores / cap)), learned sinks
 (gpt-oss: one logit per head added to the softmax's denominator, a key with no value) and QK-norm per head

@@ -1,5 +1,5 @@
 """Shared building blocks of the decoder families: the MLP with its activations, the RMSNorm, and the
-standard initialisation of both. A family composes them through its config (models/llama.py's docstring lists
+standard initialisation of both. A family composes them through its config (models/llama/'s docstring lists
 the options); the blocks know nothing of parallelism.
 
 - MLP: gated, down(act(gate(x)) * up(x)) (Llama's SwiGLU, Gemma's GeGLU), or plain, down(act(up(x)))

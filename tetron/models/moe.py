@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tetron.models.blocks import MLP, activation
 from tetron.torch_private import grouped_mm, grouped_mm_available, in_backward
 
 
@@ -92,13 +93,15 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as transformers 5 stores them: `gate_up_proj` [E, 2*I, H] (gate rows, then up rows)
-    and `down_proj` [E, H, I]. Takes tokens already grouped by expert."""
+    """E gated experts, down(act(gate(x)) * up(x)) with the activation the config names (`hidden_act`, as
+    transformers' experts read it: SwiGLU with silu), as transformers 5 stores them: `gate_up_proj` [E, 2*I, H]
+    (gate rows, then up rows) and `down_proj` [E, H, I]. Takes tokens already grouped by expert."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, act: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.act_fn = activation(act)
         # Whether the CPU can run the grouped path, found out now: inside a forward that activation
         # recomputation records, the probe's own operations would be recorded with it
         grouped_mm_available("cpu")
@@ -115,7 +118,7 @@ class Experts(nn.Module):
         for e, (start, n) in enumerate(zip((counts.cumsum(0) - counts).tolist(), counts.tolist())):
             if n:
                 gate, up = F.linear(x[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+                outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
         return torch.cat(outs) if outs else self._nothing(x)
 
     def _nothing(self, x: Tensor) -> Tensor:
@@ -133,7 +136,7 @@ class Experts(nn.Module):
                 return self._nothing(x)
             ends = counts.cumsum(0).to(torch.int32)
             gate, up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
-            return _DenseGrad.apply(grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), ends))
+            return _DenseGrad.apply(grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), ends))
         M, E = x.shape[0], counts.shape[0]
         aligned = (counts + align - 1) // align * align
         rows = (M + (align - 1) * E + align - 1) // align * align  # >= aligned.sum(), a multiple of align
@@ -145,7 +148,7 @@ class Experts(nn.Module):
         ends = ends.to(torch.int32)
         padded = x.new_zeros(rows, x.shape[1]).index_copy(0, place, x)  # [rows, H]
         gate, up = grouped_mm(padded, self.gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), ends)[place]
+        return grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), ends)[place]
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -169,19 +172,6 @@ def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
     if x.is_cuda:
         return grouped_mm_available("cuda") and x.dtype == torch.bfloat16
     return grouped_mm_available(x.device.type)
-
-
-class SwiGLU(nn.Module):
-    """A dense SwiGLU MLP with transformers' names: DeepSeek's shared experts (one wide MLP)."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoEStats:
@@ -266,13 +256,14 @@ class MoEBlock(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  capacity_factor: float | None = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 aux_loss: str = "sequence", n_shared_experts: int = 0, **router: object) -> None:
+                 aux_loss: str = "sequence", n_shared_experts: int = 0, act: str = "silu", **router: object) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.aux_loss_coef, self.z_loss_coef, self.aux_loss = aux_loss_coef, z_loss_coef, aux_loss
         self.gate = Router(hidden, num_experts, top_k, **router)
-        self.experts = Experts(num_experts, hidden, intermediate)
-        self.shared_experts = SwiGLU(hidden, intermediate * n_shared_experts) if n_shared_experts else None
+        self.experts = Experts(num_experts, hidden, intermediate, act=act)
+        # DeepSeek's shared experts: one dense gated MLP as wide as n of them (models/blocks.py's, no biases)
+        self.shared_experts = MLP(hidden, intermediate * n_shared_experts, act=act) if n_shared_experts else None
         # (tokens [M, H] grouped by expert, counts [E]) -> [M, H]; None: this rank's `experts`. Expert
         # parallelism sets its exchange here: all-to-all to the experts' ranks, their experts, all-to-all back.
         self.experts_fn: Callable[[Tensor, Tensor], Tensor] | None = None

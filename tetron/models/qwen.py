@@ -1,5 +1,5 @@
 """Qwen2 and Qwen3 (transformers' Qwen2ForCausalLM, Qwen3ForCausalLM): Llama's blocks with the options that
-make them Qwen (models/llama.py's docstring lists them), a config each, and one registration each.
+make them Qwen (models/llama/'s docstring lists them), a config each, and one registration each.
 
 - Qwen2: biases on q, k and v (not o), always: transformers builds them whatever `attention_bias` says.
 - Qwen3: an RMSNorm over each query and key head (`q_norm`, `k_norm`, one weight of head_dim shared by the
@@ -10,7 +10,8 @@ make them Qwen (models/llama.py's docstring lists them), a config each, and one 
 
 Under tensor parallelism the biases of q, k and v split with their rows (column-parallel), and a q/k norm's
 weight, whole on every tp rank, gets from each only the gradient of that rank's heads: the plan names those
-norms (`head_norms`) and their gradients are summed over tp (parallel/tensor_parallel.py).
+norms as kept whole inside the attention block (`kept_whole`) and their gradients are summed over tp
+(parallel/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -96,6 +97,6 @@ class Qwen3Config(SlidingLayersConfig):
 QWEN2 = register(ModelSpec(name="qwen2", model_types=("qwen2",), config_class=Qwen2Config, model_class=Llama,
                            plan=LLAMA.plan))
 QWEN3_PLAN = ParallelPlan(blocks=LLAMA.plan.blocks, residual_norms=LLAMA.plan.residual_norms,
-                          head_norms=("self_attn.q_norm", "self_attn.k_norm"))
+                          kept_whole=("self_attn.q_norm", "self_attn.k_norm"))
 QWEN3 = register(ModelSpec(name="qwen3", model_types=("qwen3",), config_class=Qwen3Config, model_class=Llama,
                            plan=QWEN3_PLAN))

@@ -3,10 +3,11 @@
 Every parallel strategy, the checkpoints and the planner read a family's `ModelSpec`, never its module
 names: its Hugging Face `model_type`s, its config and module classes, and its `ParallelPlan` (where the
 decoder layers, the embedding, the final norm and the head are; which linears of a layer are column- or
-row-parallel; which norms sit on the residual stream). A new family is a plain single-device module class,
-a config dataclass, and one `register(ModelSpec(...))`; no axis's file changes.
+row-parallel; which parts stay whole inside a tp block and which sit outside every block; which parameters are
+split by head). A new family is a plain single-device module class, a config dataclass, and one
+`register(ModelSpec(...))` in a folder or module of its own; no axis's file changes.
 
-What the module class must offer (Llama's, models/llama.py, is the pattern): it is built from its config
+What the module class must offer (Llama's, models/llama/, is the pattern): it is built from its config
 (`model_class(config)`, on the meta device too), keeps that config as `.config`, names its tensors as
 transformers' class does, has the plan's parts at the plan's paths (a part a pipeline stage drops is set to
 None and skipped by `forward`), its decoder layers in a ModuleDict keyed "0", "1", ..., its attention modules
@@ -53,16 +54,19 @@ class ParallelPlan:
     blocks: tuple[Block, ...]  # the tensor-parallel blocks of one decoder layer, in forward order
     residual_norms: tuple[str, ...]  # a layer's norms on the residual stream (their weights see one rank's tokens
     # under sequence parallelism, so their gradients are summed over tp), relative to the layer
-    head_norms: tuple[str, ...] = ()  # norms inside a tp block, whole on every tp rank, applied to each head
-    # (Qwen3's q_norm, k_norm): a rank's gradient holds only its heads' share, so it is summed over tp always
+    kept_whole: tuple[str, ...] = ()  # modules inside a tp block that stay whole on every tp rank, relative to
+    # the layer: computed from the block's input (whole on every rank after the block's f) or from other kept-whole
+    # modules, and feeding the block's per-head computation, so a rank's gradient holds only its heads' share and
+    # is summed over tp, with or without sp. Qwen3's per-head q_norm, k_norm; DeepSeek-V3's MLA: q_a_proj,
+    # q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm (whole latent projections before the column-parallel b's)
     head_params: tuple[str, ...] = ()  # parameters of a tp block with one entry per attention head (gpt-oss's
     # "self_attn.sinks"): split by head (dim 0) under tp, as the heads are
     projection_norms: tuple[str, ...] = ()  # norms over a whole column-parallel projection's output (OLMo 3's
     # q_norm, k_norm): their weights split with the projection's rows (dim 0), their statistic (the sum of squares
     # over the whole width) summed over tp by the norm's `sum_over_shards`, which tensor parallelism sets
-    replicated: tuple[str, ...] = ()  # parts of a layer outside every tp block, whole on every tp rank (an MoE
-    # layer's mlp: router, experts, shared experts); under sp each rank runs them on its own tokens, so their
-    # gradients are summed over tp, as the residual norms' are
+    replicated: tuple[str, ...] = ()  # parts of a layer outside every tp block besides the residual norms, whole
+    # on every tp rank (an MoE layer's mlp: router, experts, shared experts); under sp each rank runs them on its
+    # own tokens, so their gradients are summed over tp, as the residual norms' are
     layers: str = "model.layers"  # the ModuleDict of decoder layers: the pipeline cuts it; recompute, compile
     # and ZeRO-3's units take its entries
     embedding: str = "model.embed_tokens"  # the token embedding (first stage; vocab-parallel under tp)
@@ -109,6 +113,16 @@ class ParallelPlan:
                 return 1
         return None
 
+    def tp_partial(self, name: str, *, sequence_parallel: bool) -> bool:
+        """Whether a decoder layer's parameter (`self_attn.q_norm.weight`, relative to the layer) stays whole on
+        every tp rank with each rank's gradient a share of the whole, to be summed over tp: what is kept whole
+        inside a block always (a share of the heads); with sequence parallelism also what sits outside every
+        block, the residual norms and the replicated parts (a share of the tokens). A row-parallel linear's bias
+        is the linear's own business (tensor_parallel.RowParallelLinear)."""
+        if _under(name, self.kept_whole):
+            return True
+        return sequence_parallel and _under(name, (*self.residual_norms, *self.replicated))
+
     def layers_of(self, model: nn.Module) -> nn.ModuleDict:
         """The decoder layers this model (or pipeline chunk) holds, keyed by their global index."""
         return self.part(model, self.layers)
@@ -122,6 +136,11 @@ class ParallelPlan:
     def layer_index(self, name: str) -> int:
         """The decoder layer of a parameter name inside the layers: `model.layers.3.mlp...` -> 3."""
         return int(name[len(self.layers) + 1:].split(".", 1)[0])
+
+
+def _under(name: str, paths: tuple[str, ...]) -> bool:
+    """Whether parameter `name` belongs to one of the modules at `paths` (all relative to one module)."""
+    return any(name.startswith(f"{path}.") for path in paths)
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,15 @@ softmax, so receive no gradient, and are dropped on export.
 
 With sequence parallelism the residual stream between blocks is split along the sequence: f and g
 become all-gather and reduce-scatter, and RMSNorm weights, which then see only this rank's tokens,
-have their gradients summed over tp after the backward pass. So do, with or without it, the weights of
-norms applied to each attention head (the plan's `head_norms`: Qwen3's q_norm, k_norm), whole on every
-rank but each rank's gradient holding only its own heads' share; summed, they stay equal on every rank.
-A part of a layer the plan keeps whole (`replicated`: an MoE layer's mlp, its experts split by expert
+have their gradients summed over tp after the backward pass. So do, with or without it, the parameters of
+what the plan keeps whole inside a block (`kept_whole`: Qwen3's per-head q_norm, k_norm; MLA's latent
+projections before the column-parallel ones, and their norms): computed from the block's input, which f makes
+whole on every rank, they are whole on every rank, but each rank's gradient holds only its own heads' share
+(and f sums the shares of the input's gradient with the column-parallel linears'); summed, they stay equal on
+every rank. A part of a layer outside every block (`replicated`: an MoE layer's mlp, its experts split by expert
 parallelism instead) runs on every tp rank: on the same tokens without sequence parallelism (the same
 gradients, nothing to sync), on each rank's share of them with it (gradients summed over tp, as the norms').
+The plan answers which parameters these are (`ParallelPlan.tp_partial`).
 
 Per-head parameters (the plan's `head_params`: gpt-oss's sinks, one logit per query head) split with the
 heads. A norm over a whole projection's output (the plan's `projection_norms`: OLMo 3's q_norm over all query
@@ -241,12 +244,10 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
             setattr(part, block.row, RowParallelLinear(getattr(part, block.row), group, sequence_parallel=sp))
             part.register_forward_pre_hook(enter(group))
         _split_heads(layer, plan, group)
-        # a norm weight whose gradient on each rank is a share (of the tokens under sp, of the heads always)
-        for norm in (*plan.residual_norms, *plan.head_norms) if sp else plan.head_norms:
-            set_layout(layer.get_submodule(norm).weight, summed_over_tp=True)
-        # the parts kept whole (an MoE layer's mlp): under sp each rank runs them on its share of the tokens
-        for param in (p for path in plan.replicated for p in layer.get_submodule(path).parameters()) if sp else ():
-            set_layout(param, summed_over_tp=True)
+        # whole weights whose gradient on each rank is a share (of the heads always, of the tokens under sp)
+        for name, param in layer.named_parameters():
+            if plan.tp_partial(name, sequence_parallel=sp):
+                set_layout(param, summed_over_tp=True)
     embedding, final_norm, head = (plan.part(model, path) for path in (plan.embedding, plan.final_norm, plan.head))
     if embedding is not None:
         plan.set_part(model, plan.embedding, VocabParallelEmbedding(embedding, group, padded_vocab=padded,

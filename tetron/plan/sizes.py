@@ -10,7 +10,7 @@ import torch
 
 from tetron.config import Config
 from tetron.models.moe import grouped_mm_supported
-from tetron.models.moe_models import MoeConfig
+from tetron.models.qwen3_moe import MoeConfig
 from tetron.parallel.tensor_parallel import padded_vocab_size
 from tetron.parallel.ulysses import kv_repeats
 
@@ -101,7 +101,7 @@ def expert_elements(model: object) -> int:
 @functools.lru_cache(maxsize=4096)
 def _moe(dense: Sizes, experts: int, top_k: int, inter: int, shared: int, ep: int, batch: int, whole: int,
          grouped: bool, align: int) -> Sizes:
-    # The mlp (router, experts, a dense layer's MLP) stays whole under tp (models/moe_models.py's plan):
+    # The mlp (router, experts, a dense layer's MLP) stays whole under tp (models/qwen3_moe.py's plan):
     # its full width, on the tokens of the residual stream (n/tp under sp)
     return replace(dense, experts=experts, top_k=top_k, expert_inter=inter, shared_inter=shared, ep=ep,
                    batch=batch, inter=whole, n_mlp=dense.n_res, mlp_whole=True, grouped=grouped,

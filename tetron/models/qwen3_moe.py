@@ -1,11 +1,12 @@
-"""Mixture-of-experts families: Qwen3-MoE (`Qwen3MoeForCausalLM`) and Mixtral (`MixtralForCausalLM`), each a
-Llama whose feed-forwards are MoE blocks (moe.py), with transformers' names and numerics.
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): a Llama whose feed-forwards are MoE blocks (models/moe.py), with
+transformers' names and numerics; its config, model, parallel plan, the hub's names of its experts, and its
+registration. Mixtral (models/mixtral.py) is this family with its own config and names.
 
-Both use Llama's shared attention with its options (models/llama.py): Qwen3-MoE's per-head RMSNorm on q and k
-before RoPE (`qk_norm`, and biases with `attention_bias`, as Qwen3), Mixtral's `sliding_window` in every layer
-(as Mistral; null in its released configs). The config also offers DeepSeek-V3's routing (sigmoid
-scores, the load-driven routing bias, group-limited top-k, shared experts, a scaling factor) on either
-family; such a model trains in tetron but transformers' class of the family does not compute it.
+It uses Llama's attention with Qwen3's options (models/llama/): a per-head RMSNorm on q and k before RoPE
+(`qk_norm`, and biases with `attention_bias`). The config also offers DeepSeek-V3's routing (sigmoid scores,
+the load-driven routing bias, group-limited top-k, shared experts, a scaling factor); such a model trains in
+tetron but transformers' class of the family does not compute it. The experts' activation is the config's
+`hidden_act`, as transformers' experts read it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import ClassVar, Literal
 
 from torch import Tensor
 
-from tetron.models.llama import LLAMA, Llama, LlamaConfig
-from tetron.models.mistral import check_window_without_bias
+from tetron.models.llama import LLAMA_PLAN, Llama, LlamaConfig
 from tetron.models.moe import MoEBlock, add_batch_balance_loss, moe_blocks
 from tetron.models.qwen import QWEN3_PLAN
 from tetron.models.spec import ModelSpec, ParallelPlan, read_hf_config, register
@@ -27,7 +27,7 @@ from tetron.models.spec import ModelSpec, ParallelPlan, read_hf_config, register
 class MoeConfig(LlamaConfig):
     """A Llama-style decoder with MoE feed-forwards; field names follow transformers' Qwen3MoeConfig."""
 
-    model_type: str = "qwen3_moe"  # the model family (models/spec.py): "qwen3_moe" or "mixtral"
+    model_type: str = "qwen3_moe"  # the model family (models/spec.py)
     num_experts: int = 8  # routed experts per MoE layer (num_local_experts in transformers 5's config.json)
     num_experts_per_tok: int = 2  # experts each token is routed to (top-k)
     moe_intermediate_size: int | None = None  # width of one expert's hidden layer; None: intermediate_size
@@ -50,8 +50,8 @@ class MoeConfig(LlamaConfig):
 
     hf_architecture: ClassVar[str] = "Qwen3MoeForCausalLM"
     qk_norm: ClassVar[bool] = True
-    mlp_activations: ClassVar[tuple[str, ...]] = ("silu",)  # the experts (moe.py) are SwiGLU
-    mlp_bias_option: ClassVar[bool] = False  # nor have they biases
+    mlp_bias_option: ClassVar[bool] = False  # the experts (moe.py) have no biases
+    norm_topk_always: ClassVar[bool] = False  # top-k weights renormalized whatever norm_topk_prob says (Mixtral)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -82,27 +82,26 @@ class MoeConfig(LlamaConfig):
 
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> MoeConfig:
-        hf = dict(read_hf_config(path_or_dict))
-        if hf.get("model_type") == "mixtral":
-            if hf.get("router_jitter_noise"):
-                raise ValueError("router_jitter_noise is not supported; use 0")
-            hf["moe_intermediate_size"] = hf.get("intermediate_size")
-        elif hf.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true is not supported; use false")
+        hf = cls._family_fields(dict(read_hf_config(path_or_dict)))
         if "num_local_experts" in hf:  # transformers 5 writes Qwen3-MoE's num_experts under this name too
             hf.setdefault("num_experts", hf["num_local_experts"])
         _check_moe_types(hf)
         return super().from_hf(hf)
 
-    def to_hf(self, dtype: str = "float32") -> dict:
-        """A config dict transformers loads as the family's class (Qwen3MoeForCausalLM or MixtralForCausalLM)."""
-        hf = {**super().to_hf(dtype), "output_router_logits": False}
-        if self.model_type == "mixtral":
-            hf.update(num_local_experts=self.num_experts, intermediate_size=self.moe_intermediate_size,
-                      router_jitter_noise=0.0)
-        else:
-            hf.update(use_sliding_window=False, sliding_window=None)
+    @classmethod
+    def _family_fields(cls, hf: dict) -> dict:
+        """A config.json's fields as this family's config reads them: what it refuses, what it renames."""
+        if hf.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported; use false")
         return hf
+
+    def to_hf(self, dtype: str = "float32") -> dict:
+        """A config dict transformers loads as the family's class (Qwen3MoeForCausalLM, MixtralForCausalLM)."""
+        return {**super().to_hf(dtype), "output_router_logits": False, **self._hf_family_fields()}
+
+    def _hf_family_fields(self) -> dict:
+        """The fields of config.json only this family's transformers class has, or has otherwise."""
+        return {"use_sliding_window": False, "sliding_window": None}
 
     def _layer_params(self, experts: int) -> int:
         """Parameters of the decoder layers with `experts` experts counted per MoE layer."""
@@ -154,40 +153,21 @@ def _check_moe_types(hf: dict) -> None:
         raise ValueError(f"mlp_only_layers={only!r}: expected a list of layer indices")
 
 
-@dataclass
-class MixtralConfig(MoeConfig):
-    """Mixtral: every layer MoE, experts of intermediate_size, top-k weights always renormalized."""
-
-    model_type: str = "mixtral"  # the model family (models/spec.py)
-    sliding_window: int | None = None  # a windowed layer's query attends to this many latest positions, itself
-    # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window)
-
-    hf_architecture: ClassVar[str] = "MixtralForCausalLM"
-    qk_norm: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_window_without_bias(self, "Mixtral")
-
-    def layer_window(self, index: int) -> int | None:
-        return self.sliding_window
-
-
 def moe_block(config: MoeConfig) -> MoEBlock:
     """One MoE feed-forward of `config`'s shape and routing rules."""
     return MoEBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                     config.num_experts_per_tok, capacity_factor=config.moe_capacity_factor,
                     aux_loss_coef=config.router_aux_loss_coef, z_loss_coef=config.router_z_loss_coef,
-                    aux_loss=config.moe_aux_loss, n_shared_experts=config.n_shared_experts,
+                    aux_loss=config.moe_aux_loss, n_shared_experts=config.n_shared_experts, act=config.hidden_act,
                     scoring=config.scoring_func,
-                    norm_topk_prob=config.norm_topk_prob or config.model_type == "mixtral",
+                    norm_topk_prob=config.norm_topk_prob or config.norm_topk_always,
                     n_group=config.n_group, topk_group=config.topk_group,
                     routed_scaling_factor=config.routed_scaling_factor,
                     bias_update_rate=config.moe_bias_update_rate)
 
 
 class MoeForCausalLM(Llama):
-    """Qwen3MoeForCausalLM / MixtralForCausalLM: Llama's body (its attention options set by the config) with MoE
+    """Qwen3MoeForCausalLM (and MixtralForCausalLM): Llama's body (its attention options set by the config) with MoE
     blocks as the feed-forwards; `state_dict()` has exactly transformers' keys."""
 
     def __init__(self, config: MoeConfig) -> None:
@@ -207,35 +187,29 @@ class MoeForCausalLM(Llama):
         return out
 
 
-def hub_names(name: str, config: MoeConfig) -> str | list[list[str]] | None:
+def experts_one_by_one(name: str, config: MoeConfig, *, block: str = "mlp",
+                       pieces: tuple[tuple[str, ...], tuple[str, ...]] = (("gate_proj", "up_proj"), ("down_proj",))
+                       ) -> str | list[list[str]] | None:
     """Where the hub's checkpoints (and transformers' save_pretrained, 4.x and 5.x, and tetron's writers) keep a
-    tensor tetron holds fused or renamed:
-    experts one by one (`mlp.experts.N.gate_proj.weight`, `up_proj`, `down_proj`; Mixtral's
-    `block_sparse_moe.experts.N.w1` (gate), `w3` (up), `w2` (down)) and Mixtral's router under
-    `block_sparse_moe.gate`. None for every other tensor (ModelSpec.stored_as)."""
+    tensor tetron holds fused or renamed (ModelSpec.stored_as): the experts one by one under `block`
+    (`mlp.experts.N.gate_proj.weight`, `up_proj`, then `down_proj`: `pieces` names them, those of gate_up_proj and
+    those of down_proj), the router as `{block}.gate.weight`. None for every other tensor."""
     layer, sep, rest = name.partition(".mlp.")
     if not sep:
         return None
-    mixtral = config.model_type == "mixtral"
-    block = f"{layer}.block_sparse_moe." if mixtral else f"{layer}.mlp."
+    where = f"{layer}.{block}."
     if rest == "gate.weight":
-        return f"{block}gate.weight" if mixtral else None
-    pieces = {"experts.gate_up_proj": ("w1", "w3") if mixtral else ("gate_proj", "up_proj"),
-              "experts.down_proj": ("w2",) if mixtral else ("down_proj",)}.get(rest)
-    if pieces is None:
+        return None if block == "mlp" else f"{where}gate.weight"
+    names = dict(zip(("experts.gate_up_proj", "experts.down_proj"), pieces)).get(rest)
+    if names is None:
         return None
-    return [[f"{block}experts.{e}.{piece}.weight" for piece in pieces] for e in range(config.num_experts)]
-
-
-def _register(name: str, config_class: type, plan: ParallelPlan) -> ModelSpec:
-    return register(ModelSpec(name=name, model_types=(name,), config_class=config_class,
-                              model_class=MoeForCausalLM, plan=plan, stored_as=hub_names))
+    return [[f"{where}experts.{e}.{piece}.weight" for piece in names] for e in range(config.num_experts)]
 
 
 # Under tp only attention splits: each MoE layer's mlp stays whole on every tp rank (Megatron's expert-tensor-
 # parallel size 1; expert parallelism splits the experts instead). Without sp every tp rank runs it on the same
 # tokens; with sp on its own share of them. A dense layer's mlp (mlp_only_layers) stays whole too.
-MOE_PLAN = ParallelPlan(blocks=LLAMA.plan.blocks[:1], residual_norms=LLAMA.plan.residual_norms, replicated=("mlp",))
-QWEN3_MOE = _register("qwen3_moe", MoeConfig, replace(MOE_PLAN, head_norms=QWEN3_PLAN.head_norms))
-MIXTRAL = _register("mixtral", MixtralConfig, MOE_PLAN)
-
+MOE_PLAN = ParallelPlan(blocks=LLAMA_PLAN.blocks[:1], residual_norms=LLAMA_PLAN.residual_norms, replicated=("mlp",))
+QWEN3_MOE = register(ModelSpec(name="qwen3_moe", model_types=("qwen3_moe",), config_class=MoeConfig,
+                               model_class=MoeForCausalLM, plan=replace(MOE_PLAN, kept_whole=QWEN3_PLAN.kept_whole),
+                               stored_as=experts_one_by_one))
