@@ -126,6 +126,16 @@ class Evaluator:
                                      micro_batches=cfg.train.grad_acc, shape=activation_shape(cfg),
                                      loss_fn=lambda summed: summed, positions=positions, dtype=dtype, device=device)
 
+    def due(self, step: int) -> bool:
+        """Whether validation follows optimizer step `step` (0-based): every train.eval_every steps, and the last."""
+        t = self.cfg.train
+        return (step + 1) % t.eval_every == 0 or step + 1 == t.steps
+
+    def figures(self) -> dict[str, float]:
+        """The validation loss and perplexity, for the step's record; every rank calls this (a collective)."""
+        loss = self()
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}  # exp overflows past ~709
+
     @torch.no_grad()
     def __call__(self) -> float:
         """The mean loss over every evaluated target token, the same on every rank."""
