@@ -491,3 +491,22 @@ def test_trim_after_keeps_the_log_consistent_on_resume(tmp_path):
     before = log.read_text()
     trim_after(log, 2)  # nothing to trim: untouched, no second copy
     assert log.read_text() == before and len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_step_record_is_read_back_by_name():
+    """StepValues (what dispatch_step leaves on the device) comes back as StepFigures field by field, the MoE
+    figures by their names; a non-finite step reads as skipped, its norm nan."""
+    from tetron.observe.step_report import PendingStep, StepValues, read_back
+    from tetron.parallel.moe_balance import FIGURES
+
+    def values(nonfinite: float, moe: list[float] | None) -> StepValues:
+        return StepValues(loss=torch.tensor(2.5), grad_norm=torch.tensor(0.75), nonfinite=torch.tensor(nonfinite),
+                          stop=torch.tensor(1.0 - nonfinite), moe=None if moe is None else torch.tensor(moe))
+
+    moe = [0.5 + i for i in range(len(FIGURES))]
+    ok, bad = read_back([PendingStep(3, values(0.0, moe), 0.1, 0.0), PendingStep(4, values(1.0, moe), 0.2, 0.0)])
+    assert (ok.loss, ok.grad_norm, ok.lr, ok.skipped, ok.stop) == (2.5, 0.75, 0.1, False, True)
+    assert ok.moe == dict(zip(FIGURES, moe))
+    assert bad.skipped and math.isnan(bad.grad_norm) and not bad.stop and bad.lr == 0.2
+    [plain] = read_back([PendingStep(0, values(0.0, None), 0.1, 0.0)])
+    assert plain.moe is None and plain.loss == 2.5
