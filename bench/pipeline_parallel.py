@@ -72,9 +72,7 @@ def rank_main(rank: int, args) -> None:
         chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank, style="v" if name == "zbv" else "loop")
         # sum over tokens / (tokens per micro-batch * m): the mean over the batch, as torch's below
         pipeline = Pipeline(chunks, mesh, schedule_name=name, micro_batches=m, shape=(mb, seq, args.hidden),
-                            positions=torch.arange(seq),
-                            loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(),
-                                                                      reduction="sum") / (mb * seq * m))
+                            positions=torch.arange(seq), loss_fn=lambda summed: summed / (mb * seq * m))
         pipeline.watcher = PipelineTrace(rank=rank)  # each step's actions, for the bubble
         params = [q for c in chunks for q in c.parameters()]
         return pipeline, torch.optim.AdamW(params, lr=1e-4)
