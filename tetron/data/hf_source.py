@@ -1,5 +1,6 @@
 """Hugging Face datasets as data (`hf:NAME[[:CONFIG]:SPLIT]`): what a spec names, what identifies its
-contents without downloading it, and how it is opened.
+contents without downloading it, how it is opened, and how it is read (rows as documents, shards as work
+units); sources.HFDataset is the Source that uses these.
 
 A local dataset folder is identified by its files and a hub dataset by its repository's current commit
 (one small request); both are then read with `datasets`' streaming mode, rows in order as they are used,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,9 +32,10 @@ __all__ = ["BadRecords", "Source", "data_fingerprint", "iter_texts", "plan_units
            "resolve_files", "source_of"]
 
 
-class Source:
-    """One kind of data, named by a spec. A subclass says which specs are its own (`claims`) and overrides
-    what its data supports; the defaults describe a source read whole, in order, by one process."""
+class Source(ABC):
+    """One kind of data, named by a spec. A subclass says which specs are its own (`claims`) and how its
+    documents are read, and overrides what else its data supports; the defaults describe a source read
+    whole, in order, by one process, known by its text alone."""
 
     tokenized = False  # a token store: tokens already (the run opens it, checked against its tokenizer)
 
@@ -41,17 +43,18 @@ class Source:
         self.spec = spec
 
     @classmethod
+    @abstractmethod
     def claims(cls, spec: str) -> bool:
         """Whether `spec` names data of this kind."""
-        raise NotImplementedError
 
     def check(self) -> None:
         """Resolve the spec without reading the data (before any rank starts): a DataError says what is wrong."""
+        return None  # by default nothing to resolve: what is wrong shows when the data is read
 
+    @abstractmethod
     def documents(self, *, text_field: str, skip: BadRecords | None, max_bytes: int | None) -> Iterator[str]:
         """The documents in a fixed order. `max_bytes`: only a prefix of about that many bytes is used (reading
         may stop there); a bad record raises DataError, or with `skip` is counted there and left out."""
-        raise NotImplementedError
 
     def identify(self, h: Any, *, text_field: str, hash_contents: bool, by_text: bool) -> bool:
         """Add what identifies the documents to hash `h` without reading them, for cache keys; False when only
