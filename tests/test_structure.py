@@ -195,35 +195,3 @@ def test_apply_functions_have_one_caller():
     callers = {name for name, tree in MODULES.items() for node in ast.walk(tree)
                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in axes}
     assert callers == {"tetron.parallel.parallelize"}
-
-
-def _function(module: str, name: str) -> ast.FunctionDef:
-    return next(node for node in ast.walk(MODULES[module]) if isinstance(node, ast.FunctionDef) and node.name == name)
-
-
-def test_the_loop_reads_top_to_bottom():
-    """train_steps fetches the next batch in one place, and validation and saving are lines of its own
-    (not hidden in the observers or the report)."""
-    loop = _function("tetron.train", "train_steps")
-    calls = [node.func for node in ast.walk(loop) if isinstance(node, ast.Call)]
-    names = [f.id if isinstance(f, ast.Name) else f.attr for f in calls if isinstance(f, (ast.Name, ast.Attribute))]
-    assert names.count("next_batch") == 1
-    assert {"dispatch_step", "report", "save", "write_model"} <= set(names)
-    assert any(isinstance(f, ast.Attribute) and f.attr == "figures" and isinstance(f.value, ast.Name)
-               and f.value.id == "evaluator" for f in calls)
-
-
-def test_no_test_only_tracing_through_the_loop():
-    """The loop and what it builds take no tracing or counting switches that only tests turn on: tests watch
-    a pipeline through its `watcher` and read data parallelism's count."""
-    switches = {"trace", "tracing", "count_collectives", "record"}
-    found = []
-    for module, names in {"tetron.train": ["train", "train_steps", "build_run", "assemble_run", "dispatch_step"],
-                          "tetron.parallel.parallelize": ["parallelize"],
-                          "tetron.parallel.data_parallel": ["apply_data_parallel", "__init__"],
-                          "tetron.parallel.pipeline_parallel": ["__init__", "step"]}.items():
-        for node in ast.walk(MODULES[module]):
-            if isinstance(node, ast.FunctionDef) and node.name in names:
-                args = node.args.args + node.args.kwonlyargs
-                found += [f"{module}.{node.name}({a.arg})" for a in args if a.arg in switches]
-    assert not found
