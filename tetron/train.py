@@ -313,22 +313,18 @@ class TrainResult:
         return self.chunks[0]
 
 
-Pending = list[tuple[PendingStep, dict[str, float], dict[str, float]]]  # steps not yet read back, with their
-# observers' figures and this rank's timers
-
-
-def report(run: Run, reporter: Reporter | None, result: TrainResult, pending: Pending) -> bool:
+def report(run: Run, reporter: Reporter | None, result: TrainResult, pending: list[PendingStep]) -> bool:
     """Read back the steps dispatched since the last report and record each (rank 0 writes them); a
     non-finite one under on_nonfinite=stop raises once the steps before it are recorded. Returns whether
     any rank was asked to stop."""
     stop = False
-    for (dispatched, extra, seconds), figures in zip(pending, read_back([p for p, _, _ in pending])):
+    for dispatched, figures in zip(pending, read_back(pending)):
         check_finite(run.cfg, dispatched.step, figures)
         result.losses.append(figures.loss)
-        if seconds:
-            result.timings.append({**seconds, "step_time_s": figures.time_s})
+        if dispatched.seconds:
+            result.timings.append({**dispatched.seconds, "step_time_s": figures.time_s})
         if reporter:
-            reporter.step(dispatched.step, figures, extra)
+            reporter.step(dispatched.step, figures, dispatched.extra)
         stop = stop or figures.stop
     return stop
 
@@ -354,7 +350,7 @@ def train_steps(run: Run) -> TrainResult:
     observers = StepObservers(cfg, mesh, device=run.device)
     evaluator = build_evaluator(cfg, mesh, run.model.chunks, run.tokenizer, device=run.device, dtype=run.dtype,
                                 positions=run.positions)
-    pending: Pending = []
+    pending: list[PendingStep] = []  # dispatched, not yet read back
     dev.reset_peak_memory(run.device)
     with run.background or contextlib.nullcontext():
         for step in range(first, t.steps):
@@ -362,14 +358,15 @@ def train_steps(run: Run) -> TrainResult:
             with observers.step(step):
                 dispatched = dispatch_step(run, step, batch, measure_memory=step == first)
                 aside = time.perf_counter()
-            extra = observers.figures()  # every rank: the timers' max is a collective
+            dispatched.extra = observers.figures()  # every rank: the timers' max is a collective
             if evaluator is not None and evaluator.due(step):
-                extra.update(evaluator.figures())  # val_loss, val_ppl: a collective too
+                dispatched.extra.update(evaluator.figures())  # val_loss, val_ppl: a collective too
             dispatched.aside_s = time.perf_counter() - aside  # the observers' own work (a profile's export too)
-            pending.append((dispatched, extra, dict(observers.seconds)))
+            dispatched.seconds = dict(observers.seconds)
+            pending.append(dispatched)
             last = step + 1 == t.steps
             saving = bool(cfg.checkpoint.save_every) and (step + 1) % cfg.checkpoint.save_every == 0 and not last
-            if not (last or saving or extra or (step + 1) % cfg.logging.log_every == 0):
+            if not (last or saving or dispatched.extra or (step + 1) % cfg.logging.log_every == 0):
                 continue
             stop = report(run, reporter, result, pending)  # the one wait for the device in log_every steps
             pending = []

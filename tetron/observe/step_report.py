@@ -62,6 +62,9 @@ class PendingStep:
     start: float  # perf_counter when the step began
     memory: dict[str, float] | None = None
     aside_s: float = 0.0  # seconds after it spent on other things (a validation): not the step's time
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)  # for its record: the timers' maxima over
+    # ranks, the validation loss
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # this rank's timers (logging.timers)
 
 
 def read_back(pending: list[PendingStep]) -> list[StepFigures]:
