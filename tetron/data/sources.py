@@ -10,7 +10,7 @@ A text source yields documents in a fixed order, says what identifies them for c
 into work units that processes tokenize independently (store_build.py); a token store brings its
 tokenizer. Everything after that reads token stores alone: the loader, mixtures and the loader's position
 in checkpoints count windows of tokens, whatever the source was. A new kind of source is one subclass of
-`Source` and one `register_source`; nothing else dispatches on the form of a spec.
+`Source` and one `register_source`: validation, tokenizing and the cache ask `source_of`, never the spec's form.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 from tetron.data import units as file_units
 from tetron.data.files import BadRecords, file_documents, hash_files, resolve_files
@@ -91,9 +91,10 @@ class Source(ABC):
 
 
 KINDS: list[type[Source]] = []  # filled by register_source(); the most recent registration claims a spec first
+Kind = TypeVar("Kind", bound=type[Source])
 
 
-def register_source(kind: type[Source]) -> type[Source]:
+def register_source(kind: Kind) -> Kind:
     """Make `kind` claim the specs it recognises, before every kind registered earlier."""
     KINDS.insert(0, kind)
     return kind
