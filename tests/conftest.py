@@ -149,7 +149,8 @@ def train_rank(raw: dict, *, trace: bool = False) -> dict:
     state = {}
     for chunk in result.chunks if p.zero < 3 else []:  # under ZeRO-3 only slices are left: see OUT/model
         state.update(gather_full_state(chunk, mesh.group("tp"), mesh.group("ep")))
-    return {"losses": result.losses, "state": state, "grad_bytes_held": result.grad_bytes_held,
+    held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)  # bucket buffers, slices
+    return {"losses": result.losses, "state": state, "grad_bytes_held": held,
             "trace": run.pipeline.watcher if trace and run.pipeline is not None else None,
             "collectives": sum(chunk.num_collectives for chunk in run.model.dp_chunks) if trace else None,
             "num_params": sum(1 for c in result.chunks for _ in c.parameters())}

@@ -302,7 +302,6 @@ def write_model(run: Run) -> None:
 class TrainResult:
     losses: list[float] = field(default_factory=list)  # global mean loss of every step run
     chunks: list[Llama] = field(default_factory=list)  # this rank's bare chunks, virtual-stage order
-    grad_bytes_held: int = 0  # the most gradient bytes this rank held between micro-batches (bucket buffers, slices)
     stopped_at: int | None = None  # the step saved when a stop request ended the run early, else None
     timings: list[dict[str, float]] = field(default_factory=list)  # with logging.timers: this rank's seconds
     # per category of each step, and the step's own step_time_s
@@ -378,7 +377,6 @@ def train_steps(run: Run) -> TrainResult:
                 break
         if reporter:
             reporter.close()
-        result.grad_bytes_held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)
         if result.stopped_at is None:  # the final checkpoint, and OUT/model: both streamed to rank 0
             save(run)
             write_model(run)
