@@ -48,8 +48,8 @@ micro-batches: before) and `sharded` (each micro-batch reduce-scattered into the
 and FSDP2 (`fully_shard` on each decoder layer, then the root, of transformers' LlamaForCausalLM built
 from the same config, random init; AdamW and clipping as bench/zero.py's; FSDP2 reduce-scatters every
 micro-batch by default). Rank 0's gradient bytes held between micro-batches (the most alive at any
-forward's start: tetron's `DataParallelBucket.max_held_grad_bytes`, which train() reports as
-`TrainResult.grad_bytes_held`; FSDP2's the local shards of its param.grad DTensors) and its peak RSS
+forward's start: tetron's `DataParallelBucket.max_held_grad_bytes`, which the tests read after training
+(tests/conftest.py's `train_rank`); FSDP2's the local shards of its param.grad DTensors) and its peak RSS
 (the highest step's, reset at each step's start), and tetron/FSDP2 of each. fp32 only. The data differ
 (tetron's loader against random ids of the same shape); the tensors' sizes do not.
 
@@ -219,7 +219,7 @@ def tetron_accumulating(rank: int, args: argparse.Namespace) -> None:
         peaks.append(dev.peak_memory_mb(CPU))
         losses.append(figures.loss)
         times.append(figures.time_s)
-    # as train() fills TrainResult.grad_bytes_held: the most gradient bytes alive at any forward's start
+    # as tests/conftest.py's train_rank reads it: the most gradient bytes alive at any forward's start
     held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)
     write_result(rank, args, {"peaks": peaks, "losses": losses, "times": times, "held": held})
 

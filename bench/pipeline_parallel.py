@@ -24,7 +24,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZB
 from tetron.mesh import Mesh
 from tetron.models.llama import Llama, LlamaConfig
 from tetron.parallel.init import init_weights_, materialize_
-from tetron.parallel.pipeline_parallel import Pipeline, apply_pipeline_stage, measure_bubble, split_layers
+from tetron.parallel.pipeline_parallel import (
+    Pipeline,
+    PipelineTrace,
+    apply_pipeline_stage,
+    measure_bubble,
+    split_layers,
+)
 from tetron.parallel.pipeline_schedules import simulate, stage_of, theoretical_bubble
 
 
@@ -66,9 +72,8 @@ def rank_main(rank: int, args) -> None:
         chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank, style="v" if name == "zbv" else "loop")
         # sum over tokens / (tokens per micro-batch * m): the mean over the batch, as torch's below
         pipeline = Pipeline(chunks, mesh, schedule_name=name, micro_batches=m, shape=(mb, seq, args.hidden),
-                            positions=torch.arange(seq), trace=True,
-                            loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(),
-                                                                      reduction="sum") / (mb * seq * m))
+                            positions=torch.arange(seq), loss_fn=lambda summed: summed / (mb * seq * m))
+        pipeline.watcher = PipelineTrace(rank=rank)  # each step's actions, for the bubble
         params = [q for c in chunks for q in c.parameters()]
         return pipeline, torch.optim.AdamW(params, lr=1e-4)
 
@@ -123,7 +128,7 @@ def rank_main(rank: int, args) -> None:
             pipeline.step(micro_batches)
             opt.zero_grad(set_to_none=True)
             traces: list = [None] * p
-            dist.all_gather_object(traces, pipeline.trace)  # in-memory objects between ranks
+            dist.all_gather_object(traces, pipeline.watcher)  # in-memory objects between ranks
             if k:  # the first is warm-up
                 measured.append(measure_bubble(traces))
                 # the same actions with their measured compute times, communication free: what is

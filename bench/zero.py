@@ -96,7 +96,7 @@ def tetron_step(args: argparse.Namespace, config: LlamaConfig, zero: int, mesh: 
         clip_grads_(optimizer.grads(), cfg.train.grad_clip, mesh, sharded_over_dp=zero >= 1)
         optimizer.step()
         state = None
-        if measure:  # as train.memory_figures counts it: a rank's parameter slices are parameters
+        if measure:  # as observe.memory.memory_figures counts it: a rank's parameter slices are parameters
             buckets = [b for chunk in model.dp_chunks for b in chunk.buckets]
             slices = [b.params_slice for b in buckets if getattr(b, "params_slice", None) is not None]
             state = state_bytes(params=[*model.params, *slices],

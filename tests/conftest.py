@@ -21,7 +21,8 @@ from tetron.config import from_dict  # noqa: E402
 from tetron.data.loader import prepare_data  # noqa: E402
 from tetron.data.sources import iter_texts  # noqa: E402
 from tetron.mesh import Mesh  # noqa: E402
-from tetron.train import train  # noqa: E402
+from tetron.parallel.pipeline_parallel import PipelineTrace  # noqa: E402
+from tetron.train import build_run, train, train_steps  # noqa: E402
 from tetron.validate import validate  # noqa: E402
 
 from harness import run_ranks  # noqa: E402
@@ -150,16 +151,22 @@ def train_rank(raw: dict, *, trace: bool = False) -> dict:
     """On one rank of a process group: train the raw config. Returns the losses of the steps run, this
     rank's final weights as whole tensors (every chunk, gathered over tp, vocabulary padding cut), the
     number of its parameters, the most gradient bytes it held between micro-batches, and with `trace` its
-    pipeline trace and data-parallel all-reduce count."""
+    pipeline trace of the last step (a watcher set on the run's pipeline, as train() builds it) and the
+    gradient reductions data parallelism issued."""
     cfg = from_dict(raw)
     p = cfg.parallel
     mesh = Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_shard=p.dp_shard)
-    result = train(cfg, mesh, trace=trace)
+    run = build_run(cfg, mesh, torch.device("cpu"))  # train(cfg, mesh), with the pipeline watched between
+    if trace and run.pipeline is not None:
+        run.pipeline.watcher = PipelineTrace(rank=mesh.local_rank("pp"))
+    result = train_steps(run)
     state = {}
     for chunk in result.chunks if p.zero < 3 else []:  # under ZeRO-3 only slices are left: see OUT/model
         state.update(gather_full_state(chunk, mesh.group("tp"), mesh.group("ep")))
-    return {"losses": result.losses, "state": state, "trace": result.pipeline_trace,
-            "collectives": result.dp_collectives, "grad_bytes_held": result.grad_bytes_held,
+    held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)  # bucket buffers, slices
+    return {"losses": result.losses, "state": state, "grad_bytes_held": held,
+            "trace": run.pipeline.watcher if trace and run.pipeline is not None else None,
+            "collectives": sum(chunk.num_collectives for chunk in run.model.dp_chunks) if trace else None,
             "num_params": sum(1 for c in result.chunks for _ in c.parameters())}
 
 

@@ -148,17 +148,17 @@ def test_epochs_that_end_before_the_steps_are_refused_before_start(store, corpus
 def test_reordered_sources_on_resume(store, corpus, tmp_path):
     """A checkpoint's sources given in another order: refused before start, naming both lists; the loader
     refuses it too, even when the token counts cannot tell (two stores of one size)."""
-    from tetron.data.mixture import MixtureLoader, Source
+    from tetron.data.mixture import MixtureLoader, WeightedTokens
 
     tokens = np.arange(3000) % 200
-    first = [Source(tokens, 1.0, name="a"), Source(tokens[::-1].copy(), 1.0, name="b")]
+    first = [WeightedTokens(tokens, 1.0, name="a"), WeightedTokens(tokens[::-1].copy(), 1.0, name="b")]
     loader = MixtureLoader(first, 8, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=0)
     loader.next_batch()
     swapped = MixtureLoader(first[::-1], 8, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=0)
     with pytest.raises(DataError, match=r"in another order: the checkpoint was trained on a \(3,000 tokens\), b "
                                         r"\(3,000 tokens\); this run gives b \(3,000 tokens\), a \(3,000 tokens\)"):
         swapped.load_state_dict(loader.state_dict())
-    moved = [Source(tokens, 1.0, name="elsewhere/a"), Source(tokens, 1.0, name="elsewhere/b")]
+    moved = [WeightedTokens(tokens, 1.0, name="elsewhere/a"), WeightedTokens(tokens, 1.0, name="elsewhere/b")]
     MixtureLoader(moved, 8, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=0).load_state_dict(
         loader.state_dict())  # stores copied to another folder: the counts decide
 

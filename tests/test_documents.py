@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tetron.config import from_dict
 from tetron.data.documents import document_positions, window_documents
 from tetron.data.loader import DataLoader, prepare_data
-from tetron.data.mixture import MixtureLoader, Source
+from tetron.data.mixture import MixtureLoader, WeightedTokens
 from tetron.data.token_store import TokenStore
 from tetron.mesh import Mesh
 from tetron.models.attention import Documents, document_mask
@@ -183,7 +183,7 @@ def test_loaders_number_documents_at_their_eos(tmp_path):
     tokenizer, path = prepare_data(from_dict(raw))
     store = TokenStore(path)
     shape = dict(micro_batch=2, grad_acc=2, dp_size=1, dp_rank=0, seed=0, documents=True)
-    loaders = [DataLoader(store, 32, **shape), MixtureLoader([Source(store, 1.0)], 32, **shape)]
+    loaders = [DataLoader(store, 32, **shape), MixtureLoader([WeightedTokens(store, 1.0)], 32, **shape)]
     for loader in loaders:
         for _ in range(3):
             for mb in loader.next_batch():

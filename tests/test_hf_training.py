@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tetron.config import from_dict
-from tetron.data import hf_source, sources
+from tetron.data import hf_source
 from tetron.data.loader import load_tokens, prepare_data, prepare_tokens
 from tetron.data.sources import data_fingerprint, iter_texts
 from tetron.data.tokenizer import Tokenizer, load_tokenizer
@@ -113,7 +113,7 @@ def test_max_bytes_streams_a_prefix(hf: dict[str, Any], tmp_path: Path) -> None:
     _jsonl(hf["folder"] / "part-0.jsonl", ROWS * 4)
     hf["allow_whole"] = True
     with pytest.MonkeyPatch.context() as mp:  # the non-streamed prefix, as the offline fallback reads it
-        mp.setattr(sources, "hf_streams", lambda spec: False)
+        mp.setattr(hf_source, "hf_streams", lambda spec: False)
         expected = "".join(iter_texts(spec, max_bytes=limit)).encode()
     assert hf["calls"] == [False] and len(expected) > limit - 4
     hf["allow_whole"], hf["calls"] = False, []

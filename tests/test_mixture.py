@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tetron.config import from_dict
-from tetron.data.mixture import MixtureLoader, Source
+from tetron.data.mixture import MixtureLoader, WeightedTokens
 from tetron.data.store_build import build_store
 from tetron.data.tokenizer import Tokenizer
 from tetron.errors import ConfigError, DataError
@@ -19,9 +19,9 @@ from tetron.validate import validate
 from conftest import LOSS_RTOL, run_training, tiny_config
 
 
-def _sources(weights=(3.0, 1.0), epochs=(None, None), sizes=(4001, 1601)) -> list[Source]:
+def _sources(weights=(3.0, 1.0), epochs=(None, None), sizes=(4001, 1601)) -> list[WeightedTokens]:
     rng = np.random.default_rng(0)
-    return [Source(rng.integers(0, 60000, size=n).astype(np.uint16) + 0, w, e, name=f"s{i}")
+    return [WeightedTokens(rng.integers(0, 60000, size=n).astype(np.uint16) + 0, w, e, name=f"s{i}")
             for i, (n, w, e) in enumerate(zip(sizes, weights, epochs))]
 
 

@@ -3,6 +3,7 @@ initialisation, the saved Hugging Face folder, sampling, and the NaN stop."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -491,3 +492,55 @@ def test_trim_after_keeps_the_log_consistent_on_resume(tmp_path):
     before = log.read_text()
     trim_after(log, 2)  # nothing to trim: untouched, no second copy
     assert log.read_text() == before and len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_step_record_is_read_back_by_name():
+    """StepValues (what dispatch_step leaves on the device) comes back as StepFigures field by field, the MoE
+    figures by their names; a non-finite step reads as skipped, its norm nan."""
+    from tetron.observe.step_report import PendingStep, StepValues, read_back
+    from tetron.parallel.moe_balance import FIGURES
+
+    def values(nonfinite: float, moe: list[float] | None) -> StepValues:
+        return StepValues(loss=torch.tensor(2.5), grad_norm=torch.tensor(0.75), nonfinite=torch.tensor(nonfinite),
+                          stop=torch.tensor(1.0 - nonfinite), moe=None if moe is None else torch.tensor(moe))
+
+    moe = [0.5 + i for i in range(len(FIGURES))]
+    ok, bad = read_back([PendingStep(3, values(0.0, moe), 0.1, 0.0), PendingStep(4, values(1.0, moe), 0.2, 0.0)])
+    assert (ok.loss, ok.grad_norm, ok.lr, ok.skipped, ok.stop) == (2.5, 0.75, 0.1, False, True)
+    assert ok.moe == dict(zip(FIGURES, moe))
+    assert bad.skipped and math.isnan(bad.grad_norm) and not bad.stop and bad.lr == 0.2
+    [plain] = read_back([PendingStep(0, values(0.0, None), 0.1, 0.0)])
+    assert plain.moe is None and plain.loss == 2.5
+
+
+def _syntax(module: str) -> ast.Module:
+    return ast.parse((Path(tetron.train.__file__).parent.parent / (module.replace(".", "/") + ".py")).read_text())
+
+
+def test_the_loop_reads_top_to_bottom():
+    """train_steps fetches the next batch in one place, and validation and saving are lines of its own
+    (not hidden in the observers or the report)."""
+    loop = next(node for node in ast.walk(_syntax("tetron.train"))
+                if isinstance(node, ast.FunctionDef) and node.name == "train_steps")
+    calls = [node.func for node in ast.walk(loop) if isinstance(node, ast.Call)]
+    names = [f.id if isinstance(f, ast.Name) else f.attr for f in calls if isinstance(f, (ast.Name, ast.Attribute))]
+    assert names.count("next_batch") == 1
+    assert {"dispatch_step", "report", "save", "write_model"} <= set(names)
+    assert any(isinstance(f, ast.Attribute) and f.attr == "figures" and isinstance(f.value, ast.Name)
+               and f.value.id == "evaluator" for f in calls)
+
+
+def test_no_test_only_tracing_through_the_loop():
+    """The loop and what it builds take no tracing or counting switches that only tests turn on: tests watch
+    a pipeline through its `watcher` and read data parallelism's count."""
+    switches = {"trace", "tracing", "count_collectives", "record"}
+    found = []
+    for module, names in {"tetron.train": ["train", "train_steps", "build_run", "assemble_run", "dispatch_step"],
+                          "tetron.parallel.parallelize": ["parallelize"],
+                          "tetron.parallel.data_parallel": ["apply_data_parallel", "__init__"],
+                          "tetron.parallel.pipeline_parallel": ["__init__", "step"]}.items():
+        for node in ast.walk(_syntax(module)):
+            if isinstance(node, ast.FunctionDef) and node.name in names:
+                args = node.args.args + node.args.kwonlyargs
+                found += [f"{module}.{node.name}({a.arg})" for a in args if a.arg in switches]
+    assert not found

@@ -10,8 +10,10 @@
                    (step_report.py: metrics.jsonl, TensorBoard, the progress bar)
     save           a checkpoint; at the end also OUT/model
 
-The next step's batch is fetched while the device computes the current one. A stop request (stop.py) rides
-on each step's loss all-reduce and is seen at the next report: every rank saves, `train` returns early.
+The loop (train_steps) reads top to bottom: fetch the step's batch (the one place; the device is still
+computing the step before), dispatch the step, its observers' figures, validation when due, and every
+logging.log_every steps the report, then a save when due. A stop request (stop.py) rides on each step's loss
+all-reduce and is seen at the next report: every rank saves, `train` returns early.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ from tetron.errors import ConfigError
 from tetron.fs import find_latest
 from tetron.mesh import Mesh
 from tetron.models.llama import Llama
-from tetron.observe.evaluate import training_tokens
-from tetron.observe.memory import ActivationMeter, state_bytes
+from tetron.observe.evaluate import build_evaluator, training_tokens
+from tetron.observe.memory import ActivationMeter, memory_figures
 from tetron.observe.metrics import say
-from tetron.observe.step_report import PendingStep, Reporter, StepFigures, check_finite, read_back
+from tetron.observe.step_report import PendingStep, Reporter, StepFigures, StepValues, check_finite, read_back
 from tetron.observe.watchers import StepObservers
 from tetron.parallel.grads import clip_grads_
 from tetron.parallel.moe_balance import finish_moe_step
@@ -54,7 +56,7 @@ from tetron.parallel.parallelize import (
     parallelize,
     sequence_positions,
 )
-from tetron.parallel.pipeline_parallel import Pipeline, PipelineTrace, activation_shape, layer_ranks
+from tetron.parallel.pipeline_parallel import Pipeline, activation_shape, layer_ranks
 from tetron.parallel.zero import ShardedOptimizer
 from tetron.schedule import lr_at
 from tetron.stop import StopRequest
@@ -140,12 +142,10 @@ def describe(run: Run) -> None:
         f"{t.steps * tokens_per_step:,} tokens, {epochs:.2f} epochs")
 
 
-def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = False,
-              stop: StopRequest | None = None) -> Run:
-    """Everything a rank needs before its first step. `trace` keeps test-only records (pipeline
-    actions, data-parallel collective counts)."""
+def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, stop: StopRequest | None = None) -> Run:
+    """Everything a rank needs before its first step."""
     tokenizer, loader = load_data(cfg, mesh, device)
-    run = assemble_run(cfg, mesh, device, tokenizer=tokenizer, loader=loader, trace=trace, stop=stop)
+    run = assemble_run(cfg, mesh, device, tokenizer=tokenizer, loader=loader, stop=stop)
     restore(run)
     if mesh.rank == 0:
         describe(run)
@@ -153,11 +153,10 @@ def build_run(cfg: Config, mesh: Mesh, device: torch.device, *, trace: bool = Fa
 
 
 def assemble_run(cfg: Config, mesh: Mesh, device: torch.device, *, tokenizer: Tokenizer | None,
-                 loader: DataLoader | MixtureLoader | None, trace: bool = False,
-                 stop: StopRequest | None = None) -> Run:
+                 loader: DataLoader | MixtureLoader | None, stop: StopRequest | None = None) -> Run:
     """The model, optimizer and schedule of a run at its seeded start, around the data given (the dry run,
     plan/dry_run.py, gives none: it feeds dispatch_step its own batches)."""
-    model = parallelize(cfg, mesh, device, count_collectives=trace)
+    model = parallelize(cfg, mesh, device)
     t = cfg.train
     # Sum over tokens, divided by this rank's tokens per step: after averaging over dp*cp the
     # gradient is that of the mean over every target token of the global batch.
@@ -174,7 +173,7 @@ def assemble_run(cfg: Config, mesh: Mesh, device: torch.device, *, tokenizer: To
         run.pipeline = Pipeline(model.dp_chunks, mesh, schedule_name=cfg.parallel.pp_schedule,
                                 micro_batches=t.grad_acc, shape=activation_shape(cfg),
                                 positions=run.device_positions, dtype=run.dtype, device=device,
-                                loss_fn=run.loss_fn, trace=trace)
+                                loss_fn=run.loss_fn)
     return run
 
 
@@ -200,39 +199,23 @@ def forward_backward(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
     return loss_sum
 
 
-def global_loss(run: Run, loss_sum: Tensor) -> Tensor:
-    """[the step's mean loss over the global batch, whether any rank has been asked to stop (1/0)], the
-    same on every rank, on the device (nothing waits for it). Both travel in one all-reduce of two floats
+def global_loss(run: Run, loss_sum: Tensor) -> tuple[Tensor, Tensor]:
+    """(the step's mean loss over the global batch, whether any rank has been asked to stop: 1/0), the
+    same on every rank, on the device (nothing waits for them). Both travel in one all-reduce of two floats
     over the world, which replaces the loss's own over dp*cp and pp: the stop request costs one float
     more (under tp alone, this is the one tiny collective a step gains)."""
     mesh = run.mesh
     stop = float(run.stop is not None and run.stop.requested)
     if mesh.world_size == 1:
-        return torch.stack([loss_sum.float(), torch.full((), stop, device=loss_sum.device)])
+        both = torch.stack([loss_sum.float(), torch.full((), stop, device=loss_sum.device)])
+        return both[0], both[1]
     # Each rank adds loss / (dp*cp*tp): the tp ranks of a stage hold the same loss, every stage but the last
     # holds zero, so the sum is the mean over dp*cp of the last stage's loss, on every rank.
     share = loss_sum.float() / (mesh.size("dp_cp") * mesh.size("tp"))
     # torch.full writes the flag by a kernel: a host-to-device copy would wait for the queued work
     both = torch.stack([share, torch.full((), stop, device=share.device)])
     dist.all_reduce(both)
-    return both
-
-
-def memory_figures(run: Run, meter: ActivationMeter) -> dict[str, float]:
-    """MiB this rank holds: parameters, gradients (bucket buffers, ZeRO slices), optimizer state
-    (fp32 masters unless they are the parameters, the optimizer's state), buffers, and the peak of the
-    activations saved for the backward pass during the step `meter` watched."""
-    buckets = [b for chunk in run.model.dp_chunks for b in getattr(chunk, "buckets", [])]
-    # ZeRO: a rank's slice of the parameters is a parameter (under ZeRO-3 the only copy between uses)
-    slices = [getattr(b, "params_slice", None) for b in buckets]
-    state = state_bytes(params=[*run.model.params, *(s for s in slices if s is not None)],
-                        grads=[p.grad for p in run.model.params] + [b.buffer for b in buckets]
-                        + [b.shard_grad for b in buckets],
-                        optimizer_tensors=run.optimizer.tensors(),
-                        buffers=[b for chunk in run.model.chunks for b in chunk.buffers()])
-    figures = {f"mem_{kind}_mb": n / 2**20 for kind, n in state.as_dict().items()}
-    figures["mem_activations_mb"] = meter.peak_bytes / 2**20
-    return figures
+    return both[0], both[1]
 
 
 def next_batch(run: Run) -> list[MicroBatch]:
@@ -260,17 +243,18 @@ def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
     moe = finish_moe_step(run.model.chunks, run.mesh.group("dp_cp"), sequences=run.cfg.global_batch,
                           moe_layers=run.model.moe_layers or None, stages=run.mesh.group("pp"),
                           tp=run.mesh.group("tp") if run.cfg.parallel.sp else None)
-    loss_stop = global_loss(run, loss_sum)  # the same on every rank, as is the norm: every rank skips alike
+    loss, stop = global_loss(run, loss_sum)  # the same on every rank, as is the norm: every rank skips alike
     grad_norm = clip_grads_(run.optimizer.grads(), t.grad_clip, run.mesh, sharded_over_dp=run.cfg.parallel.zero >= 1)
-    bad = (~(torch.isfinite(loss_stop[0]) & torch.isfinite(grad_norm))).float()
+    bad = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
     found_inf = bad
     if t.on_nonfinite == "stop":
         found_inf = run.halted = bad if run.halted is None else torch.maximum(bad, run.halted)
     run.optimizer.step(found_inf)
-    memory = memory_figures(run, meter) if meter is not None else None  # after the step: moments exist
+    # after the step: the optimizer's moments exist
+    memory = memory_figures(run.model, run.optimizer.tensors(), meter) if meter is not None else None
     run.model.zero_grad()
-    values = torch.stack([loss_stop[0], grad_norm, bad, loss_stop[1]])
-    return PendingStep(step, values if moe is None else torch.cat([values, moe]), lr, start, memory)
+    values = StepValues(loss=loss, grad_norm=grad_norm, nonfinite=bad, stop=stop, moe=moe)
+    return PendingStep(step, values, lr, start, memory)
 
 
 def train_step(run: Run, step: int, *, measure_memory: bool = False) -> StepFigures:
@@ -318,9 +302,6 @@ def write_model(run: Run) -> None:
 class TrainResult:
     losses: list[float] = field(default_factory=list)  # global mean loss of every step run
     chunks: list[Llama] = field(default_factory=list)  # this rank's bare chunks, virtual-stage order
-    pipeline_trace: PipelineTrace | None = None  # with trace under pp: this rank's actions, last step
-    dp_collectives: int | None = None  # with trace: gradient all-reduces issued by data parallelism
-    grad_bytes_held: int = 0  # the most gradient bytes this rank held between micro-batches (bucket buffers, slices)
     stopped_at: int | None = None  # the step saved when a stop request ended the run early, else None
     timings: list[dict[str, float]] = field(default_factory=list)  # with logging.timers: this rank's seconds
     # per category of each step, and the step's own step_time_s
@@ -331,37 +312,33 @@ class TrainResult:
         return self.chunks[0]
 
 
-def report(run: Run, reporter: Reporter | None, result: TrainResult,
-           pending: list[tuple[PendingStep, dict[str, float], dict[str, float]]]) -> bool:
+def report(run: Run, reporter: Reporter | None, result: TrainResult, pending: list[PendingStep]) -> bool:
     """Read back the steps dispatched since the last report and record each (rank 0 writes them); a
     non-finite one under on_nonfinite=stop raises once the steps before it are recorded. Returns whether
     any rank was asked to stop."""
     stop = False
-    for (dispatched, extra, seconds), figures in zip(pending, read_back([p for p, _, _ in pending])):
+    for dispatched, figures in zip(pending, read_back(pending)):
         check_finite(run.cfg, dispatched.step, figures)
         result.losses.append(figures.loss)
-        if seconds:
-            result.timings.append({**seconds, "step_time_s": figures.time_s})
+        if dispatched.seconds:
+            result.timings.append({**dispatched.seconds, "step_time_s": figures.time_s})
         if reporter:
-            reporter.step(dispatched.step, figures, extra)
+            reporter.step(dispatched.step, figures, dispatched.extra)
         stop = stop or figures.stop
     return stop
 
 
-def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None, trace: bool = False,
+def train(cfg: Config, mesh: Mesh, *, device: torch.device | None = None,
           stop: StopRequest | None = None) -> TrainResult:
     """Train `cfg` on the ranks of `mesh`; every rank calls this. A `stop` request (a signal) makes every
     rank save after the current step and return (result.stopped_at), without writing OUT/model. With
     checkpoint.async_save, the run ends once its last checkpoint is written."""
-    run = build_run(cfg, mesh, device or torch.device("cpu"), trace=trace, stop=stop)
-    with run.background or contextlib.nullcontext():
-        return train_steps(run, trace=trace)
+    return train_steps(build_run(cfg, mesh, device or torch.device("cpu"), stop=stop))
 
 
-def train_steps(run: Run, *, trace: bool) -> TrainResult:
+def train_steps(run: Run) -> TrainResult:
     """The loop of `train`, from the run's first step (a resumed run's next) to train.steps or a stop."""
-    cfg, mesh = run.cfg, run.mesh
-    t, save_every = cfg.train, cfg.checkpoint.save_every
+    cfg, mesh, t = run.cfg, run.mesh, run.cfg.train
     first = run.loader.step
     if first > t.steps:  # validate refuses this before start; a checkpoint named step_{steps} must hold that step
         raise ConfigError(f"train.steps={t.steps} is below the step the run resumes at ({first}); "
@@ -369,40 +346,38 @@ def train_steps(run: Run, *, trace: bool) -> TrainResult:
     reporter = Reporter(cfg, device=run.device, world_size=mesh.world_size,
                         first_step=first) if mesh.rank == 0 else None
     result = TrainResult(chunks=run.model.chunks)
-    observers = StepObservers(cfg, mesh, run.model.chunks, run.tokenizer, device=run.device, dtype=run.dtype,
-                              positions=run.positions)
-    pending: list[tuple[PendingStep, dict[str, float], dict[str, float]]] = []
-    batch = next_batch(run) if first < t.steps else []
+    observers = StepObservers(cfg, mesh, device=run.device)
+    evaluator = build_evaluator(cfg, mesh, run.model.chunks, run.tokenizer, device=run.device, dtype=run.dtype,
+                                positions=run.positions)
+    pending: list[PendingStep] = []  # dispatched, not yet read back
     dev.reset_peak_memory(run.device)
-    for step in range(first, t.steps):
-        with observers.step(step):
-            dispatched = dispatch_step(run, step, batch, measure_memory=step == first)
-            aside = time.perf_counter()
-        extra = observers.figures(step)  # every rank: timers' max and the validation loss are collectives
-        dispatched.aside_s = time.perf_counter() - aside  # the observers' own work (a profile's export too)
-        pending.append((dispatched, extra, dict(observers.seconds)))
-        last = step + 1 == t.steps
-        periodic = bool(save_every) and (step + 1) % save_every == 0
-        if not (last or periodic or extra or (step + 1) % cfg.logging.log_every == 0):
-            batch = next_batch(run)  # the next step's batch, while the device computes this one
-            continue
-        stop = report(run, reporter, result, pending)  # the one wait for the device in log_every steps
-        pending = []
-        dev.reset_peak_memory(run.device)
-        if (periodic or stop) and not last:
+    with run.background or contextlib.nullcontext():
+        for step in range(first, t.steps):
+            batch = next_batch(run)  # while the device still computes the step before
+            with observers.step(step):
+                dispatched = dispatch_step(run, step, batch, measure_memory=step == first)
+                aside = time.perf_counter()
+            dispatched.extra = observers.figures()  # every rank: the timers' max is a collective
+            if evaluator is not None and evaluator.due(step):
+                dispatched.extra.update(evaluator.figures())  # val_loss, val_ppl: a collective too
+            dispatched.aside_s = time.perf_counter() - aside  # the observers' own work (a profile's export too)
+            dispatched.seconds = dict(observers.seconds)
+            pending.append(dispatched)
+            last = step + 1 == t.steps
+            saving = bool(cfg.checkpoint.save_every) and (step + 1) % cfg.checkpoint.save_every == 0 and not last
+            if not (last or saving or dispatched.extra or (step + 1) % cfg.logging.log_every == 0):
+                continue
+            stop = report(run, reporter, result, pending)  # the one wait for the device in log_every steps
+            pending = []
+            dev.reset_peak_memory(run.device)
+            if (saving or stop) and not last:
+                save(run)
+            if stop and not last:
+                result.stopped_at = step + 1
+                break
+        if reporter:
+            reporter.close()
+        if result.stopped_at is None:  # the final checkpoint, and OUT/model: both streamed to rank 0
             save(run)
-        if stop and not last:
-            result.stopped_at = step + 1
-            break
-        if not last:
-            batch = next_batch(run)
-    if reporter:
-        reporter.close()
-    result.grad_bytes_held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)
-    if trace:
-        result.dp_collectives = sum(chunk.num_collectives for chunk in run.model.dp_chunks)
-        result.pipeline_trace = run.pipeline.trace if run.pipeline is not None else None
-    if result.stopped_at is None:  # the final checkpoint, and OUT/model: both streamed to rank 0
-        save(run)
-        write_model(run)
+            write_model(run)
     return result

@@ -17,8 +17,7 @@ from tetron.checkpoint.load import optimizer_problem
 from tetron.config import CONFIGS_DIR, Config
 from tetron.data.hub import hub_problem
 from tetron.data.loader import data_specs, tokenizer_spec
-from tetron.data.sources import resolve_files
-from tetron.data.token_store import is_store
+from tetron.data.sources import source_of
 from tetron.data.tokenizer import MAX_BPE_VOCAB
 from tetron.device import compile_problem, device_problem
 from tetron.errors import CheckpointError, ConfigError, DataError, quoted
@@ -251,7 +250,7 @@ def _validate_data(cfg: Config) -> None:
     tok = tokenizer_spec(cfg)
     if tok.startswith("bpe:"):
         specs = data_specs(cfg)
-        _check(not d.sources and not is_store(d.path),
+        _check(not d.sources and not source_of(d.path).tokenized,
                f"data.tokenizer={tok} is trained on text, and {'data.sources is' if d.sources else 'data.path is a'} "
                f"{'set' if d.sources else 'token store'}: leave data.tokenizer unset (--data.tokenizer=null) to use "
                f"the store's, or give a tokenizer folder (tetron tokenize {specs[0]} --tokenizer {tok} makes a "
@@ -285,10 +284,8 @@ def _validate_sources(cfg: Config) -> None:
         _check(epochs is None or (type(epochs) in (int, float) and math.isfinite(epochs) and epochs > 0),
                f"{where}.epochs={epochs!r} must be a positive number (or absent: no limit)")
         path = e["path"]
-        if is_store(path) or path.startswith("hf:") or path == "stdlib":
-            continue
         try:
-            resolve_files(path)
+            source_of(path).check()
         except DataError as err:
             raise ConfigError(f"{where}={path}: {err}") from None
 
@@ -421,9 +418,9 @@ def _validate_observing(cfg: Config) -> None:
     _check(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be at least 1")
     _check(t.eval_every == 0 or d.val_path is not None or d.val_fraction > 0,
            f"train.eval_every={t.eval_every} needs held-out data: set data.val_fraction (e.g. 0.01) or data.val_path")
-    if d.val_path is not None and not (d.val_path.startswith("hf:") or d.val_path == "stdlib" or is_store(d.val_path)):
+    if d.val_path is not None:
         try:
-            resolve_files(d.val_path)
+            source_of(d.val_path).check()
         except DataError as err:
             raise ConfigError(f"data.val_path={d.val_path}: {err}") from None
     if lg.profile is not None:

@@ -1,9 +1,10 @@
 """Data: from text (files, folders, globs, Hugging Face datasets) to the token windows of each step.
 
-    sources.py      local files and folders read as documents; data fingerprints
+    sources.py      the Source protocol: one kind per form of data spec, found by source_of; data fingerprints
+    files.py        local files and folders read as documents
     hf_source.py    Hugging Face datasets, streamed or loaded; hub.py: hub names checked before any wait
     tokenizer.py    bytes, a BPE trained on the data, or a Hugging Face tokenizer
-    units.py        a source cut into units that workers tokenize independently
+    units.py        local files cut into units that workers tokenize independently
     store_build.py  tokenizing into a sharded, memory-mapped token store (token_store.py), resumably
     tokenize.py     `tetron tokenize`
     loader.py       prepare_data (tokenize once, cached by content) and the DataLoader of a dp rank

@@ -1,5 +1,6 @@
 """Hugging Face datasets as data (`hf:NAME[[:CONFIG]:SPLIT]`): what a spec names, what identifies its
-contents without downloading it, and how it is opened.
+contents without downloading it, how it is opened, and how it is read (rows as documents, shards as work
+units); sources.HFDataset is the Source that uses these.
 
 A local dataset folder is identified by its files and a hub dataset by its repository's current commit
 (one small request); both are then read with `datasets`' streaming mode, rows in order as they are used,
@@ -13,8 +14,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
+from tetron.data.files import BadRecords, column_texts, hash_files
 from tetron.data.hub import hub_problem, offline_reason
 from tetron.errors import DataError
 
@@ -117,6 +119,66 @@ def load_hf(spec: str, text_field: str) -> Any:
 def open_hf_stream(spec: str) -> Any:
     """A Hugging Face dataset as an IterableDataset (streaming: rows are read as they are used)."""
     return _load_dataset(spec, streaming=True)
+
+
+def iter_hf_rows(ds: Any, where: str, text_field: str, skip: BadRecords | None) -> Iterator[str]:
+    """The texts of a streamed dataset (or one shard of it), named `where` in errors: a file of the dataset
+    that cannot be read is one DataError naming the row it stopped after."""
+    row = 0
+    try:
+        for batch in ds.iter(batch_size=1000):
+            if text_field not in batch:
+                raise DataError(f"data: {where} has no column {text_field!r} (columns: {', '.join(batch)}; "
+                                f"set data.text_field)")
+            yield from column_texts(iter(batch[text_field]), lambda i, r=row: f"{where} row {r + i}", text_field, skip)
+            row += len(batch[text_field])
+    except DataError:
+        raise
+    except Exception as e:  # a damaged file inside the dataset: arrow, json or parquet errors
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"data: {where} after row {row}: cannot read ({msg}); fix or remove that file of the "
+                        f"dataset") from None
+
+
+def hf_documents(spec: str, text_field: str, skip: BadRecords | None) -> Iterator[str]:
+    """Streamed (a prefix reads only the rows it uses), or loaded whole from the cache when offline."""
+    ds = open_hf_stream(spec) if hf_streams(spec) else load_hf(spec, text_field).select_columns([text_field])
+    yield from iter_hf_rows(ds, spec, text_field, skip)
+
+
+
+def hf_units(spec: str) -> list[dict[str, Any]]:
+    """The work units of a streamed dataset: one per shard of its files."""
+    ds = open_hf_stream(spec)
+    return [{"kind": "hf", "spec": spec, "shard": i, "num_shards": ds.num_shards, "bytes": 0}
+            for i in range(ds.num_shards)]
+
+
+def hf_unit_documents(unit: dict[str, Any], text_field: str, skip: BadRecords | None) -> Iterator[str]:
+    """The documents of one "hf" unit: a shard of the dataset, streamed."""
+    spec, shard = unit["spec"], unit["shard"]
+    ds = open_hf_stream(spec).shard(num_shards=unit["num_shards"], index=shard)
+    yield from iter_hf_rows(ds, f"{spec} shard {shard}", text_field, skip)
+
+
+def hf_identity(spec: str, h: Any, text_field: str, hash_contents: bool, by_text: bool) -> bool:
+    """Add what identifies an hf: dataset to `h` without reading its rows; False when only its text can
+    (`by_text`: a prefix under hash_contents, as for local files; or a loaded dataset without a fingerprint)."""
+    name, config, split = parse_hf(spec)
+    if (folder := hf_folder(spec)) is not None:  # read streamed: keyed like local files
+        if by_text:
+            return False
+        h.update(f"hf-folder:{config}:{split}".encode())
+        hash_files(h, folder_files(folder) if folder.is_dir() else [folder], folder, hash_contents)
+        return True
+    if (sha := hub_sha(name)) is not None:  # read streamed: the commit names the bytes
+        h.update(f"hf-hub:{name}:{config}:{split}:{sha}".encode())
+        return True
+    fp = getattr(load_hf(spec, text_field), "_fingerprint", None)  # offline: the cached copy, loaded
+    if fp:
+        h.update(f"hf-fingerprint:{fp}".encode())
+    return bool(fp)
+
 
 
 def share_hub_commits(rank: int, world_size: int, device: torch.device) -> None:

@@ -25,8 +25,7 @@ import torch
 from tetron.config import Config
 from tetron.data.batch import MicroBatch
 from tetron.data.documents import stream_ends, window_documents
-from tetron.data.hf_source import hf_streams
-from tetron.data.sources import data_fingerprint
+from tetron.data.sources import data_fingerprint, source_of
 from tetron.data.store_build import build_store
 from tetron.data.token_store import TokenStore, is_store
 from tetron.data.tokenizer import Tokenizer, load_tokenizer
@@ -68,9 +67,9 @@ def tokenizer_spec(cfg: Config) -> str:
     if _ships_tokenizer(folder):
         return str(folder)
     first = data_specs(cfg)[0]
-    if not is_store(first):
+    saved = source_of(first).tokenizer_folder()
+    if saved is None:  # text: bytes, unless data.tokenizer says otherwise
         return "bytes"
-    saved = Path(first).expanduser() / "tokenizer"
     if not (saved / "tetron_tokenizer.json").is_file():  # else it would be looked for on the hub
         where = "data.sources[0].path" if cfg.data.sources else "data.path"
         raise DataError(f"{where}={first}: the token store has no tokenizer/ folder (tetron tokenize writes one); "
@@ -91,8 +90,8 @@ def brought_tokenizer(cfg: Config) -> tuple[str, str] | None:
     folder = start_folder(cfg) if cfg.checkpoint.resume is None else None
     if _ships_tokenizer(folder) and not cfg.checkpoint.new_tokenizer:
         return str(folder), "its weights were trained"
-    first = data_specs(cfg)[0]
-    return (str(Path(first).expanduser() / "tokenizer"), "the data was tokenized") if is_store(first) else None
+    saved = source_of(data_specs(cfg)[0]).tokenizer_folder()
+    return (str(saved), "the data was tokenized") if saved is not None else None
 
 
 def yield_tokenizer(cfg: Config, *, explicit: bool) -> tuple[Config, str | None]:
@@ -143,10 +142,10 @@ def prepare_data(cfg: Config, *, say: Callable[[str], None] | None = None) -> tu
                                max_bytes=d.max_bytes, say=say, skip_bad=skip_bad)
     paths = []
     for spec in data_specs(cfg):
-        if is_store(spec):
+        if source_of(spec).tokenized:  # a token store: checked against the run's tokenizer
             paths.append(open_store(Path(spec).expanduser(), tokenizer,
                                     unset_means=None if d.tokenizer is not None else tokenizer_spec(cfg)))
-        else:
+        else:  # text: tokenized once into a store in the cache
             paths.append(prepare_tokens(spec, tokenizer, cache_dir=cache, text_field=d.text_field, say=say,
                                         max_bytes=None if d.sources else d.max_bytes, skip_bad=skip_bad,
                                         hash_contents=d.hash_contents))
@@ -200,10 +199,10 @@ def prepare_tokens(
         shutil.rmtree(folder, ignore_errors=True)
     if say is not None:
         say(f"tokenizing {data_spec} (once; cached in {folder.parent})")
-    # hf: a local folder or a hub dataset of known commit is streamed; offline, the cached copy is loaded.
-    stream_hf = data_spec.startswith("hf:") and hf_streams(data_spec)
+    # in units where the source can be cut (hf: a local folder or a hub dataset of known commit, streamed);
+    # else read in order (hf: offline, the cached copy loaded whole)
     index = build_store(data_spec, tokenizer, folder, text_field=text_field, skip_bad=skip_bad, max_bytes=max_bytes,
-                        stream_hf=stream_hf, say=say, wait=True)
+                        stream=source_of(data_spec).streams(), say=say, wait=True)
     if index["num_tokens"] == 0:
         shutil.rmtree(folder, ignore_errors=True)
         raise DataError(f"data: {data_spec} gave no tokens (is it empty, or is text_field={text_field!r} empty?)")

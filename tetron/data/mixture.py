@@ -50,16 +50,18 @@ class WindowOrder:
 
 
 @dataclass
-class Source:
+class WeightedTokens:
+    """One token stream of a mixture (a data.sources entry, tokenized: sources.py made it a store), by weight."""
+
     tokens: Any  # a TokenStore or any 1-D token array: len() and slicing
     weight: float
     epochs: float | None = None  # passes over its windows before it leaves the mixture; None: no limit
     name: str = ""  # for messages
 
 
-def mixture_sources(cfg: Config, paths: list[Path]) -> list[Source]:
+def mixture_sources(cfg: Config, paths: list[Path]) -> list[WeightedTokens]:
     """data.sources' entries as Sources over their token stores (`paths`, one each, from prepare_data)."""
-    return [Source(load_tokens(path), float(s.get("weight", 1.0)), s.get("epochs"), name=str(s["path"]))
+    return [WeightedTokens(load_tokens(path), float(s.get("weight", 1.0)), s.get("epochs"), name=str(s["path"]))
             for path, s in zip(paths, cfg.data.sources)]
 
 
@@ -80,8 +82,8 @@ def check_mixture(cfg: Config, paths: list[Path], loader_state: Any) -> None:
 class MixtureLoader:
     """This DP rank's micro-batches of each step, drawn from weighted sources (see the module's doc)."""
 
-    def __init__(self, sources: Sequence[Source], seq_len: int, *, micro_batch: int, grad_acc: int, dp_size: int,
-                 dp_rank: int, seed: int, documents: bool = False) -> None:
+    def __init__(self, sources: Sequence[WeightedTokens], seq_len: int, *, micro_batch: int, grad_acc: int,
+                 dp_size: int, dp_rank: int, seed: int, documents: bool = False) -> None:
         if not sources or any(not s.weight > 0 for s in sources):
             raise DataError("data.sources: give at least one source, each with a positive weight")
         self.sources, self.seq_len, self.seed = list(sources), seq_len, seed
@@ -210,7 +212,7 @@ def check_resumed_sources(theirs: Any, names: list[str], sizes: list[int]) -> No
                     f"(their weights and epochs may change)")
 
 
-def check_epochs_last(sources: list[Source], *, seq_len: int, global_batch: int, steps: int,
+def check_epochs_last(sources: list[WeightedTokens], *, seq_len: int, global_batch: int, steps: int,
                       consumed: list[int] | None = None) -> None:
     """When every source has `epochs`, the mixture runs dry once their windows are drawn: refuse, before any
     rank starts, a run whose remaining steps need more rows than that (each row takes one window)."""

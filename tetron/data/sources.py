@@ -1,234 +1,228 @@
-"""Text sources: local files (.txt, .jsonl, .parquet, source code), the Python standard library
-(`stdlib`) or a Hugging Face dataset (`hf:NAME[[:CONFIG]:SPLIT]`), read as documents in a fixed order,
-and a fingerprint of what a source yields, for cache keys.
+"""Data sources: what a data spec names (data.path, data.sources[i].path, data.val_path, `tetron tokenize`'s
+SOURCE), behind one protocol, `Source`, found by `source_of(spec)`.
 
-Every record is read defensively: a .jsonl line is bounded (MAX_RECORD_BYTES), and bad UTF-8, bad JSON,
-JSON nested too deeply, a missing or non-string text field, or an unreadable parquet file is one DataError
-naming the file and line or row; or, with data.on_bad_record=skip, the record is skipped and counted
-(BadRecords)."""
+    files       local files, folders and globs (.txt, .md, .py, .jsonl, .parquet; files.py)
+    stdlib      the Python standard library's .py files
+    hf:NAME     a Hugging Face dataset, `hf:NAME[[:CONFIG]:SPLIT]`, streamed where it can be (hf_source.py)
+    token store a folder made by `tetron tokenize`: tokens already, nothing to read as text (token_store.py)
+
+A text source yields documents in a fixed order, says what identifies them for cache keys, and cuts itself
+into work units that processes tokenize independently (store_build.py); a token store brings its
+tokenizer. Everything after that reads token stores alone: the loader, mixtures and the loader's position
+in checkpoints count windows of tokens, whatever the source was. A new kind of source is one subclass of
+`Source` and one `register_source`: validation, tokenizing and the cache ask `source_of`, never the spec's form.
+"""
 
 from __future__ import annotations
 
-import codecs
-import glob
 import hashlib
 import json
 import os
-import re
-import sysconfig
+from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator, TypeVar
 
-from tetron.data.hf_source import folder_files, hf_folder, hf_streams, hub_sha, load_hf, open_hf_stream, parse_hf
+from tetron.data import units as file_units
+from tetron.data.files import BadRecords, file_documents, hash_files, resolve_files
+from tetron.data.hf_source import hf_documents, hf_identity, hf_streams, hf_unit_documents, hf_units, parse_hf
+from tetron.data.token_store import is_store
 from tetron.errors import DataError
-from tetron.fs import missing_reason
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".py", ".md")
-MAX_RECORD_BYTES = 256 << 20  # the longest .jsonl line read
-
-
-class BadRecords:
-    """Records skipped under data.on_bad_record=skip: how many, and where the first was."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.first: str | None = None
-
-    def add(self, where: str) -> None:
-        self.count += 1
-        self.first = self.first or where
+__all__ = ["BadRecords", "Source", "data_fingerprint", "iter_texts", "plan_units", "read_unit", "register_source",
+           "resolve_files", "source_of"]
 
 
-def _bad(where: str, what: str, skip: BadRecords | None) -> None:
-    """A record that cannot be used: a DataError (on_bad_record=stop, skip None), or counted and skipped."""
-    if skip is None:
-        raise DataError(f"data: {where} {what}; data.on_bad_record=skip skips such records")
-    skip.add(where)
+class Source(ABC):
+    """One kind of data, named by a spec. A subclass says which specs are its own (`claims`) and how its
+    documents are read, and overrides what else its data supports; the defaults describe a source read
+    whole, in order, by one process, known by its text alone."""
 
+    tokenized = False  # a token store: tokens already (the run opens it, checked against its tokenizer)
 
-def _stdlib_files() -> list[Path]:
-    root = sysconfig.get_paths()["stdlib"]
-    skip = {"site-packages", "dist-packages", "__pycache__"}  # third-party packages differ per machine
-    files = []
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in skip]
-        files.extend(Path(folder, n) for n in names if n.endswith(".py"))
-    return sorted(p for p in files if p.is_file())
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
 
+    @classmethod
+    @abstractmethod
+    def claims(cls, spec: str) -> bool:
+        """Whether `spec` names data of this kind."""
 
-def resolve_files(spec: str) -> list[Path]:
-    """The sorted files a data spec names: a file, a folder (recursive), a glob, or `stdlib`."""
-    if spec == "stdlib":
-        files = _stdlib_files()
-        if not files:
-            raise DataError(f"data: no .py files in the standard library at {sysconfig.get_paths()['stdlib']}")
-        return files
-    if spec.startswith("hf:"):
-        raise DataError(f"data: {spec} is a Hugging Face dataset, not files (read it with iter_texts)")
-    path = Path(spec).expanduser()
-    if glob.has_magic(spec):
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-        if not files:
-            raise DataError(f"data: no files match {spec} (give a file, a folder or a glob)")
-        return files
-    if path.is_file():
-        return [path]
-    if not path.is_dir() and (path.exists() or path.is_symlink()):  # a FIFO, a device, a link loop or to nothing
-        raise DataError(f"data: {spec} is {missing_reason(path)} (give a file, a folder, a glob, 'stdlib' or hf:NAME)")
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-        if not files:
-            raise DataError(
-                f"data: no {'/'.join(TEXT_SUFFIXES)} files under {path} (give a file, a folder or a glob)"
-            )
-        return files
-    raise DataError(f"data: {spec} does not exist (give a file, a folder, a glob, 'stdlib' or hf:NAME)")
+    def check(self) -> None:
+        """Resolve the spec without reading the data (before any rank starts): a DataError says what is wrong."""
+        return None  # by default nothing to resolve: what is wrong shows when the data is read
 
+    @abstractmethod
+    def documents(self, *, text_field: str, skip: BadRecords | None, max_bytes: int | None) -> Iterator[str]:
+        """The documents in a fixed order. `max_bytes`: only a prefix of about that many bytes is used (reading
+        may stop there); a bad record raises DataError, or with `skip` is counted there and left out."""
 
-# A UTF-16 surrogate without its pair: JSON may spell one ("\ud800"), but it is no character, and no text
-# with one can be encoded (as UTF-8, for the tokenizers and the byte-level store)
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-_SURROGATE_WHAT = "holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair): not text"
+    def identify(self, h: Any, *, text_field: str, hash_contents: bool, by_text: bool) -> bool:
+        """Add what identifies the documents to hash `h` without reading them, for cache keys; False when only
+        their text can (then data_fingerprint hashes the text). `by_text`: data.hash_contents with a
+        data.max_bytes prefix, where a source keyed by its files' bytes is keyed by the prefix's text."""
+        return False
 
+    def streams(self) -> bool:
+        """Whether the source is cut into its own work units (`units`); else one unit reads it in order."""
+        return True
 
-def _texts(values: Iterator[Any], where: Callable[[int], str], text_field: str,
-           skip: BadRecords | None) -> Iterator[str]:
-    """The strings of a text column (null: an empty document); any other value is a bad record."""
-    for i, text in enumerate(values):
-        if isinstance(text, str) and _LONE_SURROGATE.search(text):
-            _bad(where(i), _SURROGATE_WHAT, skip)
-        elif text is None or isinstance(text, str):
-            yield text or ""
-        else:
-            _bad(where(i), f"has a {type(text).__name__} in {text_field!r}, not text (set data.text_field)", skip)
+    def units(self, *, text_field: str, unit_bytes: int) -> list[dict[str, Any]]:
+        """Work units of about `unit_bytes` of input each, in the source's order (units.py); JSON-able dicts
+        with a "kind", and a "spec" naming this source unless their kind is one of units.FILE_UNITS."""
+        return [_texts_unit(self.spec, None)]
 
+    def unit_pieces(self, unit: dict[str, Any], *, text_field: str,
+                    skip: BadRecords | None) -> Iterator[tuple[str, bool]]:
+        """(text, ends_document) of one of this source's own units, in order."""
+        raise DataError(f"data: {self.spec} makes no work units of kind {unit['kind']!r}")
 
-def iter_hf_rows(ds: Any, where: str, text_field: str, skip: BadRecords | None) -> Iterator[str]:
-    """The texts of a streamed dataset (or one shard of it), named `where` in errors: a file of the dataset
-    that cannot be read is one DataError naming the row it stopped after."""
-    row = 0
-    try:
-        for batch in ds.iter(batch_size=1000):
-            if text_field not in batch:
-                raise DataError(f"data: {where} has no column {text_field!r} (columns: {', '.join(batch)}; "
-                                f"set data.text_field)")
-            yield from _texts(iter(batch[text_field]), lambda i, r=row: f"{where} row {r + i}", text_field, skip)
-            row += len(batch[text_field])
-    except DataError:
-        raise
-    except Exception as e:  # a damaged file inside the dataset: arrow, json or parquet errors
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"data: {where} after row {row}: cannot read ({msg}); fix or remove that file of the "
-                        f"dataset") from None
+    def plan_key(self, *, text_field: str, max_bytes: int | None) -> str:
+        """What a token store built from this source records as its data (STORE/plan.json): another build
+        into the same store must give the same."""
+        return data_fingerprint(self.spec, text_field=text_field, max_bytes=max_bytes)
 
-
-def _iter_hf(spec: str, text_field: str, skip: BadRecords | None) -> Iterator[str]:
-    """Streamed (a prefix reads only the rows it uses), or loaded whole from the cache when offline."""
-    ds = open_hf_stream(spec) if hf_streams(spec) else load_hf(spec, text_field).select_columns([text_field])
-    yield from iter_hf_rows(ds, spec, text_field, skip)
-
-
-def _jsonl_record(line: bytes, where: str, text_field: str, skip: BadRecords | None) -> str | None:
-    """The text of one .jsonl line, or None (blank, or a bad record skipped)."""
-    if not line.strip():
+    def size_bytes(self) -> int | None:
+        """The bytes of input, if known without reading it (None: not before it is read)."""
         return None
-    try:
-        obj = json.loads(line)
-    except UnicodeDecodeError:
-        return _bad(where, "is not valid UTF-8", skip)
-    except RecursionError:
-        return _bad(where, "is JSON nested too deeply", skip)
-    except ValueError as e:  # JSONDecodeError, or an integer too long to convert
-        return _bad(where, f"is not JSON ({getattr(e, 'msg', e)}); expected one object per line", skip)
-    if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-        return _bad(where, f"has no string field {text_field!r} (set data.text_field)", skip)
-    if _LONE_SURROGATE.search(obj[text_field]):
-        return _bad(where, _SURROGATE_WHAT, skip)
-    return obj[text_field]
+
+    def tokenizer_folder(self) -> Path | None:
+        """The tokenizer the data was tokenized with (a token store's), None for text."""
+        return None
 
 
-def _skip_line(f: Any) -> None:
-    """Read past the rest of the current line, in bounded pieces."""
-    while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+KINDS: list[type[Source]] = []  # filled by register_source(); the most recent registration claims a spec first
+Kind = TypeVar("Kind", bound=type[Source])
+
+
+def register_source(kind: Kind) -> Kind:
+    """Make `kind` claim the specs it recognises, before every kind registered earlier."""
+    KINDS.insert(0, kind)
+    return kind
+
+
+def source_of(spec: str) -> Source:
+    """The source a data spec names."""
+    for kind in KINDS:
+        if kind.claims(spec):
+            return kind(spec)
+    raise DataError(f"data: {spec}: no kind of data source recognises it (give a file, a folder, a glob, 'stdlib', "
+                    f"hf:NAME or a token store)")
+
+
+def _texts_unit(spec: str, max_bytes: int | None) -> dict[str, Any]:
+    return {"kind": "texts", "spec": spec, "max_bytes": max_bytes, "bytes": max_bytes or 0}
+
+
+# ----------------------------------------------------------------------------- the built-in kinds
+
+
+@register_source
+class TextFiles(Source):
+    """Local files: a file, a folder (recursively), or a glob. It claims every spec no other kind does."""
+
+    @classmethod
+    def claims(cls, spec: str) -> bool:
+        return True
+
+    def files(self) -> list[Path]:
+        return resolve_files(self.spec)
+
+    def check(self) -> None:
+        self.files()
+
+    def documents(self, *, text_field: str, skip: BadRecords | None, max_bytes: int | None) -> Iterator[str]:
+        return file_documents(self.files(), text_field=text_field, skip=skip, max_bytes=max_bytes)
+
+    def identify(self, h: Any, *, text_field: str, hash_contents: bool, by_text: bool) -> bool:
+        if by_text:
+            return False
+        files = self.files()
+        hash_files(h, files, Path(os.path.commonpath([str(p.parent) for p in files])), hash_contents)
+        return True
+
+    def units(self, *, text_field: str, unit_bytes: int) -> list[dict[str, Any]]:
+        return file_units.plan_file_units(self.files(), text_field=text_field, unit_bytes=unit_bytes)
+
+    def size_bytes(self) -> int | None:
+        return sum(f.stat().st_size for f in self.files())
+
+
+@register_source
+class Stdlib(TextFiles):
+    """`stdlib`: the Python standard library's .py files (site-packages left out)."""
+
+    @classmethod
+    def claims(cls, spec: str) -> bool:
+        return spec == "stdlib"
+
+    def check(self) -> None:  # it is there wherever Python is; walking it takes a while
         pass
 
 
-def iter_jsonl(path: Path, text_field: str, skip: BadRecords | None, *, start: int = 0,
-               end: int | None = None) -> Iterator[str]:
-    """The texts of the lines of a .jsonl file that begin in bytes [start, end) (all of it by default); a
-    record is named by its line number when reading from the start, else by the byte it begins at."""
-    with open(path, "rb") as f:
-        if start:
-            f.seek(start - 1)
-            _skip_line(f)  # a line that began before `start` belongs to the range before
-        lineno, pos = 0, f.tell()
-        while (end is None or pos < end) and (line := f.readline(MAX_RECORD_BYTES + 1)):
-            lineno += 1
-            where = f"{path} line {lineno}" if start == 0 else f"{path} line at byte {pos}"
-            if len(line) > MAX_RECORD_BYTES:
-                if not line.endswith(b"\n"):
-                    _skip_line(f)
-                _bad(where, f"is longer than {MAX_RECORD_BYTES} bytes", skip)
-            else:
-                text = _jsonl_record(line, where, text_field, skip)
-                if text is not None:
-                    yield text
-            pos = f.tell()
+@register_source
+class HFDataset(Source):
+    """`hf:NAME[[:CONFIG]:SPLIT]`: a local dataset folder or a hub dataset (hf_source.py)."""
+
+    @classmethod
+    def claims(cls, spec: str) -> bool:
+        return spec.startswith("hf:")
+
+    def check(self) -> None:
+        parse_hf(self.spec)
+
+    def documents(self, *, text_field: str, skip: BadRecords | None, max_bytes: int | None) -> Iterator[str]:
+        return hf_documents(self.spec, text_field, skip)
+
+    def identify(self, h: Any, *, text_field: str, hash_contents: bool, by_text: bool) -> bool:
+        return hf_identity(self.spec, h, text_field, hash_contents, by_text)
+
+    def streams(self) -> bool:  # offline, without the hub's commit, the cached copy is loaded whole
+        return hf_streams(self.spec)
+
+    def units(self, *, text_field: str, unit_bytes: int) -> list[dict[str, Any]]:
+        return hf_units(self.spec)
+
+    def unit_pieces(self, unit: dict[str, Any], *, text_field: str,
+                    skip: BadRecords | None) -> Iterator[tuple[str, bool]]:
+        if unit["kind"] != "hf":
+            return super().unit_pieces(unit, text_field=text_field, skip=skip)
+        return ((text, True) for text in hf_unit_documents(unit, text_field, skip))
+
+    def plan_key(self, *, text_field: str, max_bytes: int | None) -> str:
+        return self.spec  # a store resumed from the hub keeps reading the same name
 
 
-def iter_parquet(path: Path, text_field: str, skip: BadRecords | None, *,
-                 row_groups: tuple[int, int] | None = None) -> Iterator[str]:
-    """The texts of a parquet file's column (of row groups [a, b) if given), read in batches."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+@register_source
+class TokenStoreSource(Source):
+    """A token store made by `tetron tokenize` (a folder with an index.json)."""
 
-    try:
-        pf = pq.ParquetFile(path)
-        names = pf.schema_arrow.names
-        if text_field not in names:
-            raise DataError(f"data: {path} has no column {text_field!r} (columns: {', '.join(names)}; set text_field)")
-        groups = range(*row_groups) if row_groups else range(pf.num_row_groups)
-        row = sum(pf.metadata.row_group(i).num_rows for i in range(groups.start))
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024, row_groups=list(groups)):
-            values = batch.column(0).to_pylist()
-            yield from _texts(iter(values), lambda i, row=row: f"{path} row {row + i}", text_field, skip)
-            row += len(values)
-    except (pa.ArrowException, OSError) as err:  # a damaged file: its footer, a page, a codec
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"data: {path} is not a readable parquet file ({first}); replace or remove it") from None
+    tokenized = True
+
+    @classmethod
+    def claims(cls, spec: str) -> bool:
+        return is_store(spec)
+
+    def folder(self) -> Path:
+        return Path(self.spec).expanduser()
+
+    def _not_text(self) -> DataError:
+        return DataError(f"data: {self.spec} is a token store (made by tetron tokenize): it holds tokens, not "
+                         f"text; train on it with --data.path={self.spec}")
+
+    def documents(self, *, text_field: str, skip: BadRecords | None, max_bytes: int | None) -> Iterator[str]:
+        raise self._not_text()
+
+    def units(self, *, text_field: str, unit_bytes: int) -> list[dict[str, Any]]:
+        raise self._not_text()
+
+    def size_bytes(self) -> int | None:
+        raise self._not_text()
+
+    def tokenizer_folder(self) -> Path | None:
+        return self.folder() / "tokenizer"
 
 
-def _read_text(path: Path, limit: int | None) -> str:
-    """A whole file as one document; not all files are UTF-8, so undecodable bytes become U+FFFD."""
-    with open(path, "rb") as f:
-        raw = f.read() if limit is None else f.read(limit)
-    # final=False drops a multi-byte character cut in half by the limit instead of replacing it.
-    final = limit is None or len(raw) < limit
-    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=final)
-
-
-def iter_text_pieces(path: Path, piece_bytes: int) -> Iterator[str]:
-    """A text file as one document in pieces of about `piece_bytes` (constant memory for any size). A piece
-    ends after a newline that a non-space follows, where byte-level pre-tokenizers split anyway, so
-    byte-level BPE encodes the pieces as it would the whole file."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    carry = ""
-    with open(path, "rb") as f:
-        while block := f.read(piece_bytes):
-            text = carry + decoder.decode(block)
-            cut = max(text.rfind("\n", 0, len(text) - 1), 0)
-            while cut and text[cut + 1].isspace():
-                cut = text.rfind("\n", 0, cut)
-                cut = max(cut, 0)
-            carry = text[cut + 1:] if cut else text
-            if cut:
-                yield text[: cut + 1]
-            if len(carry) > 4 * piece_bytes:  # no such newline in a long stretch: cut it anyway
-                yield carry
-                carry = ""
-    carry += decoder.decode(b"", final=True)
-    if carry:
-        yield carry
+# ----------------------------------------------------------------------------- what every source offers
 
 
 def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = None,
@@ -237,22 +231,8 @@ def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = N
     A bad record raises DataError, or with `skip` (data.on_bad_record=skip) is counted there and left out."""
     if max_bytes is not None and max_bytes <= 0:
         raise DataError(f"data: max_bytes={max_bytes} must be positive (or None for all the data)")
-
-    def docs() -> Iterator[str]:
-        if spec.startswith("hf:"):
-            yield from _iter_hf(spec, text_field, skip)
-            return
-        for path in resolve_files(spec):
-            if path.suffix == ".jsonl":
-                yield from iter_jsonl(path, text_field, skip)
-            elif path.suffix == ".parquet":
-                yield from iter_parquet(path, text_field, skip)
-            else:
-                # Read no more than needed: a prefix of a huge file is enough.
-                yield _read_text(path, None if max_bytes is None else max_bytes - total)
-
     total = 0
-    for doc in docs():
+    for doc in source_of(spec).documents(text_field=text_field, skip=skip, max_bytes=max_bytes):
         if max_bytes is None:
             yield doc
             continue
@@ -266,54 +246,18 @@ def iter_texts(spec: str, *, text_field: str = "text", max_bytes: int | None = N
         yield doc
 
 
-def _hash_files(h: Any, files: list[Path], root: Path, hash_contents: bool) -> None:
-    for p in files:
-        st = p.stat()
-        h.update(f"\0file:{p.relative_to(root).as_posix()}:{st.st_size}".encode())
-        if not hash_contents:
-            h.update(f":{st.st_mtime_ns}\0".encode())
-            continue
-        with open(p, "rb") as f:  # whole files: hashing their bytes is cheaper than parsing them
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-
-
-def _hf_identity(spec: str, h: Any, text_field: str, hash_contents: bool, by_text: bool) -> bool:
-    """Add what identifies an hf: dataset to `h` without reading its rows; False when only its text can
-    (`by_text`: a prefix under hash_contents, as for local files; or a loaded dataset without a fingerprint)."""
-    name, config, split = parse_hf(spec)
-    if (folder := hf_folder(spec)) is not None:  # read streamed: keyed like local files
-        if by_text:
-            return False
-        h.update(f"hf-folder:{config}:{split}".encode())
-        _hash_files(h, folder_files(folder) if folder.is_dir() else [folder], folder, hash_contents)
-        return True
-    if (sha := hub_sha(name)) is not None:  # read streamed: the commit names the bytes
-        h.update(f"hf-hub:{name}:{config}:{split}:{sha}".encode())
-        return True
-    fp = getattr(load_hf(spec, text_field), "_fingerprint", None)  # offline: the cached copy, loaded
-    if fp:
-        h.update(f"hf-fingerprint:{fp}".encode())
-    return bool(fp)
-
-
 def data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None, skip_bad: bool = False,
                      hash_contents: bool = False) -> str:
-    """A key for the documents a spec yields, for caches. Local files count by their relative paths, sizes
-    and modification times (one stat per file, whatever their size), or with `hash_contents`
-    (data.hash_contents) by their bytes; so do the files of a local hf: dataset folder, while a hub dataset
-    counts by its repository's commit (offline: by the cached copy's fingerprint). `skip_bad`
-    (data.on_bad_record=skip) yields other documents from the same files: another key."""
+    """A key for the documents a spec yields, for caches: what its source says identifies them (local files:
+    their relative paths, sizes and modification times, one stat per file whatever their size, or with
+    `hash_contents` (data.hash_contents) their bytes; so the files of a local hf: dataset folder, while a hub
+    dataset counts by its repository's commit, offline by the cached copy's fingerprint), else the text itself.
+    `skip_bad` (data.on_bad_record=skip) yields other documents from the same files: another key."""
     head = {"text_field": text_field, "max_bytes": max_bytes, **({"skip_bad": True} if skip_bad else {}),
             **({"hash_contents": True} if hash_contents else {})}
     h = hashlib.sha256(json.dumps(head).encode())
     by_text = hash_contents and max_bytes is not None
-    if spec.startswith("hf:"):
-        if _hf_identity(spec, h, text_field, hash_contents, by_text):
-            return h.hexdigest()
-    elif not by_text:
-        files = resolve_files(spec)
-        _hash_files(h, files, Path(os.path.commonpath([str(p.parent) for p in files])), hash_contents)
+    if source_of(spec).identify(h, text_field=text_field, hash_contents=hash_contents, by_text=by_text):
         return h.hexdigest()
     # A prefix (or a dataset without a fingerprint): hash exactly the text that will be used.
     for doc in iter_texts(spec, text_field=text_field, max_bytes=max_bytes, skip=BadRecords() if skip_bad else None):
@@ -321,3 +265,22 @@ def data_fingerprint(spec: str, *, text_field: str, max_bytes: int | None, skip_
         h.update(f"\0doc:{len(raw)}\0".encode())
         h.update(raw)
     return h.hexdigest()
+
+
+def plan_units(source: Source, *, text_field: str, unit_bytes: int, max_bytes: int | None = None,
+               stream: bool = True) -> list[dict[str, Any]]:
+    """The work units of a source, in its order (units.py). A max_bytes prefix, or a source that is not
+    `stream`ed, is one unit read in order."""
+    if max_bytes is not None or not stream:
+        return [_texts_unit(source.spec, max_bytes)]
+    return source.units(text_field=text_field, unit_bytes=unit_bytes)
+
+
+def read_unit(unit: dict[str, Any], *, text_field: str, skip: BadRecords | None) -> Iterator[tuple[str, bool]]:
+    """(text, ends_document) of a work unit in order: a document is one piece, or for a large text file several."""
+    if unit["kind"] in file_units.FILE_UNITS:
+        return file_units.unit_pieces(unit, text_field=text_field, skip=skip)
+    if unit["kind"] == "texts":
+        texts = iter_texts(unit["spec"], text_field=text_field, max_bytes=unit["max_bytes"], skip=skip)
+        return ((text, True) for text in texts)
+    return source_of(unit["spec"]).unit_pieces(unit, text_field=text_field, skip=skip)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tetron.data.sources import BadRecords, data_fingerprint
+from tetron.data.sources import BadRecords, plan_units, read_unit, source_of
 from tetron.data.token_store import (
     FORMAT,
     INDEX,
@@ -39,7 +39,6 @@ from tetron.data.token_store import (
     write_index,
 )
 from tetron.data.tokenizer import Tokenizer, load_tokenizer
-from tetron.data.units import plan_units, unit_pieces
 from tetron.errors import DataError, StorageError
 from tetron.fs import (
     FolderLock,
@@ -87,7 +86,7 @@ def encode_unit(unit: dict[str, Any], unit_id: int, *, folder: Path, tokenizer: 
         texts: list[str] = []
         ends: list[bool] = []
         chars = 0
-        for text, end in itertools.chain(unit_pieces(unit, text_field=text_field, skip=skip), [(None, True)]):
+        for text, end in itertools.chain(read_unit(unit, text_field=text_field, skip=skip), [(None, True)]):
             if text is not None:
                 texts.append(text)
                 ends.append(end)
@@ -248,10 +247,11 @@ def _check_plan(folder: Path, plan: dict[str, Any]) -> None:
 
 def build_store(spec: str, tokenizer: Tokenizer, folder: Path, *, workers: int = 1, shard_mb: float = 256,
                 text_field: str = "text", skip_bad: bool = False, max_bytes: int | None = None,
-                stream_hf: bool = True, say: Callable[[str], None] | None = None,
+                stream: bool = True, say: Callable[[str], None] | None = None,
                 progress_every: float = 5.0, say_done: bool = False, wait: bool = False) -> dict[str, Any]:
     """Tokenize `spec` into the store `folder` (resuming what is there), return its index. `shard_mb`:
-    input per unit and tokens per shard, in MB. With one worker everything runs in this process. `say` is
+    input per unit and tokens per shard, in MB. `stream`: cut the source into its own units (else one unit
+    reads it in order, as a dataset loaded whole is). With one worker everything runs in this process. `say` is
     told the progress every `progress_every` s (and at the end, with `say_done`). `wait`:
     when another process is building this store, wait for it (else a DataError)."""
     folder = Path(folder).expanduser()
@@ -267,7 +267,7 @@ def build_store(spec: str, tokenizer: Tokenizer, folder: Path, *, workers: int =
             time.sleep(0.5)  # another run makes the same cache entry: use it once it is done
     try:
         return _build_locked(spec, tokenizer, folder, workers=workers, shard_mb=shard_mb, text_field=text_field,
-                             skip_bad=skip_bad, max_bytes=max_bytes, stream_hf=stream_hf,
+                             skip_bad=skip_bad, max_bytes=max_bytes, stream=stream,
                              say=say or (lambda _: None), progress_every=progress_every, say_done=say_done)
     except OSError as err:
         raise _write_error(err, folder) or err from None
@@ -287,16 +287,16 @@ def _write_error(err: OSError, folder: Path) -> StorageError | None:
 
 
 def _build_locked(spec: str, tokenizer: Tokenizer, folder: Path, *, workers: int, shard_mb: float, text_field: str,
-                  skip_bad: bool, max_bytes: int | None, stream_hf: bool, say: Callable[[str], None],
+                  skip_bad: bool, max_bytes: int | None, stream: bool, say: Callable[[str], None],
                   progress_every: float, say_done: bool) -> dict[str, Any]:
     unit_bytes = max(1, int(shard_mb * 2**20))
-    units = plan_units(spec, text_field=text_field, unit_bytes=unit_bytes, max_bytes=max_bytes, stream_hf=stream_hf)
+    source = source_of(spec)
+    units = plan_units(source, text_field=text_field, unit_bytes=unit_bytes, max_bytes=max_bytes, stream=stream)
     dtype = token_dtype(tokenizer.vocab_size)
     meta = {"dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
             "tokenizer": tokenizer.fingerprint(), "source": spec, "text_field": text_field}
-    local = not spec.startswith("hf:")
     plan = {"format": FORMAT, **meta, "max_bytes": max_bytes, "skip_bad": skip_bad, "shard_mb": shard_mb,
-            "data": data_fingerprint(spec, text_field=text_field, max_bytes=max_bytes) if local else spec,
+            "data": source.plan_key(text_field=text_field, max_bytes=max_bytes),
             "units": units}
     _check_plan(folder, plan)
     if (folder / INDEX).is_file():

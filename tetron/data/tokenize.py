@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from tetron.data.loader import default_cache_dir
-from tetron.data.sources import resolve_files
+from tetron.data.sources import source_of
 from tetron.data.store_build import build_store, check_store_folder
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import DataError, UserError
@@ -64,14 +64,14 @@ MAX_SHARDS = 100_000  # shard files one store may have: more is a folder no file
 
 
 def _check_shard_count(source: str, shard_mb: float) -> None:
-    """--shard-mb finite, at least 1 KiB, and large enough that the source's bytes (of local files: a hub
-    dataset's are not known before it streams) make at most MAX_SHARDS work units, each writing a shard."""
+    """--shard-mb finite, at least 1 KiB, and large enough that the source's bytes (where known before it is
+    read: a hub dataset's are not) make at most MAX_SHARDS work units, each writing a shard."""
     if not math.isfinite(shard_mb) or not 2**-10 <= shard_mb <= 2**20:
         raise DataError(f"--shard-mb={shard_mb}: give MB of input per shard, from {2**-10:.4g} (1 KiB) to {2**20} "
                         f"(e.g. 256)")
-    if source.startswith("hf:"):
+    size = source_of(source).size_bytes()
+    if size is None:
         return
-    size = sum(f.stat().st_size for f in resolve_files(source))
     units = size / max(1, int(shard_mb * 2**20))
     if units > MAX_SHARDS:
         least = size / MAX_SHARDS / 2**20
@@ -108,7 +108,7 @@ def tokenize_command(args: list[str]) -> int:
         if ns.workers < 1 or not ns.shard_mb > 0:
             raise DataError(f"--workers={ns.workers} must be >= 1 and --shard-mb={ns.shard_mb} positive")
         _check_shard_count(ns.source, ns.shard_mb)
-        if ns.tokenizer.startswith("bpe:") and ns.source.startswith("hf:"):
+        if ns.tokenizer.startswith("bpe:") and source_of(ns.source).size_bytes() is None:
             raise DataError(f"--tokenizer={ns.tokenizer} would read all of {ns.source} to train before tokenizing "
                             f"it; train it on a sample (tetron tokenize SAMPLE --tokenizer {ns.tokenizer} saves it in "
                             f"STORE/tokenizer) and give that folder")

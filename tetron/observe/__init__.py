@@ -3,7 +3,7 @@
     metrics.py       the progress bar, metrics.jsonl, MFU
     sinks.py         TensorBoard and Weights & Biases
     step_report.py   a step's figures read back from the device, the non-finite check, the Reporter
-    watchers.py      around each step: the per-axis timers, the profiler, the validation loss
+    watchers.py      around each step: the per-axis timers, the profiler
     evaluate.py      validation loss in any layout
     memory.py        measured memory: state bytes by kind, live activations
     profiling.py     torch.profiler traces of chosen steps

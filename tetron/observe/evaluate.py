@@ -31,7 +31,7 @@ from tetron.data.batch import MicroBatch, rank_micro_batch
 from tetron.data.documents import stream_ends, window_documents
 from tetron.data.hf_source import share_hub_commits
 from tetron.data.loader import default_cache_dir, load_tokens, micro_batches, open_store, prepare_data, prepare_tokens
-from tetron.data.token_store import is_store
+from tetron.data.sources import source_of
 from tetron.data.tokenizer import Tokenizer
 from tetron.mesh import Mesh
 from tetron.parallel.pipeline_parallel import Pipeline, activation_shape
@@ -72,7 +72,7 @@ def prepare_val_tokens(cfg: Config, tokenizer: Tokenizer, token_path: Path | Non
     d = cfg.data
     if d.val_path is None:
         return held_out_tokens(load_tokens(token_path or prepare_data(cfg)[1]), cfg)
-    if is_store(d.val_path):  # made by tetron tokenize: checked against the run's tokenizer
+    if source_of(d.val_path).tokenized:  # made by tetron tokenize: checked against the run's tokenizer
         return load_tokens(open_store(Path(d.val_path).expanduser(), tokenizer))
     cache = Path(d.cache_dir).expanduser() if d.cache_dir else default_cache_dir()
     path = prepare_tokens(d.val_path, tokenizer, cache_dir=cache, text_field=d.text_field,
@@ -125,6 +125,16 @@ class Evaluator:
             self.pipeline = Pipeline(chunks, mesh, schedule_name=cfg.parallel.pp_schedule,
                                      micro_batches=cfg.train.grad_acc, shape=activation_shape(cfg),
                                      loss_fn=lambda summed: summed, positions=positions, dtype=dtype, device=device)
+
+    def due(self, step: int) -> bool:
+        """Whether validation follows optimizer step `step` (0-based): every train.eval_every steps, and the last."""
+        t = self.cfg.train
+        return (step + 1) % t.eval_every == 0 or step + 1 == t.steps
+
+    def figures(self) -> dict[str, float]:
+        """The validation loss and perplexity, for the step's record; every rank calls this (a collective)."""
+        loss = self()
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}  # exp overflows past ~709
 
     @torch.no_grad()
     def __call__(self) -> float:

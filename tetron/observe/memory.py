@@ -15,6 +15,7 @@ GPU; the whole resident set on the CPU. Its gap to state plus activations is the
   once, a storage already counted in an earlier category not counted again (in that order, so a
   master weight that *is* the parameter, as in fp32 training without sharding, is a parameter).
 - `optimizer_tensors`: every tensor an optimizer holds, for `state_bytes`.
+- `memory_figures`: a training rank's state by kind and its activations' peak, as a step's record holds them.
 - `ActivationMeter`: the bytes autograd has saved for the backward pass and not yet released,
   live and peak, through saved-tensor hooks; parameters are left out (they are state, above).
 
@@ -27,12 +28,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import Tensor
 
 from tetron.torch_private import version, view_base, wrapped_tensors
+
+if TYPE_CHECKING:
+    from tetron.parallel.parallelize import ParallelModel
 
 # (device, address): CPU and accelerator addresses could in principle coincide, so the device is part of the key.
 StorageKey = tuple[torch.device, int]
@@ -239,3 +243,20 @@ class ActivationMeter:
                 else:  # the last holder of this storage is gone
                     del self._refs[key]
                     self.live_bytes -= nbytes
+
+
+def memory_figures(model: ParallelModel, optimizer_tensors: list[Tensor], meter: ActivationMeter) -> dict[str, float]:
+    """MiB a training rank holds: parameters, gradients (bucket buffers, ZeRO slices), optimizer state
+    (fp32 masters unless they are the parameters, the optimizer's state), buffers, and the peak of the
+    activations saved for the backward pass during the step `meter` watched."""
+    buckets = [b for chunk in model.dp_chunks for b in getattr(chunk, "buckets", [])]
+    # ZeRO: a rank's slice of the parameters is a parameter (under ZeRO-3 the only copy between uses)
+    slices = [getattr(b, "params_slice", None) for b in buckets]
+    state = state_bytes(params=[*model.params, *(s for s in slices if s is not None)],
+                        grads=[p.grad for p in model.params] + [b.buffer for b in buckets]
+                        + [b.shard_grad for b in buckets],
+                        optimizer_tensors=optimizer_tensors,
+                        buffers=[b for chunk in model.chunks for b in chunk.buffers()])
+    figures = {f"mem_{kind}_mb": n / 2**20 for kind, n in state.as_dict().items()}
+    figures["mem_activations_mb"] = meter.peak_bytes / 2**20
+    return figures

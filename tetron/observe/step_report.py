@@ -37,26 +37,44 @@ class StepFigures:
 
 
 @dataclass
+class StepValues:
+    """A step's figures as the device holds them (fp32, 0-dim), until they are read back."""
+
+    loss: Tensor  # the global mean loss over every target token of the step
+    grad_norm: Tensor  # before clipping
+    nonfinite: Tensor  # 1 when the loss or the gradient norm is not finite (the update was skipped), else 0
+    stop: Tensor  # 1 when some rank was asked to stop, else 0
+    moe: Tensor | None = None  # [len(moe_balance.FIGURES)] an MoE model's balancing figures
+
+    def packed(self) -> Tensor:
+        """The fields in one tensor, in their order (read_back unpacks them): one copy to the host."""
+        values = torch.stack([self.loss, self.grad_norm, self.nonfinite, self.stop])
+        return values if self.moe is None else torch.cat([values, self.moe])
+
+
+@dataclass
 class PendingStep:
     """One step as the device left it: its figures are read back (one wait for the device) when reported."""
 
     step: int  # 0-based
-    values: Tensor  # fp32 [4] on the device: loss, grad norm, non-finite (1) or not (0), stop requested (1/0);
-    # an MoE model's figures follow (moe_balance.FIGURES)
+    values: StepValues
     lr: float
     start: float  # perf_counter when the step began
     memory: dict[str, float] | None = None
     aside_s: float = 0.0  # seconds after it spent on other things (a validation): not the step's time
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)  # for its record: the timers' maxima over
+    # ranks, the validation loss
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # this rank's timers (logging.timers)
 
 
 def read_back(pending: list[PendingStep]) -> list[StepFigures]:
     """The figures of the steps dispatched since the last read-back, in one wait for the device; each
     step's time is the interval's mean (dispatch runs ahead of the device, so only the interval is real)."""
-    values = torch.stack([p.values for p in pending]).tolist()
+    rows = torch.stack([p.values.packed() for p in pending]).tolist()
     each = (time.perf_counter() - pending[0].start - sum(p.aside_s for p in pending)) / len(pending)
     return [StepFigures(loss=loss, grad_norm=float("nan") if bad else norm, lr=p.lr, skipped=bool(bad), time_s=each,
                         memory=p.memory, stop=stop > 0, moe=dict(zip(MOE_FIGURES, moe)) if moe else None)
-            for p, (loss, norm, bad, stop, *moe) in zip(pending, values)]
+            for p, (loss, norm, bad, stop, *moe) in zip(pending, rows)]  # StepValues.packed's order
 
 
 def check_finite(cfg: Config, step: int, f: StepFigures) -> None:

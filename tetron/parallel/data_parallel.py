@@ -49,7 +49,7 @@ AVG = dist.ReduceOp.AVG
 class DataParallel(nn.Module):
     """Shared plumbing: the wrapped module, the group, the sync switch and a collective counter."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, count_collectives: bool = False,
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *,
                  expert_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         self.module = module
@@ -57,8 +57,7 @@ class DataParallel(nn.Module):
         self.expert_group = expert_group or group  # where expert shards' gradients are averaged
         self.world = dist.get_world_size(group)
         self.require_sync = True
-        # all-reduce calls issued so far, kept only when asked (tests count syncs per step)
-        self.num_collectives: int | None = 0 if count_collectives else None
+        self.num_collectives = 0  # gradient reductions issued so far (what tests and benchmarks count per step)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -81,17 +80,16 @@ class DataParallel(nn.Module):
     def _all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup, *,
                     async_op: bool = False) -> dist.Work | None:
         """Average `tensor` over `group`."""
-        if self.num_collectives is not None:
-            self.num_collectives += 1
+        self.num_collectives += 1
         return dist.all_reduce(tensor, op=AVG, group=group, async_op=async_op)
 
 
 class DataParallelNaive(DataParallel):
     """An all-reduce (average) hook on every parameter's gradient."""
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, count_collectives: bool = False,
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup, *,
                  expert_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(module, group, count_collectives=count_collectives, expert_group=expert_group)
+        super().__init__(module, group, expert_group=expert_group)
         if self.world > 1:
             for p in self._params():
                 p.register_post_accumulate_grad_hook(self._hook)
@@ -188,12 +186,12 @@ class DataParallelBucket(DataParallel):
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32,
                  units: list[tuple[nn.Module, list[nn.Parameter]]] | None = None,
-                 count_collectives: bool = False, accumulate: ZeroAccumulate = "sharded",
+                 accumulate: ZeroAccumulate = "sharded",
                  shard_group: dist.ProcessGroup | None = None,
                  replicate_group: dist.ProcessGroup | None = None,
                  expert_group: dist.ProcessGroup | None = None,
                  expert_shard_group: dist.ProcessGroup | None = None, whole: bool = False) -> None:
-        super().__init__(module, group, count_collectives=count_collectives, expert_group=expert_group)
+        super().__init__(module, group, expert_group=expert_group)
         params = self._params()
         device = params[0].device
         self.shard_group = group if shard_group is None else shard_group
@@ -333,8 +331,7 @@ class DataParallelBucket(DataParallel):
             bucket.handle = bucket.after_wait = None
             self._complete(bucket)
             return None
-        if self.num_collectives is not None:
-            self.num_collectives += 1
+        self.num_collectives += 1
         wire = bucket.buffer if self.reduce_dtype == torch.float32 else bucket.buffer.to(self.reduce_dtype)
         if not bucket.sharded:
             work = dist.all_reduce(wire, op=AVG, group=bucket.group, async_op=async_op)
@@ -367,8 +364,7 @@ class DataParallelBucket(DataParallel):
             bucket.after_wait = None
         bucket.reducing, bucket.fresh = False, False
         if bucket.replicate is not None and self.require_sync:
-            if self.num_collectives is not None:
-                self.num_collectives += 1
+            self.num_collectives += 1
             self._replica_works.append(dist.all_reduce(bucket.reduced_grad(), op=AVG, group=bucket.replicate,
                                                        async_op=True))
         if self.free_after_reduce and bucket.sharded and bucket.buffer is not None:
@@ -395,12 +391,11 @@ class DataParallelBucket(DataParallel):
 
 
 def apply_data_parallel(model: nn.Module, group: dist.ProcessGroup, *, impl: DpImpl = "bucket",
-                        count_collectives: bool = False, expert_group: dist.ProcessGroup | None = None,
+                        expert_group: dist.ProcessGroup | None = None,
                         **bucket_options) -> DataParallel:
     """Wrap `model` so gradients are averaged over `group` ("naive" or "bucket"; ZeRO needs buckets, and
     `bucket_options` are DataParallelBucket's), those of expert-parallel shards over `expert_group` (default:
     `group`)."""
     if impl == "naive":
-        return DataParallelNaive(model, group, count_collectives=count_collectives, expert_group=expert_group)
-    return DataParallelBucket(model, group, count_collectives=count_collectives, expert_group=expert_group,
-                              **bucket_options)
+        return DataParallelNaive(model, group, expert_group=expert_group)
+    return DataParallelBucket(model, group, expert_group=expert_group, **bucket_options)

@@ -64,7 +64,7 @@ class ParallelModel:
             chunk.zero_grad(set_to_none=True)
 
 
-def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collectives: bool = False) -> ParallelModel:
+def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
     """Build this rank's chunks of `cfg.model` for its place in `mesh`, initialised from the run seed
     (each rank its own slices, so every layout starts from the same weights)."""
     p = cfg.parallel
@@ -96,7 +96,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
     whole = optimizer_class(cfg.optim.name).needs_whole_matrices
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
-                                     count_collectives=count_collectives, accumulate=p.zero_accumulate,
+                                     accumulate=p.zero_accumulate,
                                      shard_group=mesh.group("dp_shard"), replicate_group=mesh.group("dp_replicate"),
                                      expert_group=mesh.group("edp"), expert_shard_group=mesh.group("edp_shard"),
                                      whole=whole)

@@ -139,12 +139,24 @@ def tied_embeddings(chunks: list[nn.Module], mesh: Mesh) -> list[nn.Parameter]:
 
 @dataclass
 class PipelineTrace:
-    """What one rank did in one step: the compute interval of each action and the activations held."""
+    """What one rank did in its last training step: the compute interval of each action and the activations
+    held. Whoever studies a schedule (tests, benchmarks) sets one as a Pipeline's `watcher`."""
 
     rank: int
     events: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # (F|B|W, chunk, micro, start, end)
     peak_in_flight: int = 0  # most (chunk, micro-batch) pairs whose activations were held at once
     peak_output_elements: int = 0  # most elements of sent stage outputs still held (0: all released)
+
+    def begin(self) -> None:
+        """A new step: forget the last."""
+        self.events, self.peak_in_flight, self.peak_output_elements = [], 0, 0
+
+    def record(self, action: Action, start: float, end: float, stored: dict[tuple[int, int], tuple]) -> None:
+        """Action done in [start, end] (its output sent and released), `stored`: what the pipeline holds now."""
+        self.events.append((action.kind, action.chunk, action.micro, start, end))
+        self.peak_in_flight = max(self.peak_in_flight, len(stored))
+        held = sum(kept[1].numel() for kept in stored.values() if kept[1] is not None and kept[1].dim() > 0)
+        self.peak_output_elements = max(self.peak_output_elements, held)
 
 
 def measure_bubble(traces: list[PipelineTrace]) -> list[float]:
@@ -171,8 +183,7 @@ class Pipeline:
 
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, schedule_name: str, micro_batches: int,
                  shape: tuple[int, ...], loss_fn: Callable[[Tensor], Tensor],
-                 positions: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                 trace: bool = False) -> None:
+                 positions: Tensor, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> None:
         self.chunks, self.mesh = chunks, mesh
         self.p, self.rank, self.v = mesh.size("pp"), mesh.local_rank("pp"), len(chunks)
         self.stages = self.p * self.v
@@ -201,8 +212,7 @@ class Pipeline:
         self.sends: list[dist.Work] = []  # posted sends not yet known to be complete
         self.posted: dict[Message, tuple[Tensor, dist.Work]] = {}  # receives in flight
         self.arrived: dict[Message, Tensor] = {}  # handed over on this rank (zbv's turn), not yet used
-        self.tracing = trace  # record each action's times and the activations held (tests, benchmarks)
-        self.trace: PipelineTrace | None = None  # the last step's, when tracing
+        self.watcher: PipelineTrace | None = None  # set to record each training step's actions (tests, benchmarks)
         self.forward_orders: dict[int, tuple[list[Action], list[list[Op]]]] = {}  # forward_only's, by micro-batches
 
     def _stage(self, chunk: int) -> int:
@@ -319,7 +329,8 @@ class Pipeline:
         if len(batches) != self.m:
             raise ValueError(f"the schedule was built for {self.m} micro-batches, got {len(batches)}")
         self.loss = torch.zeros((), device=self.device)
-        self.trace = PipelineTrace(rank=self.rank) if self.tracing else None
+        if self.watcher is not None:
+            self.watcher.begin()
         self._run(self.actions, self.plan, batches, loss_fn=self.loss_fn, keep=True)
         return self.loss
 
@@ -356,16 +367,9 @@ class Pipeline:
                 outbound = self._forward(action, received, batches[action.micro], loss_fn=loss_fn, keep=keep)
             end = time.perf_counter()
             self._post(plan, k + 1, outbound)
-            if self.trace and keep:
-                self._record(action, start, end)  # after the post: a sent output is released by then
+            if self.watcher is not None and keep:
+                self.watcher.record(action, start, end, self.stored)  # after the post: a sent output is released
         with timer("pp"):
             for work in self.sends:
                 work.wait()
         self.sends.clear()
-
-    def _record(self, action: Action, start: float, end: float) -> None:
-        trace = self.trace
-        trace.events.append((action.kind, action.chunk, action.micro, start, end))
-        trace.peak_in_flight = max(trace.peak_in_flight, len(self.stored))
-        held = sum(kept[1].numel() for kept in self.stored.values() if kept[1] is not None and kept[1].dim() > 0)
-        trace.peak_output_elements = max(trace.peak_output_elements, held)
