@@ -32,6 +32,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))  # conftest.py, harness.py, fuzz/ when run as a script
 
 from fuzz.draw import comparable, draw  # noqa: E402
+from fuzz.noops import checks_for, switched_off  # noqa: E402
 
 from tetron.config import from_dict  # noqa: E402
 from tetron.data.sources import iter_texts  # noqa: E402
@@ -134,8 +135,11 @@ def differences(results: list[dict], written: dict, ref: dict, ref_written: dict
     return found
 
 
-def run_draw(index: int, sections: dict[str, dict], *, corpus: Path, docs: Path, cache: Path, work: Path) -> Outcome:
-    """Validate one draw; train it and its single-process reference when accepted, and compare them."""
+def run_draw(index: int, sections: dict[str, dict], *, corpus: Path, docs: Path, cache: Path, work: Path,
+             noop: random.Random | None = None) -> Outcome:
+    """Validate one draw; train it and its single-process reference when accepted, and compare them. With `noop`,
+    a draw that passed and has an option on (fuzz/noops.py) trains again with one of them (drawn) off, and the
+    option must have changed what it is for."""
     start = time.perf_counter()
     out = work / f"draw-{index}"
     try:
@@ -152,9 +156,17 @@ def run_draw(index: int, sections: dict[str, dict], *, corpus: Path, docs: Path,
         ref, ref_written = reference_run(ref_raw)
         results, written = run_parallel(raw, timeout=DRAW_TIMEOUT_S)
         found = differences(results, written, ref, ref_written, bf16=comparable(sections) == "bf16")
+        checks, checked = checks_for(sections) if noop is not None and not found else [], ""
+        if checks:
+            check = noop.choice(checks)
+            off_raw, _ = configs(switched_off(sections, check), corpus=corpus, docs=docs, cache=cache,
+                                 out=work / f"draw-{index}-without")
+            acts, said = check.verdict(written, run_parallel(off_raw, timeout=DRAW_TIMEOUT_S)[1])
+            found += [] if acts else [f"a silent no-op: {said}"]
+            checked = said
     except Exception:  # noqa: BLE001 (a rank's error or hang: the draw fails, the campaign goes on)
-        found = ["the run failed: " + _last_line(traceback.format_exc())]
-    return Outcome(index, "failed" if found else "passed", "; ".join(found), sections, raw, ref_raw,
+        found, checked = ["the run failed: " + _last_line(traceback.format_exc())], ""
+    return Outcome(index, "failed" if found else "passed", "; ".join(found) or checked, sections, raw, ref_raw,
                    time.perf_counter() - start)
 
 
@@ -184,13 +196,15 @@ def write_failure(outcome: Outcome, folder: Path, *, seed: int) -> Path:
 
 
 def campaign(seed: int, count: int, *, data: Path, work: Path, failures: Path | None = None, max_world: int = 8,
-             first: int = 0, log: Callable[[str], None] = print) -> list[Outcome]:
-    """Draws first..first+count-1 of `seed`, each validated and (accepted) run and compared; one log line each."""
+             first: int = 0, noops: float = 0.0, log: Callable[[str], None] = print) -> list[Outcome]:
+    """Draws first..first+count-1 of `seed`, each validated and (accepted) run and compared, and a `noops` share of
+    them checked for options that do nothing (run_draw); one log line each."""
     corpus, docs = write_corpora(data)
     outcomes = []
     for index in range(first, first + count):
+        noop = random.Random(f"tetron-fuzz-noop:{seed}:{index}")
         outcome = run_draw(index, draw_of(seed, index, max_world=max_world), corpus=corpus, docs=docs,
-                           cache=data / "cache", work=work)
+                           cache=data / "cache", work=work, noop=noop if noop.random() < noops else None)
         outcomes.append(outcome)
         p = outcome.sections["parallel"]
         shape = " ".join(f"{k}{p[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if p.get(k, 1) != 1) or "single"
@@ -216,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=20)
     parser.add_argument("--index", type=int, default=None, help="run only this draw of the seed")
     parser.add_argument("--max-world", type=int, default=8)
+    parser.add_argument("--noops", type=float, default=0.5,
+                        help="share of draws also run with one of their options off, which must change something")
     parser.add_argument("--failures", default="fuzz-failures", help="folder for the failing configs' YAML")
     parser.add_argument("--data", default=None, help="corpora and token cache (default: FAILURES/data)")
     args = parser.parse_args(argv)
@@ -225,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     first, count = (args.index, 1) if args.index is not None else (0, args.count)
     with tempfile.TemporaryDirectory(prefix="tetron-fuzz-") as work:
         outcomes = campaign(args.seed, count, data=data, work=Path(work), failures=failures,
-                            max_world=args.max_world, first=first, log=lambda line: print(line, flush=True))
+                            max_world=args.max_world, first=first, noops=args.noops,
+                            log=lambda line: print(line, flush=True))
     print(summary(args.seed, outcomes) + (f"; failing configs in {failures}" if any(
         o.status == "failed" for o in outcomes) else ""), flush=True)
     return 1 if any(o.status == "failed" for o in outcomes) else 0
