@@ -60,11 +60,16 @@ def _model(rng: random.Random, family: str, *, tp: int, cp: int, ulysses: bool, 
     heads = rng.choice(heads_ok or [8])
     kv = rng.choice([k for k in _divisors(heads) if wild or k % tp == 0] or [heads])
     model: dict[str, Any] = {
-        "model_type": family, "hidden_size": rng.choice([32, 64]), "intermediate_size": rng.choice([48, 64]),
+        "model_type": family, "hidden_size": rng.choice([32, 48, 64]), "intermediate_size": rng.choice([48, 64]),
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
         "vocab_size": rng.choice([256, 257, 259, 262, 264, 300]), "max_position_embeddings": 64,
         "tie_word_embeddings": rng.random() < 0.3,
     }
+    if rng.random() < 0.15:  # heads of their own width: q/k/v/o project to heads*head_dim, not hidden
+        model["head_dim"] = rng.choice([8, 12])
+    if rng.random() < 0.1:
+        model["rope_scaling"] = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     options = {"mlp_bias": True, "attention_bias": not FAMILIES[family].config_class().attention_bias,
                "hidden_act": rng.choice(["gelu", "gelu_pytorch_tanh"])}
     for name, value in options.items():  # what the family's config takes (a wild draw: perhaps what it refuses)
@@ -143,6 +148,11 @@ def draw(rng: random.Random, *, max_world: int = 8) -> dict[str, dict]:
         hsdp = [d for d in _divisors(shards) if d < shards and (wild or d % ep == 0)]
         if parallel["zero"] >= 1 and hsdp and rng.random() < 0.35:
             parallel["dp_shard"] = rng.choice(hsdp)
+    if pp > 1 and layers >= stages and rng.random() < 0.3:  # an uneven split of its own, stage by stage
+        cuts = sorted(rng.sample(range(1, layers), stages - 1))
+        parallel["pp_split"] = [b - a for a, b in zip([0, *cuts], [*cuts, layers])]
+    if rng.random() < 0.05:  # gradients averaged in bf16: compared at bf16's tolerance
+        parallel["reduce_dtype"] = "bfloat16"
     micro_batch = rng.choice([1, 2])
     grad_acc = rng.choice([1, 2, 3])
     if SCHEDULES[schedule].micro_batches_per_pp and pp > 1 and not wild:
@@ -156,10 +166,18 @@ def draw(rng: random.Random, *, max_world: int = 8) -> dict[str, dict]:
         # to lr (1.5e-5 at lr 1e-3 in one of 1,024 elements, seed 0 draw 4, with eps 1e-8): an eps of 1e-6 keeps
         # that amplifier out of the weight comparison while a gradient of 1e-4 or more still steps by ~lr
         "eps": 1e-6,
+        "grad_clip": rng.choice([1.0, 1.0, 0.05, 0.0]),  # 0.05: every step clipped; 0: never
+        "schedule": rng.choice(["cosine", "cosine", "wsd", "constant"]),
+        "weight_decay": rng.choice([0.1, 0.0]),
     }
     if rng.random() < 0.06:  # bf16 costs ~100x a matmul here: rare, and compared at bf16's tolerance
         train["dtype"] = "bfloat16"
     data: dict[str, Any] = {"seq_len": seq}
+    if rng.random() < 0.15:  # validation loss at the last step, on held-out windows
+        data["val_fraction"] = 0.1
+        train.update(eval_every=train["steps"], eval_batches=1)
+    if rng.random() < 0.12:  # a mixture of the two data sets (the runner puts their paths for the @names)
+        data["sources"] = [{"path": "@corpus", "weight": 2}, {"path": "@docs", "weight": 1}]
     if rng.random() < 0.25:
         data["mask_documents"] = True
     if rng.random() < 0.2:
