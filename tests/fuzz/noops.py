@@ -54,9 +54,11 @@ CHECKS = (
               and (_p(s).get("dp_shard") or _p(s).get("dp", 1) * _p(s).get("cp", 1)) > 1,
               lambda s: [_p(s).update(zero=0), _p(s).pop("dp_shard", None)],
               lambda w: _first_memory(w, "mem_optimizer_mb"), lower=True),
-    NoOpCheck("data.mask_documents", lambda s: s["data"].get("mask_documents", False),
+    # (not with a mixture: its rows may all come from the one-document text, where neither has anything to do)
+    NoOpCheck("data.mask_documents", lambda s: s["data"].get("mask_documents", False) and not s["data"].get("sources"),
               lambda s: s["data"].update(mask_documents=False), _losses, lower=False),
-    NoOpCheck("data.reset_positions", lambda s: s["data"].get("reset_positions", False),
+    NoOpCheck("data.reset_positions",
+              lambda s: s["data"].get("reset_positions", False) and not s["data"].get("sources"),
               lambda s: s["data"].update(reset_positions=False), _losses, lower=False),
 )
 
