@@ -121,6 +121,14 @@ def differences(results: list[dict], written: dict, ref: dict, ref_written: dict
             step = int(rel.argmax())
             found.append(f"{who}: loss of step {step + 1} {got[step].item():.7g}, the single process "
                          f"{expected[step].item():.7g} (relative {rel[step].item():.2e} > {rtol:g})")
+    # AdamW's step is invariant to a gradient's scale (m/sqrt(v)), so a gradient off by a constant factor (a sum
+    # where a mean belongs) leaves losses and weights alone: the global gradient norm of each step shows it
+    norms, ref_norms = ([m["grad_norm"] for m in w["metrics"]] for w in (written, ref_written))
+    worst = max((abs(a - b) / abs(b) if b else abs(a), i) for i, (a, b) in enumerate(zip(norms, ref_norms)))
+    if len(norms) != len(ref_norms) or worst[0] > rtol:
+        step = worst[1]
+        found.append(f"gradient norm of step {step + 1} {norms[step]:.7g}, the single process {ref_norms[step]:.7g} "
+                     f"(relative {worst[0]:.2e} > {rtol:g})")
     val, ref_val = ([m["val_loss"] for m in w["metrics"] if "val_loss" in m] for w in (written, ref_written))
     if len(val) != len(ref_val) or any(abs(a - b) > rtol * abs(b) for a, b in zip(val, ref_val)):
         found.append(f"validation losses {val}, the single process {ref_val} (relative {rtol:g})")
