@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import random
 import sys
 import tempfile
@@ -180,6 +181,30 @@ TESTED: dict[str, dict[str, list[str]]] = {
 }
 
 
+# Options set where they do nothing: each probe's note is what `tetron train` prints at start (validate.idle_options).
+IDLE_PROBES: list[dict] = [
+    {"parallel": {"sp": True}}, {"parallel": {"cp_impl": "ulysses"}}, {"parallel": {"cp_layout": "contiguous"}},
+    {"parallel": {"pp_schedule": "afab"}}, {"parallel": {"zero": 1}}, {"parallel": {"dp": 2, "zero": 1, "dp_shard": 1}},
+    {"parallel": {"dp": 2, "zero": 1, "zero_accumulate": "full"}}, {"parallel": {"dp": 2, "zero": 2, "dp_shard": 2}},
+    {"parallel": {"reduce_dtype": "bfloat16"}}, {"data": {"mask_documents": True, "reset_positions": True}},
+    {"train": {"eval_batches": 2}},
+]
+
+
+def idle_notes(out: str) -> list[tuple[str, str]]:
+    """(the probe's settings, the note it gets) for each of IDLE_PROBES."""
+    from tetron.validate import idle_options
+
+    found = []
+    for probe in IDLE_PROBES:
+        raw = {**copy.deepcopy(_merge(BASE, probe)), "out": out}
+        given = {f"{section}.{key}" for section, values in probe.items() for key in values}
+        settings = ", ".join(f"{section}.{key}={json.dumps(v)}" for section, values in probe.items()
+                             for key, v in values.items())
+        found += [(settings, note) for note in idle_options(from_dict(raw), given)]
+    return found
+
+
 def _merge(*parts: dict) -> dict:
     """Sections merged key by key; the parallel sizes of later parts multiply the earlier ones'."""
     out: dict[str, Any] = {}
@@ -251,6 +276,7 @@ def support_markdown() -> str:
                 if message:
                     pairs.append((a.name, b.name, message))
         fuzzed = suite_draw_cells(feats, out)
+        idle = idle_notes(out)
     messages: list[str] = []
 
     def cell(name: str, axis: str) -> str:
@@ -294,6 +320,11 @@ def support_markdown() -> str:
               "", "| feature | with | refused |", "|---|---|---|"]
     for a, b, message in pairs:
         lines.append(f"| {a} | {b} | {_cell(message)} |")
+    lines += ["", "## Options that do nothing where they are set", "",
+              "Accepted, but idle in that layout: `tetron train` says so in one note line at start (`tetron: note: "
+              "...`), so that no option is silently ignored.", "", "| set | the note |", "|---|---|"]
+    for settings, note in idle:
+        lines.append(f"| `{settings}` | {_cell(note)} |")
     lines += ["", "## Refusals", ""]
     for i, message in enumerate(messages, 1):
         lines += [f"### R{i}", "", message, ""]
