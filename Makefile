@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo lint test bench gpu-check docs clean
+.PHONY: venv demo lint test fuzz bench gpu-check docs clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,14 @@ lint: $(STAMP)
 # single-process test, the other's ranks take the second core; the longest files first (tests/conftest.py).
 test: lint
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
+
+# The layout fuzzer (tests/fuzz_layouts.py): COUNT random configurations of seed SEED, each validated and, where
+# accepted, trained on forked ranks against the single process; one summary line, and each failure written to
+# fuzz-failures/ as YAML that `tetron train FILE` runs again.
+SEED  ?= 0
+COUNT ?= 50
+fuzz: $(STAMP)
+	PYTHONPATH=. $(PY) tests/fuzz_layouts.py --seed $(SEED) --count $(COUNT) --failures fuzz-failures
 
 # The GPU check: correctness, speed (tokens/s, MFU) and the memory model as one table, within 8 minutes on
 # one GPU; tiny sizes in seconds without one. No install, no network: the venv's python if there is one,

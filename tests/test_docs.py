@@ -1,7 +1,8 @@
-"""The docs, checked: docs/config.md is what docs/build.py generates from the config's field comments, the
-README stays short, every relative link in README.md and docs/*.md reaches a file (and, for #anchors, a
-heading), every path into the code they name exists, and every output they show is either rewritten by
-`make docs` or says the commit it was measured at."""
+"""The docs, checked: docs/config.md is what docs/build.py generates from the config's field comments, and
+docs/support.md what docs/support.py generates from the validator's rules; the README stays short, every
+relative link in README.md and docs/*.md reaches a file (and, for #anchors, a heading), every path into the
+code they name exists, and every output they show is either rewritten by `make docs` or says the commit it was
+measured at."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def _build_module():
 
 
 BUILD = _build_module()
+SUPPORT = BUILD._support()
 DOCS = BUILD.markdown_files()
 
 
@@ -159,6 +161,39 @@ def test_build_check_fails_on_a_stale_config_md(tmp_path, monkeypatch, capsys):
     assert "stale" in capsys.readouterr().err
     stale.write_text(BUILD.config_markdown())
     assert BUILD.main(["--check"]) == 0
+
+
+def test_support_md_is_what_support_generates():
+    assert (ROOT / "docs" / "support.md").read_text(encoding="utf-8") == SUPPORT.support_markdown(), \
+        "docs/support.md is stale: run `make docs`"
+
+
+def test_support_md_follows_the_validators_rules(monkeypatch):
+    """A rule added to validate changes the page (so the test above fails until it is regenerated): here a refusal
+    of ZeRO-3 under pipeline parallelism, which shows in the pp column with its message."""
+    from tetron import validate as validate_module
+    from tetron.errors import check
+
+    rule = "parallel.zero=3 with parallel.pp=4: a rule of this test"
+    original = validate_module._validate_memory
+
+    def stricter(cfg):
+        check(not (cfg.parallel.zero == 3 and cfg.parallel.pp > 1), rule.replace("4", str(cfg.parallel.pp)))
+        original(cfg)
+
+    monkeypatch.setattr(validate_module, "_validate_memory", stricter)
+    text = SUPPORT.support_markdown()
+    assert text != (ROOT / "docs" / "support.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| ZeRO: zero=3 |"))
+    assert row.split(" | ")[4].startswith("refused") and rule.replace("4", "2") in text
+
+
+def test_support_md_names_real_tests():
+    missing = [test for axes in SUPPORT.TESTED.values() for tests in axes.values() for test in tests
+               if f"def {test.split('::')[1]}(" not in (ROOT / "tests" / test.split("::")[0]).read_text()]
+    assert missing == []
+    names = {f.name for f in SUPPORT.features()}
+    assert set(SUPPORT.TESTED) <= names, set(SUPPORT.TESTED) - names
 
 
 def test_readme_is_short():

@@ -52,7 +52,7 @@ try:
     from tetron.overrides import SHORT_FLAGS, OneLineParser, apply_overrides, field_docs
     from tetron.plan.fit import check_fits
     from tetron.schedule import schedule_change
-    from tetron.validate import validate
+    from tetron.validate import idle_options, validate
 except KeyboardInterrupt:
     print("tetron: interrupted", file=sys.stderr)
     raise SystemExit(130) from None
@@ -196,6 +196,8 @@ def train_command(args: list[str]) -> int:
             notes.insert(0, f"train.dtype={dtype}: the default on CUDA when the config sets none "
                             f"(--train.dtype=float32 trains in fp32)")
         validate(cfg, world_size=int(os.environ["WORLD_SIZE"]) if inside_launch else None)
+        notes += idle_options(cfg, {f"{section}.{key}" for section, values in raw.items() if isinstance(values, dict)
+                                    for key in values})
         note = _schedule_note(cfg)  # reads the checkpoint's saved config: refused before anything is written
         # the memory model's peak per rank against this node's memory, before any rank allocates
         check_fits(cfg, ranks_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if inside_launch else cfg.world_size,

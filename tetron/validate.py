@@ -432,6 +432,38 @@ def _validate_observing(cfg: Config) -> None:
            f"logging.wandb={lg.wandb} needs the wandb package: pip install 'tetron[wandb]' (or unset logging.wandb)")
 
 
+def idle_options(cfg: Config, given: set[str]) -> list[str]:
+    """One note line for each option the user set (`given`: "section.key" names) that does nothing in this layout,
+    so that none is silently ignored: what it would act on is absent (sp without tp, ZeRO over one rank), or another
+    setting already does its work (RoPE is relative, so positions restarted within masked documents change
+    nothing)."""
+    p, t, d = cfg.parallel, cfg.train, cfg.data
+    shards = p.dp_shard or p.dp * p.cp
+    rules = (
+        ("parallel.sp", p.sp and p.tp == 1, "parallel.sp=true does nothing at tp=1: sequence parallelism splits "
+                                            "activations over the tp ranks"),
+        ("parallel.cp_impl", p.cp == 1, f"parallel.cp_impl={p.cp_impl} does nothing at cp=1 (no context parallelism)"),
+        ("parallel.cp_layout", p.cp == 1,
+         f"parallel.cp_layout={p.cp_layout} does nothing at cp=1 (no context parallelism)"),
+        ("parallel.pp_schedule", p.pp == 1, f"parallel.pp_schedule={p.pp_schedule} does nothing at pp=1 (no pipeline)"),
+        ("parallel.zero", p.zero >= 1 and shards == 1,
+         f"parallel.zero={p.zero} shards over {'dp_shard' if p.dp_shard else 'dp*cp'}=1 rank: nothing is sharded"),
+        ("parallel.zero_accumulate", p.zero < 2 or t.grad_acc == 1,
+         f"parallel.zero_accumulate={p.zero_accumulate} does nothing with "
+         + (f"zero={p.zero} (it chooses how ZeRO-2/3 accumulate)" if p.zero < 2
+            else "grad_acc=1 (it chooses how micro-batches accumulate)")),
+        ("parallel.dp_shard", p.dp_shard is not None and p.dp_shard == p.dp * p.cp,
+         f"parallel.dp_shard={p.dp_shard} is all of dp*cp: plain ZeRO, no replicas (the same as null)"),
+        ("parallel.reduce_dtype", p.reduce_dtype != "float32" and p.dp * p.cp == 1,
+         f"parallel.reduce_dtype={p.reduce_dtype} does nothing at dp*cp=1: no gradients are averaged"),
+        ("data.reset_positions", d.reset_positions and d.mask_documents,
+         "data.reset_positions=true does nothing with data.mask_documents=true: RoPE depends only on the distance "
+         "between positions, and attention stays within each document"),
+        ("train.eval_batches", t.eval_every == 0, "train.eval_batches does nothing with train.eval_every=0"),
+    )
+    return [note for field, idle, note in rules if field in given and idle]
+
+
 def validate(cfg: Config, *, world_size: int | None = None) -> None:
     """Every check that needs no process group; raises ConfigError with one line naming the field."""
     if cfg.model is None:

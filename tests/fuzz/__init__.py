@@ -1,0 +1,1 @@
+"""The layout fuzzer's parts (tests/fuzz_layouts.py runs them)."""
