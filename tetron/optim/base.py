@@ -6,16 +6,16 @@ plan tells (a matrix, a vector, the token embedding, the head). It declares, as 
 
 - `state`: the tensors it keeps per parameter (`StateSpec`: a name, a dtype; each shaped like the parameter,
   element by element, so ZeRO can cut it where it cuts the parameter). Checkpoints store them as
-  "{parameter}.{name}", so the names are the checkpoint's: AdamW's `exp_avg`, `exp_avg_sq`.
+  "{parameter}.{name}", so the names are the checkpoint's: AdamW's `exp_avg`, `exp_avg_sq`. A state may
+  belong to some roles only (`StateSpec.roles`: Muon's momentum on matrices, AdamW's moments on the rest): a
+  parameter's checkpoint holds the names of its role (`state_names(role)`).
 - `tensor_bytes`: what it keeps per tensor besides (AdamW's step counter: 4 bytes), for the planner.
-  A state may belong to some roles only (`StateSpec.roles`: Muon's momentum on matrices, AdamW's moments on the
-  rest): a parameter's checkpoint holds the names of its role (`state_names(role)`).
 - `needs_whole_matrices`: whether its step needs each matrix whole on one rank (Muon's Newton-Schulz
-  iteration on a 2-D update). ZeRO then keeps every parameter whole in the slice of one owner rank (instead
-  of cutting its flat buckets anywhere), so each tensor it gets is a whole parameter, flat: `Param.shape`
-  says its shape. Tensor parallelism still splits matrices: `Param.split` says how (its group, dim, this
-  rank's part); an optimizer that gathers those parts itself declares `gathers_tp_splits`, and validate.py
-  refuses tp > 1 for one that needs whole matrices and does not.
+  iteration on a 2-D update). ZeRO then keeps every parameter of its `whole_roles` (Muon: matrices) whole in
+  the slice of one owner rank, in buckets of their own (the others' are cut anywhere), so each such tensor it
+  gets is a whole parameter, flat: `Param.shape` says its shape. Tensor parallelism still splits matrices:
+  `Param.split` says how (its group, dim, this rank's part); an optimizer that gathers those parts itself
+  declares `gathers_tp_splits`, and validate.py refuses tp > 1 for one that needs whole matrices and does not.
 
 and implements `step` on its local tensors, reading their `.grad`: where the device scalar `found_inf` is 1
 nothing may change (no update, no state decay), so that a non-finite step is skipped alike on every rank.
@@ -74,6 +74,7 @@ class Optimizer:
     state: ClassVar[tuple[StateSpec, ...]]
     tensor_bytes: ClassVar[int] = 0
     needs_whole_matrices: ClassVar[bool] = False
+    whole_roles: ClassVar[tuple[Role, ...]] = ROLES  # with needs_whole_matrices: the roles it needs whole
     gathers_tp_splits: ClassVar[bool] = False
 
     def __init__(self, params: list[Param], train: TrainConfig, optim: OptimConfig | None = None) -> None:

@@ -62,6 +62,7 @@ class Muon(Optimizer):
              StateSpec("exp_avg", roles=ADAMW_ROLES), StateSpec("exp_avg_sq", roles=ADAMW_ROLES))
     tensor_bytes = 4  # AdamW's step counter per tensor
     needs_whole_matrices = True
+    whole_roles = ("matrix",)  # AdamW's parameters are cut by ZeRO anywhere, as under optim.name=adamw
     gathers_tp_splits = True
 
     def __init__(self, params: list[Param], train: TrainConfig, optim: OptimConfig | None = None) -> None:
@@ -87,7 +88,9 @@ class Muon(Optimizer):
             grad = p.tensor.grad
             if grad is None:
                 continue
-            buf = self.buffers.setdefault(p.tensor, torch.zeros_like(p.tensor))
+            buf = self.buffers.get(p.tensor)
+            if buf is None:  # the first step (or a fresh optimizer state): torch's starts at zero too
+                buf = self.buffers[p.tensor] = torch.zeros_like(p.tensor)
             buf.lerp_(grad.view_as(buf), 1 - self.momentum)
             update = grad.view_as(buf).lerp(buf, self.momentum) if self.nesterov else buf
             ortho = self._orthogonalised(update.view(p.shape), p)
@@ -123,7 +126,9 @@ class Muon(Optimizer):
 
     def state_tensor(self, tensor: nn.Parameter, name: str) -> Tensor:
         if name == "momentum_buffer":
-            return self.buffers.setdefault(tensor, torch.zeros_like(tensor))
+            if tensor not in self.buffers:  # a matrix that has had no gradient yet
+                self.buffers[tensor] = torch.zeros_like(tensor)
+            return self.buffers[tensor]
         return self.adamw.state_tensor(tensor, name)
 
     def load_state(self, tensor: nn.Parameter, values: dict[str, Tensor], *, step: float) -> None:

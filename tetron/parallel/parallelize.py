@@ -92,8 +92,10 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device, *, count_collecti
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas; expert
     # shards are averaged over edp and sharded over its ranks in the shard group. An optimizer that needs whole
-    # matrices gets each parameter whole on one rank.
-    whole = optimizer_class(cfg.optim.name).needs_whole_matrices
+    # matrices gets each of those (its `whole_roles`) whole on one rank.
+    kind = optimizer_class(cfg.optim.name)
+    roles = param_roles(chunks)
+    whole = (lambda param: roles[id(param)] in kind.whole_roles) if kind.needs_whole_matrices else None
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
                                      count_collectives=count_collectives, accumulate=p.zero_accumulate,

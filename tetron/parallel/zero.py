@@ -21,9 +21,9 @@ the slices outlive the backward pass.
 A parameter can straddle two ranks' slices: what a rank holds of one parameter is a `Piece`, and
 pieces, not parameters, are what the optimizer sees, each with its parameter's role (AdamW: weight decay on
 pieces of matrices, as on matrices). Whatever state tensors the optimizer declares are kept per piece, so
-they are sharded as the masters are. An optimizer that needs whole matrices (Muon) gets each parameter whole
-on one owner rank: data parallelism then lays its buckets out so that no slice cuts a parameter
-(data_parallel.py's `whole`), and each piece is a whole parameter, flat (`Param.shape` gives its shape).
+they are sharded as the masters are. An optimizer that needs whole matrices (Muon) gets each of them whole
+on one owner rank: data parallelism then lays their buckets out so that no slice cuts one
+(data_parallel.py's `whole`), and each such piece is a whole parameter, flat (`Param.shape` gives its shape).
 Gradient finishing (sequence-parallel and tied-embedding sums) and clipping work on the pieces,
 where the reduced gradients are; checkpoints stay full logical tensors by name: `full_tensor`
 assembles one from every rank's pieces and `load` takes this rank's pieces back.
@@ -109,7 +109,8 @@ class ShardedOptimizer:
         for piece in self.pieces:
             self.piece_of[id(piece.param)].append(piece)
         masters = [piece.master for piece in self.pieces]
-        if kind.needs_whole_matrices and any(piece.master.numel() != piece.param.numel() for piece in self.pieces):
+        if kind.needs_whole_matrices and any(piece.master.numel() != piece.param.numel() for piece in self.pieces
+                                             if roles[id(piece.param)] in kind.whole_roles):
             raise ValueError(f"optim.name={kind.name} needs whole parameters, and a ZeRO slice cuts one: build data "
                              f"parallelism with whole=True")
         self.inner = kind([Param(piece.master, roles[id(piece.param)], piece.param.shape,
