@@ -17,6 +17,7 @@ from tetron.models.moe_models import MoeConfig
 from tetron.models.spec import spec_of
 from tetron.optim import Muon, Param
 from tetron.parallel.parallelize import build_optimizer, parallelize, param_roles
+from tetron.plan.dry_run import simulate_rank
 from tetron.validate import validate
 
 from conftest import LAYOUT_LR, LOSS_RTOL, WEIGHT_ATOL, check_layout, run_training, tiny_config
@@ -84,7 +85,18 @@ def test_muon_equals_torch_in_one_process(corpus, cache_dir, tmp_path, settings)
                     ref[(n, e)].grad = g.clone()
             else:
                 rest[n].grad = p.grad.clone()
-        muon.step()
+        if step == 2:  # a step whose gradients are not finite, skipped on the device's word: nothing changes
+            before = {n: (p.detach().clone(), *(muon.state_tensor(p, k).clone() for k in muon.state_names(kinds[n])))
+                      for n, p in ours.items()}
+            grads = {n: p.grad for n, p in ours.items()}
+            for p in ours.values():
+                p.grad = torch.full_like(p, float("nan"))
+            muon.step(torch.ones(()))
+            for n, p in ours.items():
+                after = (p.detach(), *(muon.state_tensor(p, k) for k in muon.state_names(kinds[n])))
+                assert all(torch.equal(a, b) for a, b in zip(after, before[n])), n
+                p.grad = grads[n]
+        muon.step(torch.zeros(()) if step % 2 else None)  # the loop's path (found_inf on the device) and torch's
         torch_muon.step()
         torch_adamw.step()
     for n, p in ours.items():
@@ -130,7 +142,7 @@ LAYOUTS = {  # (parallel, model, train): weights after the steps equal one proce
     "dp4-zero2-hsdp2": ({"dp": 4, "zero": 2, "dp_shard": 2}, SMALL, {}),
     "tp2-sp": ({"tp": 2, "sp": True}, SMALL, {}),
     "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, {"num_hidden_layers": 4}, {}),
-    "cp2": ({"cp": 2}, SMALL, {}),
+    "cp2-recompute": ({"cp": 2}, SMALL, {"recompute": "full"}),
     "dp2-ep2-zero1": ({"dp": 2, "ep": 2, "zero": 1}, {**MOE, **SMALL}, {}),
     "dp2-tp2-pp2-zero1": ({"dp": 2, "tp": 2, "pp": 2, "zero": 1}, SMALL, {}),
 }
@@ -172,6 +184,9 @@ def test_muon_checkpoint_resumes_in_another_layout(corpus, cache_dir, tmp_path, 
     assert {name.rsplit(".", 1)[1] for name in stored if name.startswith("model.layers.0.mlp.gate.")} == {
         "exp_avg", "exp_avg_sq"}  # the router: AdamW's
     assert "model.layers.0.mlp.experts.down_proj.momentum_buffer" in stored
+    with pytest.raises(ConfigError, match=r"^optim.name=adamw: .*step_3 holds the state of optim.name=muon; use "
+                                          r"optim.name=muon to continue it, or --checkpoint.new_optimizer"):
+        validate(from_dict({**cfg("c", loaded, checkpoint={"resume": str(step3)}), "optim": {"name": "adamw"}}))
     after = run_training(cfg("b", loaded, checkpoint={"resume": str(step3)}))
     torch.testing.assert_close(torch.tensor(after), torch.tensor(reference[3:]), rtol=LOSS_RTOL, atol=0)
     final, ref_final = (load_file(tmp_path / d / "model" / "model.safetensors") for d in ("b", "ref"))
@@ -222,3 +237,18 @@ def test_zero_keeps_only_the_matrices_whole(corpus, cache_dir, tmp_path):
             assert pieces == 1 and padded >= numel  # whole, on one rank each, the slices padded to the fullest
         else:
             assert padded - numel < 2 and pieces == 2  # cut anywhere: the parameter at the cut on both ranks
+
+
+def test_dry_run_steps_muon_on_fake_tensors(monkeypatch):
+    """The dry run (plan/dry_run.py) takes Muon's step on fake tensors, tp's gathers included, with the same peak
+    memory, FLOPs and collective bytes as the same step on real ones (test_dry_run.py's reference): its skip of a
+    non-finite step never reads a value on the host."""
+    cfg = from_dict({"model": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64},
+                     "data": {"path": "stdlib", "tokenizer": "bytes", "seq_len": 32},
+                     "train": {"steps": 2, "micro_batch": 2, "grad_acc": 2, "seed": 1}, "optim": {"name": "muon"},
+                     "parallel": {"dp": 2, "tp": 2, "pp": 2, "zero": 1}, "out": "unused"})
+    fake, real = simulate_rank(cfg, 0), simulate_rank(cfg, 0, fake=False)
+    assert fake.peak_bytes == real.peak_bytes > 0
+    assert fake.flops == real.flops > 0
+    assert fake.collective_bytes == real.collective_bytes

@@ -32,6 +32,7 @@ from tetron.config import OptimConfig, TrainConfig
 from tetron.optim.adamw import AdamW
 from tetron.optim.base import Optimizer, Param, StateSpec
 
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # its 2.13 name
 ADAMW_ROLES = ("vector", "embedding", "head", "router")  # what AdamW updates (Moonlight's split)
 
 
@@ -81,9 +82,10 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, found_inf: Tensor | None = None) -> None:
-        if found_inf is not None and bool(found_inf):  # the host waits for the device's word; skipped everywhere
-            return
-        self.adamw.step()
+        """One step; where the device scalar `found_inf` is 1, nothing changes. The host never waits for it: the
+        new values are computed aside and taken where it is 0 (one matrix at a time), as the fused AdamW skips."""
+        self.adamw.step(found_inf)
+        skip = found_inf > 0 if found_inf is not None else None
         for p in self.matrices:
             grad = p.tensor.grad
             if grad is None:
@@ -91,13 +93,18 @@ class Muon(Optimizer):
             buf = self.buffers.get(p.tensor)
             if buf is None:  # the first step (or a fresh optimizer state): torch's starts at zero too
                 buf = self.buffers[p.tensor] = torch.zeros_like(p.tensor)
-            buf.lerp_(grad.view_as(buf), 1 - self.momentum)
-            update = grad.view_as(buf).lerp(buf, self.momentum) if self.nesterov else buf
+            grad = grad.view_as(buf)
+            new_buf = buf.lerp_(grad, 1 - self.momentum) if skip is None else buf.lerp(grad, 1 - self.momentum)
+            update = grad.lerp(new_buf, self.momentum) if self.nesterov else new_buf
             ortho = self._orthogonalised(update.view(p.shape), p)
             weight = p.tensor.view(p.shape)
-            weight.mul_(1 - self.lr * self.weight_decay)
+            new = weight.mul_(1 - self.lr * self.weight_decay) if skip is None else weight * (
+                1 - self.lr * self.weight_decay)
             rows, cols = self._matrix_shape(p)
-            weight.add_(ortho, alpha=-self.lr * lr_ratio(self.adjust, rows, cols))
+            new.add_(ortho, alpha=-self.lr * lr_ratio(self.adjust, rows, cols))
+            if skip is not None:  # the same arithmetic as in place, kept where the step is not skipped
+                weight.copy_(torch.where(skip, weight, new))
+                buf.copy_(torch.where(skip, buf, new_buf))
 
     @staticmethod
     def _matrix_shape(p: Param) -> tuple[int, int]:
@@ -113,7 +120,7 @@ class Muon(Optimizer):
         split = p.split
         if split is not None and split.count > 1:
             parts = torch.empty(split.count * update.numel(), dtype=update.dtype, device=update.device)
-            dist.all_gather_into_tensor(parts, update.reshape(-1), group=split.group)
+            all_gather_flat(parts, update.reshape(-1), group=split.group)
             update = torch.cat(list(parts.view(split.count, *update.shape).unbind(0)), dim=split.dim)
         if update.dim() == 2:
             ortho = newton_schulz(update, *self.ns)
