@@ -14,7 +14,7 @@ The update of a matrix W [A, B] with gradient G, momentum mu (optim.muon_momentu
                                                                   or sqrt(max(1, A / B)) (original)
 
 In every layout. Everything but NS is element by element, so it runs on whatever part of W a rank holds. NS
-needs the whole matrix: ZeRO keeps each parameter whole on one owner rank (`needs_whole_matrices`); tensor
+needs the whole matrix: ZeRO keeps each matrix whole on one owner rank (`needs_whole_matrices`); tensor
 parallelism cuts matrices by rows or columns (`Param.split`), so each tp rank all-gathers the others' parts of
 U, orthogonalises the whole matrix (every tp rank the same, exactly) and keeps its own part of O; an expert's
 matrices are whole on the rank that holds the expert.
