@@ -30,7 +30,7 @@ class SGDMomentum(TorchOptimizer):
     name = "test_sgd"
     state = (StateSpec("momentum_buffer"),)
 
-    def __init__(self, params: list[Param], train) -> None:
+    def __init__(self, params: list[Param], train, optim=None) -> None:
         super().__init__(params, train, torch.optim.SGD([p.tensor for p in params], lr=train.lr, momentum=0.9))
 
 
@@ -42,8 +42,8 @@ class NormalizedMomentum(Optimizer):
     state = (StateSpec("momentum_buffer"),)
     needs_whole_matrices = True
 
-    def __init__(self, params: list[Param], train) -> None:
-        super().__init__(params, train)
+    def __init__(self, params: list[Param], train, optim=None) -> None:
+        super().__init__(params, train, optim)
         self.lr, self.buffers = train.lr, {}
 
     def set_lr(self, lr: float) -> None:
@@ -77,8 +77,8 @@ def toy(monkeypatch):
 
 def test_optim_name_is_checked_before_start(corpus, cache_dir, tmp_path, toy):
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", optim={"name": "lion"})
-    with pytest.raises(ConfigError, match=r"^optim.name='lion': unknown optimizer; use one of adamw, test_sgd, "
-                                          r"test_whole$"):
+    with pytest.raises(ConfigError, match=r"^optim.name='lion': unknown optimizer; use one of adamw, muon, "
+                                          r"test_sgd, test_whole$"):
         validate(from_dict(raw))
     for name in ("adamw", "test_sgd"):
         validate(from_dict({**raw, "optim": {"name": name}}))
@@ -86,7 +86,7 @@ def test_optim_name_is_checked_before_start(corpus, cache_dir, tmp_path, toy):
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump({**raw, "optim": {"name": "adamw"}}))
     found = cli_in_process(["train", str(tmp_path / "tiny.yaml"), "--optim.name=lion"], tmp_path)
     assert found.returncode == 2 and found.stderr.strip().splitlines() == [
-        "tetron: error: optim.name='lion': unknown optimizer; use one of adamw, test_sgd, test_whole"]
+        "tetron: error: optim.name='lion': unknown optimizer; use one of adamw, muon, test_sgd, test_whole"]
 
 
 def test_an_optimizer_that_needs_whole_matrices_is_refused_under_tp(corpus, cache_dir, tmp_path, toy):

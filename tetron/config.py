@@ -126,6 +126,18 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # the optimizer (tetron/optim): "adamw" (its settings: train.lr, weight_decay, beta1/2, eps)
+    # or "muon": Muon on the hidden matrices (experts' each on its own), AdamW on the rest (docs/optim.md)
+    muon_momentum: float = 0.95  # Muon's momentum (torch.optim.Muon's `momentum`), in [0, 1)
+    muon_nesterov: bool = True  # Nesterov momentum: orthogonalise grad + momentum * buffer, not the buffer
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per matrix and step (`ns_steps`), 1 to 99
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])  # the quintic
+    # Newton-Schulz iteration's (a, b, c) (`ns_coefficients`; Keller Jordan's, as torch's default)
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the iteration's dtype: torch's bf16, or fp32 (exact
+    # to fp32 rounding across layouts, whose reductions round differently; and on a CPU without bf16 matmuls faster)
+    muon_eps: float = 1e-7  # floor of the Frobenius norm a matrix is divided by before the iteration (`eps`)
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"  # Muon's lr per matrix of
+    # [A, B]: train.lr * 0.2 * sqrt(max(A, B)) (Moonlight's: AdamW's lr and weight decay carry over), or
+    # train.lr * sqrt(max(1, A / B)) (Keller Jordan's); torch.optim.Muon's `adjust_lr_fn`
 
 
 @dataclass

@@ -314,12 +314,19 @@ def _validate_train(cfg: Config) -> None:
 
 
 def _validate_optim(cfg: Config) -> None:
-    """The optimizer: a known one, and where it needs whole matrices, no tensor parallelism that splits them (ZeRO
-    keeps each whole on one rank for it)."""
+    """The optimizer: a known one; where it needs whole matrices, no tensor parallelism that splits them unless it
+    gathers them itself (ZeRO keeps each whole on one rank for it); Muon's settings in range."""
     name, p = cfg.optim.name, cfg.parallel
     _check(name in OPTIMIZERS, f"optim.name={name!r}: unknown optimizer; use one of {', '.join(sorted(OPTIMIZERS))}")
-    _check(not OPTIMIZERS[name].needs_whole_matrices or p.tp == 1,
+    kind, o = OPTIMIZERS[name], cfg.optim
+    _check(not kind.needs_whole_matrices or kind.gathers_tp_splits or p.tp == 1,
            f"optim.name={name} needs whole matrices, which tensor parallelism splits (parallel.tp={p.tp}); use tp=1")
+    _check(0 <= o.muon_momentum < 1, f"optim.muon_momentum={o.muon_momentum} must be in [0, 1) (Muon's default: 0.95)")
+    _check(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps={o.muon_ns_steps} must be 1 to 99 (Muon's default: 5)")
+    _check(len(o.muon_ns_coefficients) == 3 and all(math.isfinite(c) for c in o.muon_ns_coefficients),
+           f"optim.muon_ns_coefficients={o.muon_ns_coefficients} must be three finite numbers a, b, c "
+           f"(default: [3.4445, -4.775, 2.0315])")
+    _check(o.muon_eps > 0, f"optim.muon_eps={o.muon_eps} must be > 0 (default: 1e-7)")
 
 
 def _validate_numbers(cfg: Config) -> None:

@@ -44,7 +44,7 @@ class Snapshot:
         self.parts, self.ranges = {}, {id(p): optimizer.piece_ranges(p) for p in params}
         device = None
         for param in params:
-            for kind in ("master", *(optimizer.state_names if moments else ())):
+            for kind in ("master", *(optimizer.state_names_of(param) if moments else ())):
                 copies = []
                 for j, (start, values) in enumerate(optimizer.local_parts(param, kind)):
                     key = (id(param), kind, j)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tetron.checkpoint.load import FLOAT_DTYPES, TensorReader
-from tetron.checkpoint.save import ADAMW_STATE, FORMAT, model_specs, optimizer_specs, seal
+from tetron.checkpoint.save import ADAMW, ADAMW_STATE, FORMAT, model_specs, optimizer_specs, seal
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check, failed
 from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
@@ -200,7 +200,8 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
     readers = [reader]
     if state is not None and state["optimizer"]["present"]:
         opt = TensorReader(folder, "optimizer")
-        for name, _, _, shape in optimizer_specs(config, names=state["optimizer"].get("state", ADAMW_STATE)):
+        for name, _, _, shape in optimizer_specs(config, names=state["optimizer"].get("state", ADAMW_STATE),
+                                                 optimizer=state["optimizer"].get("name", ADAMW)):
             opt.check(name, shape, dtypes={"F32"})
         readers.append(opt)
     for r in readers if state is not None else []:  # tetron writes the exact byte count of its tensors

@@ -325,7 +325,7 @@ def load_optimizer(optimizer: ShardedOptimizer, chunks: list[nn.Module], folder:
             for name, param in chunk.named_parameters():
                 src = _source_name(name, param, model_reader, chunk)
                 optimizer.load(param, state={kind: _read_local(reader, f"{src}.{kind}", param)
-                                             for kind in optimizer.state_names}, step=step)
+                                             for kind in optimizer.state_names_of(param)}, step=step)
 
 
 def saved_optimizer(state: dict[str, Any]) -> str:

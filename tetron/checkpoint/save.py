@@ -73,6 +73,8 @@ from tetron.fs import (
 )
 from tetron.mesh import Mesh
 from tetron.models.spec import spec_of, split_stored, stored_as_of
+from tetron.optim import OPTIMIZERS, Role
+from tetron.parallel.parallelize import param_roles
 from tetron.parallel.zero import ShardedOptimizer
 
 FORMAT = "tetron-checkpoint/1"
@@ -158,11 +160,24 @@ def model_specs(config: Any, dtype: torch.dtype = torch.float32, *, buffers: boo
 
 
 def optimizer_specs(config: Any, params: list[Spec] | None = None, *,
-                    names: tuple[str, ...] | list[str] = ADAMW_STATE) -> list[Spec]:
+                    names: tuple[str, ...] | list[str] = ADAMW_STATE, optimizer: str = ADAMW) -> list[Spec]:
     """The optimizer's state tensors `names` of every stored parameter, full (unpadded) shapes, fp32 (`params`:
-    model_specs' answer without buffers, where already known: each builds the model on the meta device)."""
-    return [(f"{name}.{kind}", name, torch.float32, shape) for name, _, _, shape in
-            params or model_specs(config, buffers=False) for kind in names]
+    model_specs' answer without buffers, where already known: each builds the model on the meta device). A known
+    `optimizer` keeps only its role's names per parameter (Muon: momentum_buffer of a matrix, exp_avg and
+    exp_avg_sq of the rest); an unknown one every name of every parameter."""
+    kind = OPTIMIZERS.get(optimizer)
+    roles = stored_roles(config) if kind is not None else {}
+    return [(f"{name}.{state}", name, torch.float32, shape) for name, _, _, shape in
+            params or model_specs(config, buffers=False) for state in names
+            if kind is None or state in kind.state_names(roles[name])]
+
+
+def stored_roles(config: Any) -> dict[str, Role]:
+    """Each stored parameter's role for the optimizer (parallelize.param_roles on the whole model), by name."""
+    with torch.device("meta"):
+        whole = spec_of(config).model_class(config)
+    roles = param_roles([whole])
+    return {name: roles[id(p)] for name, p in whole.named_parameters()}
 
 
 def write_index(folder: Path, prefix: str, shards: list[Shard], *, layout: Layout | None = None) -> None:
@@ -274,7 +289,8 @@ class CheckpointWrite:
         cfg, mesh = self.cfg, self.mesh
         model, params = model_specs(cfg.model), model_specs(cfg.model, buffers=False)
         optimizer = self.state["optimizer"]
-        specs = model + (optimizer_specs(cfg.model, params, names=optimizer["state"]) if optimizer["present"] else [])
+        specs = model + (optimizer_specs(cfg.model, params, names=optimizer["state"], optimizer=optimizer["name"])
+                         if optimizer["present"] else [])
         plan = spec_of(cfg.model).plan
         stages = [stage_of(name, self.layer_ranks, plan) for _, name, _, _ in specs]
         owners = assign_writers(specs, stages, [mesh.grid[s].flatten().tolist() for s in range(mesh.size("pp"))])

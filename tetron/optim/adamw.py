@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from tetron.config import TrainConfig
+from tetron.config import OptimConfig, TrainConfig
 from tetron.optim.base import Param, StateSpec, TorchOptimizer
 
 
@@ -16,7 +16,7 @@ class AdamW(TorchOptimizer):
     state = (StateSpec("exp_avg"), StateSpec("exp_avg_sq"))  # the moments; checkpoints' names since the start
     tensor_bytes = 4  # its fp32 step counter per tensor
 
-    def __init__(self, params: list[Param], train: TrainConfig) -> None:
+    def __init__(self, params: list[Param], train: TrainConfig, optim: OptimConfig | None = None) -> None:
         decay = [p.tensor for p in params if p.role != "vector"]
         keep = [p.tensor for p in params if p.role == "vector"]
         # The fused kernel (CPU and CUDA) is the fastest form (on this CPU 4x the for-loop, 7x foreach),

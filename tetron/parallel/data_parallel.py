@@ -180,8 +180,9 @@ class DataParallelBucket(DataParallel):
     `accumulate` (ZeRO-2/3): "sharded" reduces every micro-batch into the slices, "full" once a step.
     `shard_group` (HSDP; default `group`): the ranks ZeRO shards over; `replicate_group`: their replicas.
     `expert_group`: where expert-parallel shards are averaged, in buckets of their own (ZeRO-3: one more per
-    unit); `expert_shard_group` (default `expert_group`): where ZeRO shards them. `whole`: under ZeRO each
-    parameter lies whole in one rank's slice (for an optimizer that needs whole matrices)."""
+    unit); `expert_shard_group` (default `expert_group`): where ZeRO shards them. `whole`: which parameters lie
+    whole in one rank's slice under ZeRO (those an optimizer needs whole: Muon's matrices), in buckets of their
+    own (in ZeRO-3, one more per unit), so that the others are cut anywhere without padding."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float = 25.0, zero: int = 0,
                  reduce_dtype: torch.dtype = torch.float32,
@@ -190,7 +191,8 @@ class DataParallelBucket(DataParallel):
                  shard_group: dist.ProcessGroup | None = None,
                  replicate_group: dist.ProcessGroup | None = None,
                  expert_group: dist.ProcessGroup | None = None,
-                 expert_shard_group: dist.ProcessGroup | None = None, whole: bool = False) -> None:
+                 expert_shard_group: dist.ProcessGroup | None = None,
+                 whole: Callable[[nn.Parameter], bool] | None = None) -> None:
         super().__init__(module, group, expert_group=expert_group)
         params = self._params()
         device = params[0].device
@@ -204,28 +206,32 @@ class DataParallelBucket(DataParallel):
         self.max_held_grad_bytes = 0  # the most gradient bytes alive at a forward's start: what accumulation holds
         shard = {"shards": self.shards, "rank": dist.get_rank(self.shard_group) if self.shards > 1 else 0,
                  "separate_shard": self.free_after_reduce, "replicate": self.replicate,
-                 "group": self.shard_group if self.shards > 1 else group, "whole": whole}
+                 "group": self.shard_group if self.shards > 1 else group}
         expert_shard_group = expert_shard_group or self.expert_group
         expert_shards = dist.get_world_size(expert_shard_group) if zero >= 1 else 1
         expert_shard = {"shards": expert_shards, "rank": dist.get_rank(expert_shard_group) if expert_shards > 1 else 0,
                         "separate_shard": self.free_after_reduce, "replicate": self.replicate,
-                        "group": expert_shard_group if zero >= 1 else self.expert_group, "whole": whole}
+                        "group": expert_shard_group if zero >= 1 else self.expert_group}
         # ZeRO-2/3: a bucket's full buffer exists only from its first gradient of the step (or, ZeRO-3, from
         # its unit's backward) until its reduction, not through the forward pass
         self.lazy = self.free_after_reduce
         self.reduce_dtype = reduce_dtype
-        experts = [p for p in params if layout_of(p).ep is not None]
+        keep_whole = whole or (lambda p: False)
+
+        def kinds(ps: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], dict]]:
+            """`ps` by bucket kind: cut anywhere, kept whole; expert shards (sharded over their own group) apart"""
+            return [([p for p in ps if (layout_of(p).ep is not None) == expert and keep_whole(p) == w],
+                     {**(expert_shard if expert else shard), "whole": w}) for expert in (False, True)
+                    for w in (False, True)]
+
         if units is not None:
-            # Backward visits the units in reverse order: so are the buckets; a unit's expert shards (sharded
-            # over their own group) in a bucket of their own, after the rest of it
+            # Backward visits the units in reverse order: so are the buckets; a unit's expert shards in a bucket
+            # of their own, after the rest of it
             self.buckets = [_Bucket(ps, device, module=m, allocate=False, **options) for m, unit in reversed(units)
-                            for ps, options in (([p for p in unit if layout_of(p).ep is None], shard),
-                                                ([p for p in unit if layout_of(p).ep is not None], expert_shard))
-                            if ps]
+                            for ps, options in kinds(unit) if ps]
         else:
-            self.buckets = self._size_buckets([p for p in params if layout_of(p).ep is None], device, bucket_mb, shard)
-            if experts:
-                self.buckets += self._size_buckets(experts, device, bucket_mb, expert_shard)
+            self.buckets = [b for ps, options in kinds(params) if ps
+                            for b in self._size_buckets(ps, device, bucket_mb, options)]
         self.bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
         # each parameter's fp32 gradient: a view into its bucket's buffer (Megatron's main_grad)
         self.main_grads: dict[nn.Parameter, torch.Tensor] = {}

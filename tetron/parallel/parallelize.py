@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from tetron.config import Config
 from tetron.mesh import Mesh
-from tetron.models.moe import moe_blocks
+from tetron.models.moe import Router, moe_blocks
 from tetron.models.spec import spec_of
 from tetron.optim import Role, optimizer_class
 from tetron.parallel.compile import apply_compile
@@ -92,8 +92,10 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas; expert
     # shards are averaged over edp and sharded over its ranks in the shard group. An optimizer that needs whole
-    # matrices gets each parameter whole on one rank.
-    whole = optimizer_class(cfg.optim.name).needs_whole_matrices
+    # matrices gets each of those (its `whole_roles`) whole on one rank.
+    kind = optimizer_class(cfg.optim.name)
+    roles = param_roles(chunks)
+    whole = (lambda param: roles[id(param)] in kind.whole_roles) if kind.needs_whole_matrices else None
     dp_chunks = [apply_data_parallel(chunk, mesh.group("dp_cp"), impl=p.dp_impl, bucket_mb=p.bucket_mb, zero=p.zero,
                                      reduce_dtype=reduce_dtype, units=units_of(chunk) if p.zero == 3 else None,
                                      accumulate=p.zero_accumulate,
@@ -106,14 +108,15 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
 
 def param_roles(chunks: list[nn.Module]) -> dict[int, Role]:
     """Each parameter's role for the optimizer (by id), as the family's plan tells: the token embedding, the head
-    (a pipeline's tied copy of the embedding on the last stage is the head there), any other weight of 2+ dims a
-    matrix, the rest (norms, biases) vectors."""
+    (a pipeline's tied copy of the embedding on the last stage is the head there), an MoE layer's router, any
+    other weight of 2+ dims a matrix, the rest (norms, biases, sinks) vectors."""
     roles: dict[int, Role] = {}
     for chunk in chunks:
         plan = spec_of(chunk.config).plan
+        routers = {id(p) for m in chunk.modules() if isinstance(m, Router) for p in m.parameters()}
         for name, p in chunk.named_parameters():
             roles[id(p)] = ("embedding" if name == plan.embedding_weight else "head" if name == plan.head_weight
-                            else "matrix" if p.ndim >= 2 else "vector")
+                            else "router" if id(p) in routers else "matrix" if p.ndim >= 2 else "vector")
     return roles
 
 
@@ -123,7 +126,7 @@ def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedOpt
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     return ShardedOptimizer(model.params, model.dp_chunks, cfg.train, kind=optimizer_class(cfg.optim.name),
                             roles=param_roles(model.chunks), zero=cfg.parallel.zero, dtype=dtype,
-                            group=mesh.group("dp_shard"))
+                            group=mesh.group("dp_shard"), optim=cfg.optim, tp_group=mesh.group("tp"))
 
 
 @torch.no_grad()

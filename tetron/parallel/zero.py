@@ -21,9 +21,9 @@ the slices outlive the backward pass.
 A parameter can straddle two ranks' slices: what a rank holds of one parameter is a `Piece`, and
 pieces, not parameters, are what the optimizer sees, each with its parameter's role (AdamW: weight decay on
 pieces of matrices, as on matrices). Whatever state tensors the optimizer declares are kept per piece, so
-they are sharded as the masters are. An optimizer that needs whole matrices (Muon) gets each parameter whole
-on one owner rank: data parallelism then lays its buckets out so that no slice cuts a parameter
-(data_parallel.py's `whole`), and each piece is a whole parameter, flat (`Param.shape` gives its shape).
+they are sharded as the masters are. An optimizer that needs whole matrices (Muon) gets each of them whole
+on one owner rank: data parallelism then lays their buckets out so that no slice cuts one
+(data_parallel.py's `whole`), and each such piece is a whole parameter, flat (`Param.shape` gives its shape).
 Gradient finishing (sequence-parallel and tied-embedding sums) and clipping work on the pieces,
 where the reduced gradients are; checkpoints stay full logical tensors by name: `full_tensor`
 assembles one from every rank's pieces and `load` takes this rank's pieces back.
@@ -37,10 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tetron.config import TrainConfig
-from tetron.optim import Optimizer, Param, Role
+from tetron.config import OptimConfig, TrainConfig
+from tetron.optim import Optimizer, Param, Role, TensorSplit
 from tetron.parallel.comm import all_gather_flat
 from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
+from tetron.parallel.layout import layout_of
 from tetron.parallel.timers import timer
 from tetron.parallel.zero3 import ParameterSharding
 
@@ -64,13 +65,22 @@ class Piece:
         return self.bucket.reduced_grad()[self.slice_offset:self.slice_offset + n]
 
 
+def _split(param: nn.Parameter, tp_group: dist.ProcessGroup | None) -> TensorSplit | None:
+    """How tensor parallelism cuts `param` (parallel/layout.py's record), for an optimizer that needs it whole."""
+    shard = layout_of(param).tp
+    if shard is None or shard.count == 1 or tp_group is None:
+        return None
+    return TensorSplit(tp_group, shard.dim, shard.index, shard.count)
+
+
 class ShardedOptimizer:
     """The optimizer `kind` over this rank's pieces of the parameters (`roles`: each parameter's, by id)."""
 
     def __init__(self, params: list[nn.Parameter], dp_chunks: list[DataParallel], t: TrainConfig, *,
                  kind: type[Optimizer], roles: dict[int, Role], zero: int, dtype: torch.dtype,
-                 group: dist.ProcessGroup) -> None:
-        self.zero, self.group = zero, group
+                 group: dist.ProcessGroup, optim: OptimConfig | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        self.zero, self.group, self.kind, self.roles = zero, group, kind, roles
         self.shards = dist.get_world_size(group) if zero >= 1 else 1
         # fp32 with nothing to shard (no ZeRO, or dp*cp = 1): the masters are the parameters themselves
         self.plain = self.shards == 1 and dtype == torch.float32
@@ -99,16 +109,22 @@ class ShardedOptimizer:
         for piece in self.pieces:
             self.piece_of[id(piece.param)].append(piece)
         masters = [piece.master for piece in self.pieces]
-        if kind.needs_whole_matrices and any(piece.master.numel() != piece.param.numel() for piece in self.pieces):
+        if kind.needs_whole_matrices and any(piece.master.numel() != piece.param.numel() for piece in self.pieces
+                                             if roles[id(piece.param)] in kind.whole_roles):
             raise ValueError(f"optim.name={kind.name} needs whole parameters, and a ZeRO slice cuts one: build data "
-                             f"parallelism with whole=True")
-        self.inner = kind([Param(piece.master, roles[id(piece.param)], piece.param.shape) for piece in self.pieces], t)
+                             f"parallelism with whole= naming its whole_roles")
+        self.inner = kind([Param(piece.master, roles[id(piece.param)], piece.param.shape,
+                                 _split(piece.param, tp_group)) for piece in self.pieces], t, optim)
         self.name, self.state_names = kind.name, kind.state_names()
         self.masters = masters
         # Optimizer steps called (or loaded) and, on the device, those its found_inf skipped: the same on
         # every rank, even one whose slices hold only padding.
         self.calls = 0.0
         self.skipped = torch.zeros((), device=masters[0].device if masters else "cpu")
+
+    def state_names_of(self, param: nn.Parameter) -> tuple[str, ...]:
+        """The state names a checkpoint holds for `param` (those of its role)."""
+        return self.kind.state_names(self.roles[id(param)])
 
     @property
     def steps(self) -> float:

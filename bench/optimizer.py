@@ -1,0 +1,167 @@
+"""Muon against AdamW and against torch.optim.Muon: one optimizer step on the SmolLM-135M shape, in one process;
+and what keeping matrices whole costs ZeRO on the wire at dp8 (the 135M shape's bucket layouts, computed).
+
+    python bench/optimizer.py [--layers 30] [--steps 3] [--ns-dtype float32|bfloat16] [--config CONFIG]
+
+Step time. The model of the config (SmolLM-135M: hidden 576, 30 layers, 9/3 heads, tied embeddings), fp32, with
+fixed random gradients; each optimizer (tetron's AdamW, the fused kernel; tetron's Muon; torch.optim.Muon on the
+matrices plus torch's fused AdamW on the rest: the peer) steps in turn, round after round, and the medians are
+compared. Newton-Schulz runs in `--ns-dtype` (torch's Muon always in bf16, which this CPU has no matmuls for:
+~100x slower than fp32; compare tetron's bf16 with torch's on a GPU, or with --ns-dtype bfloat16 on few layers).
+`--layers` shrinks the model (every layer has the same matrices, so the ratio per layer stays); `--hidden` and
+`--intermediate` shrink its matrices, for a quick bf16 comparison with torch's on a CPU.
+
+Muon's extra FLOPs: per matrix [A, B] (m = min, n = max) and iteration 4 m^2 n + 2 m^3, times ns_steps; printed
+beside a training step's 6 * parameters * tokens at the config's batch, the fraction a GPU spends on it.
+
+Bytes on the wire at dp8: ZeRO-1 (buckets of bucket_mb) and ZeRO-3 (one unit per decoder layer): each bucket's
+padded size, cut anywhere (AdamW) or each parameter whole on one rank (Muon), from data_parallel.py's own layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tetron.config import OptimConfig, load_config  # noqa: E402
+from tetron.models.spec import spec_of  # noqa: E402
+from tetron.optim import AdamW, Muon, Param  # noqa: E402
+from tetron.parallel.data_parallel import DataParallelBucket, _Bucket  # noqa: E402
+from tetron.parallel.parallelize import param_roles  # noqa: E402
+from tetron.parallel.zero3 import units_of  # noqa: E402
+
+
+def ns_flops(shape: torch.Size, steps: int) -> int:
+    """Newton-Schulz FLOPs of one parameter: each of its [A, B] matrices, `steps` iterations of three matmuls."""
+    a, b = shape[-2:]
+    m, n = min(a, b), max(a, b)
+    return (shape.numel() // (a * b)) * steps * (4 * m * m * n + 2 * m ** 3)
+
+
+class TorchPeer:
+    """torch.optim.Muon on the matrices, torch's fused AdamW (decay on all but vectors) on the rest."""
+
+    def __init__(self, params: list[Param], train, optim: OptimConfig) -> None:
+        matrices = [p.tensor for p in params if p.role == "matrix"]
+        rest = [p for p in params if p.role != "matrix"]
+        self.muon = torch.optim.Muon(matrices, lr=train.lr, weight_decay=train.weight_decay,
+                                     momentum=optim.muon_momentum, nesterov=optim.muon_nesterov,
+                                     ns_coefficients=tuple(optim.muon_ns_coefficients), eps=optim.muon_eps,
+                                     ns_steps=optim.muon_ns_steps, adjust_lr_fn=optim.muon_adjust_lr)
+        self.adamw = torch.optim.AdamW(
+            [{"params": [p.tensor for p in rest if p.role != "vector"], "weight_decay": train.weight_decay},
+             {"params": [p.tensor for p in rest if p.role == "vector"], "weight_decay": 0.0}],
+            lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=True)
+
+    def step(self) -> None:
+        self.adamw.step()
+        self.muon.step()
+
+
+def step_times(cfg, args) -> None:
+    torch.manual_seed(0)
+    model = spec_of(cfg.model).model_class(cfg.model)
+    roles = param_roles([model])
+    optim = OptimConfig(name="muon", muon_ns_dtype=args.ns_dtype)
+    runs = {}
+    for name, make in (("adamw", lambda ps: AdamW(ps, cfg.train)), ("muon", lambda ps: Muon(ps, cfg.train, optim)),
+                       ("torch.optim.Muon", lambda ps: TorchPeer(ps, cfg.train, optim))):
+        if name == "torch.optim.Muon" and args.ns_dtype != "bfloat16":
+            continue  # torch's iterates in bf16 only: compare like with like
+        params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        runs[name] = (make([Param(q, roles[id(p)], q.shape) for q, p in zip(params, model.parameters())]), [])
+    for _ in range(args.steps + 1):  # the first step of each (state allocated) is not timed
+        for opt, times in runs.values():
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+    median = {name: statistics.median(times[1:]) for name, (_, times) in runs.items()}
+    for name, t in median.items():
+        print(f"  {name:18s} step {t * 1e3:9.1f} ms (median of {args.steps})")
+    print(f"  muon / adamw: {median['muon'] / median['adamw']:.2f}x the optimizer step")
+    if "torch.optim.Muon" in median:
+        print(f"  torch.optim.Muon / tetron muon: {median['torch.optim.Muon'] / median['muon']:.2f} (>= 1: as fast)")
+
+
+def ns_share(cfg, ns_steps: int) -> None:
+    """Newton-Schulz FLOPs of the whole model against a training step's."""
+    with torch.device("meta"):
+        model = spec_of(cfg.model).model_class(cfg.model)
+    roles = param_roles([model])
+    matrices = [p for p in model.parameters() if roles[id(p)] == "matrix"]
+    flops = sum(ns_flops(p.shape, ns_steps) for p in matrices)
+    n = sum(p.numel() for p in model.parameters())
+    tokens = cfg.train.micro_batch * cfg.train.grad_acc * cfg.data.seq_len  # per rank and step
+    print(f"  Newton-Schulz: {flops / 1e12:.2f} TFLOP a step ({len(matrices)} matrices); a training step at {tokens} "
+          f"tokens per rank: {6 * n * tokens / 1e12:.1f} TFLOP -> {flops / (6 * n * tokens):.1%} more (without ZeRO "
+          f"every dp rank orthogonalises every matrix; under ZeRO each its own 1/dp)")
+
+
+def wire_bytes(cfg, shards: int) -> None:
+    with torch.device("meta"):
+        model = spec_of(cfg.model).model_class(cfg.model)
+    roles = param_roles([model])
+    units = [ps for _, ps in units_of(model)]  # ZeRO-3's; ZeRO-1/2 size buckets over all parameters at once
+    meta = torch.device("meta")
+    for zero in (1, 3):
+        sizes = {}
+        for muon in (False, True):
+            # as data_parallel.py lays them out: Muon's matrices whole in buckets of their own, the rest cut
+            kinds = [(lambda p: True, False)] if not muon else [(lambda p: roles[id(p)] != "matrix", False),
+                                                                 (lambda p: roles[id(p)] == "matrix", True)]
+            buckets = []
+            for ps in units if zero == 3 else [[p for u in units for p in u]]:
+                for keep, whole in kinds:
+                    mine = [p for p in ps if keep(p)]
+                    shard = {"shards": shards, "rank": 0, "separate_shard": False, "replicate": None, "group": None,
+                             "whole": whole}
+                    if mine and zero == 3:
+                        buckets.append(_Bucket(mine, meta, allocate=False, **shard))
+                    elif mine:
+                        buckets += DataParallelBucket._size_buckets(SimpleNamespace(lazy=True), mine, meta,
+                                                                    cfg.parallel.bucket_mb, shard)
+            sizes[muon] = sum(b.padded for b in buckets)
+        # per step and rank: grads reduce-scattered (fp32), params all-gathered (bf16; ZeRO-3: forward and backward)
+        per_elem = 4 + 2 * (2 if zero == 3 else 1)
+        cut, whole = ((shards - 1) / shards * sizes[w] * per_elem / 2**20 for w in (False, True))
+        print(f"  dp{shards} ZeRO-{zero}: {sizes[False]:,} elements in AdamW's buckets, {sizes[True]:,} in Muon's "
+              f"(matrices whole) ({sizes[True] / sizes[False]:.2f}x); per rank and step {cut:,.0f} MiB -> "
+              f"{whole:,.0f} MiB sent (fp32 gradients, bf16 parameters)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "smollm-135m.yaml"))
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: the config's)")
+    parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default: the config's)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ns-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--shards", type=int, default=8)
+    args = parser.parse_args()
+    overrides = [f"--model.{key}={value}" for key, value in (("num_hidden_layers", args.layers),
+                                                             ("hidden_size", args.hidden),
+                                                             ("intermediate_size", args.intermediate)) if value]
+    cfg = load_config(args.config, overrides)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(f"{Path(args.config).name}: hidden {cfg.model.hidden_size}, {cfg.model.num_hidden_layers} layers; "
+          f"Newton-Schulz in {args.ns_dtype}")
+    step_times(cfg, args)
+    full = load_config(args.config)
+    print(f"{Path(args.config).name} ({full.model.num_hidden_layers} layers), bucket_mb {full.parallel.bucket_mb}:")
+    ns_share(full, OptimConfig().muon_ns_steps)
+    wire_bytes(full, args.shards)
+
+
+if __name__ == "__main__":
+    main()
