@@ -13,7 +13,7 @@ from tetron.checkpoint.check import inspect_checkpoint, verify_tensors
 from tetron.config import OptimConfig, from_dict
 from tetron.errors import ConfigError
 from tetron.mesh import Mesh
-from tetron.models.moe_models import MoeConfig
+from tetron.models.qwen3_moe import MoeConfig
 from tetron.models.spec import spec_of
 from tetron.optim import Muon, Param
 from tetron.parallel.parallelize import build_optimizer, parallelize, param_roles
