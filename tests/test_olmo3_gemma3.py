@@ -203,3 +203,33 @@ def test_layout_matches_single_process(corpus, cache_dir, tmp_path, name):
     assert any("q_norm" in key for key in norms)
     for key in norms:  # every norm trained, the q/k norms too
         assert (written["model"][key] - start).abs().max() > 1e-4, key
+
+
+# ----------------------------------------------------------------------------- the shared blocks' new options
+
+
+def test_rope_per_layer_matches_gemma3_rotary_embedding():
+    """rope_inv_freq of each layer (LlamaConfig.layer_rope): the local layers' on their own base, the global
+    layers' linearly scaled, each equal to Gemma3RotaryEmbedding's table for its layer type; a Llama's the same
+    in every layer."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from tetron.models.llama import LlamaConfig, rope_inv_freq
+
+    cfg = config("gemma3_text")
+    theirs = Gemma3RotaryEmbedding(transformers.AutoConfig.for_model(**cfg.to_hf()))
+    for index, kind in enumerate(cfg.layer_types):
+        torch.testing.assert_close(rope_inv_freq(cfg, layer=index), getattr(theirs, f"{kind}_inv_freq"),
+                                   atol=0, rtol=1e-7)
+    assert not torch.equal(rope_inv_freq(cfg, layer=0), rope_inv_freq(cfg, layer=1))
+    llama = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=3)
+    assert all(torch.equal(rope_inv_freq(llama, layer=i), rope_inv_freq(llama)) for i in range(3))
+
+
+def test_head_qk_norms_are_of_the_familys_kind():
+    """Per-head q/k norms take the family's RMSNorm: (1 + weight), starting at 0, for Gemma 3; a plain weight
+    for Qwen3."""
+    gemma = Llama(config("gemma3_text")).model.layers["0"].self_attn
+    qwen3 = Llama(family("qwen3").config_class(**{k: v for k, v in TINY.items()}, num_hidden_layers=1))
+    assert gemma.q_norm.unit_offset and gemma.k_norm.unit_offset
+    assert not qwen3.model.layers["0"].self_attn.q_norm.unit_offset

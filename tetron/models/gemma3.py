@@ -8,8 +8,10 @@ options that make it Gemma 3 (models/llama/'s docstring lists them), its config 
 - GeGLU: the gated MLP with `gelu_pytorch_tanh` (transformers' config names it `hidden_activation`).
 - The embedding's output times sqrt(hidden_size), rounded to the compute dtype first, as transformers does.
 - The scores' scale query_pre_attn_scalar**-0.5, and soft-capping of the scores where
-  `attn_logit_softcapping` is set. The final logits' soft-capping (`final_logit_softcapping`, null in every
-  Gemma 3) is refused with one line: tetron's fused head and loss do not compute it.
+  `attn_logit_softcapping` is set (null in every Gemma 3), as Gemma 2 caps them: transformers 5.24's
+  Gemma3Attention reads the cap but does not pass it to its attention, so there a set cap changes nothing.
+  The final logits' soft-capping (`final_logit_softcapping`, null in every Gemma 3) is refused with one line:
+  tetron's fused head and loss do not compute it.
 """
 
 from __future__ import annotations

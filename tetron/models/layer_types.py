@@ -25,10 +25,11 @@ from tetron.models.spec import read_hf_config
 class LayerTypesConfig(LlamaConfig):
     """Llama's fields, a kind per layer, the sliding layers' window and their RoPE base."""
 
-    sliding_window: int | None = 4096  # a sliding layer's query attends to this many latest positions, itself
-    # included
-    layer_types: list[str] | None = None  # "sliding_attention" or "full_attention" per layer; None: the
-    # family's pattern (sliding_pattern)
+    sliding_window: int | None = 4096  # a windowed layer's query attends to this many latest positions, itself
+    # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window; OLMo 3,
+    # Gemma 3: the sliding_attention layers)
+    layer_types: list[str] | None = None  # "full_attention" or "sliding_attention" per layer; None: the family's
+    # default (Qwen: from use_sliding_window and max_window_layers; OLMo 3: every 4th layer full; Gemma 3: 6th)
     rope_local_base_freq: float | None = None  # RoPE base of the sliding layers; None: rope_theta (their
     # rope_parameters' rope_theta in transformers 5's config.json)
 
