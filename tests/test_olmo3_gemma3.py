@@ -233,3 +233,17 @@ def test_head_qk_norms_are_of_the_familys_kind():
     qwen3 = Llama(family("qwen3").config_class(**{k: v for k, v in TINY.items()}, num_hidden_layers=1))
     assert gemma.q_norm.unit_offset and gemma.k_norm.unit_offset
     assert not qwen3.model.layers["0"].self_attn.q_norm.unit_offset
+
+
+def test_resuming_checks_the_local_rope_base_and_the_scale(tmp_path):
+    """A checkpoint's local layers' RoPE base and its scores' scale give its weights their meaning, as rope_theta
+    does: another value in the run is one line naming the field (checkpoint.new_model_settings allows it)."""
+    from tetron.checkpoint.check import compare_models
+    from tetron.errors import CheckpointError
+
+    saved = config("gemma3_text")
+    for field, value in (("rope_local_base_freq", 10000.0), ("query_pre_attn_scalar", 16)):
+        other = dataclasses.replace(saved, **{field: value})
+        with pytest.raises(CheckpointError, match=f"model.{field}=.* there, but this run has model.{field}="):
+            compare_models(saved, other, tmp_path)
+        compare_models(saved, other, tmp_path, settings=False)
