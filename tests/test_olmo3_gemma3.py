@@ -89,6 +89,9 @@ def test_gemma3_refuses_what_it_does_not_compute():
         config_from_hf({**config("gemma3_text").to_hf(), "final_logit_softcapping": 30.0})
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         config_from_hf({**config("gemma3_text").to_hf(), "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported; use None, 'linear' or"):
+        config_from_hf({**config("olmo3").to_hf(), "rope_parameters": None,
+                        "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
     with pytest.raises(ValueError, match="layer_types"):
         config_from_hf({**config("olmo3").to_hf(), "layer_types": [LOCAL, "chunked", LOCAL, GLOBAL]})
 

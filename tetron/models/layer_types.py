@@ -49,6 +49,8 @@ class LayerTypesConfig(LlamaConfig):
 
     def _normalized_rope_scaling(self, scaling: dict) -> dict | None:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        if kind not in ("linear", "llama3", "default", None):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported; use None, 'linear' or 'llama3'")
         if kind != "linear":
             return super()._normalized_rope_scaling(scaling)
         if "factor" not in scaling:
