@@ -250,3 +250,22 @@ def test_resuming_checks_the_local_rope_base_and_the_scale(tmp_path):
         with pytest.raises(CheckpointError, match=f"model.{field}=.* there, but this run has model.{field}="):
             compare_models(saved, other, tmp_path)
         compare_models(saved, other, tmp_path, settings=False)
+
+
+@pytest.mark.parametrize("model_type", sorted(CASES))
+def test_tetron_folder_loads_in_transformers(tmp_path, model_type):
+    """A transformers folder converted to a tetron checkpoint (tetron's writer and its config.json, per-layer-type
+    rope_parameters) loads in transformers' from_pretrained as the same class, with the same logits."""
+    from tetron.checkpoint.convert import convert
+    from tetron.checkpoint.load import load_model
+
+    hf = _hf_folder(tmp_path / "hf", model_type)
+    convert(hf, tmp_path / "ck")
+    ids = torch.randint(3, 256, (B, T), generator=torch.Generator().manual_seed(5))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ck").eval()
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    assert type(theirs) is HF_CLASSES[model_type] and theirs.config.rope_parameters == original.config.rope_parameters
+    with torch.no_grad():
+        expected = original(ids).logits
+        torch.testing.assert_close(theirs(ids).logits, expected, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(load_model(tmp_path / "ck")(ids), expected, atol=ATOL, rtol=RTOL)
