@@ -34,8 +34,9 @@ MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", 
 # what gives trained weights their meaning without changing a shape: the same unless
 # checkpoint.new_model_settings (extending the context changes rope_theta or rope_scaling on purpose; an MoE
 # model's routing: which experts a token goes to, and with what weights)
-SETTING_FIELDS = ("rope_theta", "rope_scaling", "rms_norm_eps", "scoring_func", "num_experts_per_tok",
-                  "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor")
+SETTING_FIELDS = ("rope_theta", "rope_scaling", "rope_local_base_freq", "rms_norm_eps", "query_pre_attn_scalar",
+                  "scoring_func", "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group",
+                  "routed_scaling_factor")
 
 _need = functools.partial(check, error=CheckpointError)
 BLOCK = 16 << 20  # bytes read at a time by `tetron check`

@@ -16,6 +16,8 @@ and the MoE families), each a config subclass of LlamaConfig that sets the optio
   query and key head before RoPE, one weight shared by all heads (`self_attn.q_norm`, `k_norm`: Qwen3);
 - `layer_window(i)`: layer i's sliding window (None: the whole causal past), passed to `attn_fn` as its
   `window` (models/attention.py); Mistral's is `sliding_window` in every layer, Qwen's per `layer_types`;
+- `layer_rope(i)`: layer i's RoPE, (theta, scaling): the model computes one cos/sin table per distinct one
+  (Gemma 3's local and global layers differ; models/layer_types.py);
 - `attention_options(i)`: all of layer i's attention options (models/attention.py's AttentionOptions: the
   above, and v's head width, the scale, soft-capping, sinks, QK-norm over the whole projection); a family
   whose attention differs in more than the above overrides it.

@@ -58,6 +58,10 @@ class LlamaConfig:
         """The sliding window of decoder layer `index` (None: the whole causal past); Llama has none."""
         return None
 
+    def layer_rope(self, index: int) -> tuple[float, dict | None]:
+        """Decoder layer `index`'s RoPE: (theta, scaling or None); Llama's is the same in every layer."""
+        return self.rope_theta, self.rope_scaling
+
     def one_layer(self, index: int = 0) -> LlamaConfig:
         """This config with only decoder layer `index`, as layer 0 (what the planner builds to read a layer's
         shapes): a family with per-layer fields cuts them to that layer's entry."""

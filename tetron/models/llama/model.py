@@ -34,7 +34,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * vd, h, bias=o_bias)
         self.q_norm = self.k_norm = None
         if opts.qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(hd, config.rms_norm_eps), RMSNorm(hd, config.rms_norm_eps)
+            # of the family's kind: (1 + weight) for Gemma 3, plain for Qwen3
+            unit = config.norm_unit_offset
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, unit_offset=unit)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, unit_offset=unit)
         elif opts.qk_norm == "projection":
             self.q_norm = ProjectionRMSNorm(heads * hd, config.rms_norm_eps)
             self.k_norm = ProjectionRMSNorm(kv_heads * hd, config.rms_norm_eps)
@@ -116,11 +119,15 @@ class LlamaModel(nn.Module):
             h = h * torch.tensor(self.config.hidden_size ** 0.5, device=h.device).to(h.dtype)
         # RoPE is recomputed each call rather than cached in a buffer: no state to lose on the
         # meta device, and position ids may be arbitrary (offsets, context-parallel chunks).
-        cos, sin = rope_cos_sin(self.config, position_ids, dtype=h.dtype)
+        # One table per distinct RoPE among the held layers (one for Llama; Gemma 3's local and global differ).
+        tables: dict[str, tuple[Tensor, Tensor]] = {}
         # one object for every layer: the mask its attention needs is made once, the first time
         docs = Documents(docs) if docs is not None else None
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, docs)
+        for index, layer in self.layers.items():
+            rope = repr(self.config.layer_rope(int(index)))
+            if rope not in tables:
+                tables[rope] = rope_cos_sin(self.config, position_ids, dtype=h.dtype, layer=int(index))
+            h = layer(h, *tables[rope], docs)
         return self.norm(h) if self.norm is not None else h
 
 

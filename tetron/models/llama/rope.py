@@ -1,5 +1,7 @@
-"""Rotary position embeddings as transformers computes them for Llama (the default and Llama 3.1's "llama3"
-scaling), rotating halves of each head (`rotate_half`), not interleaved pairs."""
+"""Rotary position embeddings as transformers computes them for Llama (the default, "linear" and Llama 3.1's
+"llama3" scaling), rotating halves of each head (`rotate_half`), not interleaved pairs. A family whose layers
+differ in RoPE (Gemma 3's local and global layers) says so per layer in its config's `layer_rope(index)`; a
+layer's tables are those of its (theta, scaling)."""
 
 from __future__ import annotations
 
@@ -11,14 +13,17 @@ from torch import Tensor
 from tetron.models.llama.config import LlamaConfig
 
 
-def rope_inv_freq(config: LlamaConfig, *, device: torch.device | None = None) -> Tensor:
-    """RoPE inverse frequencies [head_dim/2] in fp32, as transformers computes them (incl. llama3)."""
+def rope_inv_freq(config: LlamaConfig, *, device: torch.device | None = None, layer: int = 0) -> Tensor:
+    """RoPE inverse frequencies [head_dim/2] in fp32 of decoder layer `layer`, as transformers computes them
+    (incl. linear and llama3 scaling)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    if config.rope_scaling is None:
+    theta, s = config.layer_rope(layer)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    if s is None:
         return inv_freq
+    if s["rope_type"] == "linear":  # every wavelength stretched by `factor` (Gemma 3's global layers)
+        return inv_freq / s["factor"]
     # Llama 3.1 scaling: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
-    s = config.rope_scaling
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
     low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
@@ -30,9 +35,11 @@ def rope_inv_freq(config: LlamaConfig, *, device: torch.device | None = None) ->
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def rope_cos_sin(config: LlamaConfig, position_ids: Tensor, *, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin [B or 1, T, head_dim] for the given positions, computed in fp32 then cast."""
-    inv_freq = rope_inv_freq(config, device=position_ids.device)
+def rope_cos_sin(config: LlamaConfig, position_ids: Tensor, *, dtype: torch.dtype,
+                 layer: int = 0) -> tuple[Tensor, Tensor]:
+    """cos and sin [B or 1, T, head_dim] of decoder layer `layer` for the given positions, computed in fp32 then
+    cast."""
+    inv_freq = rope_inv_freq(config, device=position_ids.device, layer=layer)
     freqs = position_ids[..., None].float() * inv_freq  # [B, T, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, head_dim]: halves layout, as HF's rotate_half
     return emb.cos().to(dtype), emb.sin().to(dtype)
