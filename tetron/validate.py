@@ -344,7 +344,11 @@ def _validate_model(cfg: Config) -> None:
         _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
     _check(m.max_position_embeddings >= 1, f"model.max_position_embeddings={m.max_position_embeddings} must be >= 1")
     s = m.rope_scaling
-    if s is not None:
+    if s is not None and s["rope_type"] == "yarn":
+        _check(s["factor"] > 0 and s["original_max_position_embeddings"] >= 1 and s["beta_fast"] > 0
+               and s["beta_slow"] > 0, f"model.rope_scaling={s}: factor, beta_fast, beta_slow and "
+               f"original_max_position_embeddings must be positive")
+    elif s is not None:
         _check(s["factor"] > 0 and s["low_freq_factor"] > 0 and s["original_max_position_embeddings"] >= 1,
                f"model.rope_scaling={s}: factor, low_freq_factor and original_max_position_embeddings must be positive")
         _check(s["high_freq_factor"] > s["low_freq_factor"],
