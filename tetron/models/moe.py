@@ -54,9 +54,11 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, scoring: str = "softmax",
                  norm_topk_prob: bool = True, n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, bias_update_rate: float = 0.0) -> None:
+                 routed_scaling_factor: float = 1.0, bias_update_rate: float = 0.0, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        # a learned bias on the logits (gpt-oss's `mlp.router.bias`), trained as the weight is
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.top_k, self.scoring, self.norm_topk_prob = top_k, scoring, norm_topk_prob
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.bias_update_rate = bias_update_rate
@@ -65,10 +67,11 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:  # x [N, H]
         if self.scoring == "sigmoid":  # DeepSeek-V3 scores in fp32 from the start
-            logits = F.linear(x.float(), self.weight.float())  # [N, E]
-            scores = logits.sigmoid()
-        else:  # Qwen3-MoE and Mixtral: logits in the activations' dtype, softmax in fp32
-            logits = F.linear(x, self.weight).float()
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+            scores = logits.sigmoid()  # [N, E]
+        else:  # Qwen3-MoE, Mixtral and gpt-oss: logits in the activations' dtype, softmax in fp32 (over all E,
+            # then the top k renormalized: the softmax over the top k's logits that gpt-oss computes)
+            logits = F.linear(x, self.weight, self.bias).float()
             scores = logits.softmax(-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1:
@@ -95,13 +98,26 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """E gated experts, down(act(gate(x)) * up(x)) with the activation the config names (`hidden_act`, as
     transformers' experts read it: SwiGLU with silu), as transformers 5 stores them: `gate_up_proj` [E, 2*I, H]
-    (gate rows, then up rows) and `down_proj` [E, H, I]. Takes tokens already grouped by expert."""
+    (gate rows, then up rows) and `down_proj` [E, H, I]. Takes tokens already grouped by expert.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, act: str = "silu") -> None:
+    Options, as transformers' experts implementations name them (gpt-oss sets all four): `transposed`, the weights
+    stored [E, in, out] (`gate_up_proj` [E, H, 2*I], `down_proj` [E, I, H]) and applied as x @ w; `interleaved`,
+    gate and up alternating along 2*I (gate, up, gate, up, ...) instead of gate's I then up's I; `bias`, a bias per
+    expert on each projection (`gate_up_proj_bias` [E, 2*I], `down_proj_bias` [E, H]); `glu`, the gated activation
+    (gate, up) -> [.., I] in place of act(gate) * up (gpt-oss's clamped SwiGLU, models/blocks.py)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, act: str = "silu",
+                 transposed: bool = False, interleaved: bool = False, bias: bool = False,
+                 glu: Callable[[Tensor, Tensor], Tensor] | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.transposed, self.interleaved = transposed, interleaved
+        gate_up, down = (hidden, 2 * intermediate), (intermediate, hidden)  # (in, out) of each projection
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, *(gate_up if transposed else gate_up[::-1])))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, *(down if transposed else down[::-1])))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
         self.act_fn = activation(act)
+        self.glu = glu
         # Whether the CPU can run the grouped path, found out now: inside a forward that activation
         # recomputation records, the probe's own operations would be recorded with it
         grouped_mm_available("cpu")
@@ -112,31 +128,64 @@ class Experts(nn.Module):
             return self.grouped(x, counts, align=8 if x.is_cuda else 1)
         return self.loop(x, counts)
 
+    def activate(self, gate_up: Tensor) -> Tensor:
+        """[.., 2*I] -> [.., I]: gate and up split as stored, then the gated activation."""
+        if self.interleaved:
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        return self.glu(gate, up) if self.glu is not None else self.act_fn(gate) * up
+
+    def _project(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """One expert's projection of its rows: x @ w (+ b) as gpt-oss writes it where transposed, else x w^T."""
+        if not self.transposed:
+            return F.linear(x, weight, bias)
+        y = x @ weight
+        return y if bias is None else y + bias
+
+    def _weights_in_out(self) -> tuple[Tensor, Tensor]:
+        """gate_up_proj and down_proj as [E, in, out] (what the grouped matmul multiplies by)."""
+        if self.transposed:
+            return self.gate_up_proj, self.down_proj
+        return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+
     def loop(self, x: Tensor, counts: Tensor) -> Tensor:
         """One matmul per expert on its contiguous slice (one host read of the counts per layer)."""
         outs = []
+        gate_up_bias, down_bias = self.gate_up_proj_bias, self.down_proj_bias
         for e, (start, n) in enumerate(zip((counts.cumsum(0) - counts).tolist(), counts.tolist())):
             if n:
-                gate, up = F.linear(x[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+                h = self._project(x[start:start + n], self.gate_up_proj[e],
+                                  None if gate_up_bias is None else gate_up_bias[e])
+                outs.append(self._project(self.activate(h), self.down_proj[e],
+                                          None if down_bias is None else down_bias[e]))
         return torch.cat(outs) if outs else self._nothing(x)
 
     def _nothing(self, x: Tensor) -> Tensor:
         """Nothing routed here (often an expert-parallel rank's share): an empty [0, H] output still joined to the
         weights, so they get a (zero) gradient."""
-        return x[:0] + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
+        return x[:0] + 0 * sum(p.sum() for p in self.parameters(recurse=False))
+
+    def _add_bias(self, y: Tensor, bias: Tensor | None, sizes: Tensor) -> Tensor:
+        """y [rows, D] in groups of `sizes` [E] rows, each group plus its expert's bias [E, D] (or y as it is)."""
+        if bias is None:
+            return y
+        expert = torch.repeat_interleave(torch.arange(sizes.shape[0], device=y.device), sizes, output_size=y.shape[0])
+        return y + bias[expert]
 
     def grouped(self, x: Tensor, counts: Tensor, *, align: int = 8) -> Tensor:
         """The experts by torch._grouped_mm. CUDA's weight-gradient kernel needs each group to start 16 bytes
         apart (8 bf16 rows): each expert's rows are moved to start at a multiple of `align`, in a buffer sized
         without reading the counts on the host (the last expert's group takes the zero rows at the end). The
         CPU's kernel needs no alignment (align=1): the rows are used where they are."""
+        w_gate_up, w_down = self._weights_in_out()  # [E, H, 2I], [E, I, H]
         if align == 1:
             if not x.shape[0]:  # the CPU kernel's backward refuses zero rows
                 return self._nothing(x)
             ends = counts.cumsum(0).to(torch.int32)
-            gate, up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
-            return _DenseGrad.apply(grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), ends))
+            h = self._add_bias(grouped_mm(x, w_gate_up, ends), self.gate_up_proj_bias, counts)
+            out = _DenseGrad.apply(grouped_mm(self.activate(h), w_down, ends))
+            return self._add_bias(out, self.down_proj_bias, counts)
         M, E = x.shape[0], counts.shape[0]
         aligned = (counts + align - 1) // align * align
         rows = (M + (align - 1) * E + align - 1) // align * align  # >= aligned.sum(), a multiple of align
@@ -147,8 +196,10 @@ class Experts(nn.Module):
         ends[-1] = rows
         ends = ends.to(torch.int32)
         padded = x.new_zeros(rows, x.shape[1]).index_copy(0, place, x)  # [rows, H]
-        gate, up = grouped_mm(padded, self.gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
-        return grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), ends)[place]
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1)).long()  # [E]: each expert's rows of the buffer
+        h = self._add_bias(grouped_mm(padded, w_gate_up, ends), self.gate_up_proj_bias, sizes)
+        # the padding rows' outputs are dropped by [place]: they give the biases no gradient
+        return self._add_bias(grouped_mm(self.activate(h), w_down, ends), self.down_proj_bias, sizes)[place]
 
 
 class _DenseGrad(torch.autograd.Function):
@@ -256,12 +307,16 @@ class MoEBlock(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  capacity_factor: float | None = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 aux_loss: str = "sequence", n_shared_experts: int = 0, act: str = "silu", **router: object) -> None:
+                 aux_loss: str = "sequence", n_shared_experts: int = 0, act: str = "silu",
+                 experts: Experts | None = None, router_name: str = "gate", **router: object) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.aux_loss_coef, self.z_loss_coef, self.aux_loss = aux_loss_coef, z_loss_coef, aux_loss
-        self.gate = Router(hidden, num_experts, top_k, **router)
-        self.experts = Experts(num_experts, hidden, intermediate, act=act)
+        # the router under transformers' name for it in the family: `gate` (Qwen3-MoE, Mixtral), `router` (gpt-oss)
+        self.router_name = router_name
+        setattr(self, router_name, Router(hidden, num_experts, top_k, **router))
+        # the routed experts; a family whose experts have options (Experts' docstring) builds its own
+        self.experts = experts if experts is not None else Experts(num_experts, hidden, intermediate, act=act)
         # DeepSeek's shared experts: one dense gated MLP as wide as n of them (models/blocks.py's, no biases)
         self.shared_experts = MLP(hidden, intermediate * n_shared_experts, act=act) if n_shared_experts else None
         # (tokens [M, H] grouped by expert, counts [E]) -> [M, H]; None: this rank's `experts`. Expert
@@ -278,6 +333,10 @@ class MoEBlock(nn.Module):
         self.stats = MoEStats()
         self.last_route: Routing | None = None  # the last forward's routing, kept under aux_loss="batch"
 
+    def router_module(self) -> Router:
+        """The block's router, under the name the family gives it."""
+        return getattr(self, self.router_name)
+
     def capacity(self, tokens: int) -> int | None:
         """Assignments an expert takes per forward: capacity_factor * tokens * k / E, None when dropless."""
         if not self.capacity_factor:
@@ -287,7 +346,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # x [B, T, H]
         B, T, H = x.shape
         flat = x.reshape(-1, H)  # [N, H]
-        route = self.gate(flat)
+        route = self.router_module()(flat)
         out, counts, dropped = self.dispatch(flat, route)  # [N, H]
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
@@ -338,9 +397,10 @@ class MoEBlock(nn.Module):
         """Aux-loss-free balancing (DeepSeek-V3): each expert's routing bias moves by the rate toward
         balance, up when it took fewer assignments than the mean, down when more. `load` [E] must be the
         same on every rank (counted over all of them)."""
-        bias = self.gate.e_score_correction_bias
-        if bias is not None and self.gate.bias_update_rate:
-            bias += self.gate.bias_update_rate * torch.sign(load.mean() - load)
+        router = self.router_module()
+        bias = router.e_score_correction_bias
+        if bias is not None and router.bias_update_rate:
+            bias += router.bias_update_rate * torch.sign(load.mean() - load)
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
