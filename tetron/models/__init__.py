@@ -8,6 +8,7 @@ init and registration):
     mistral.py    Mistral: Llama's modules with a sliding window
     qwen3_moe.py  Qwen3-MoE: Llama's modules with MoE blocks as the feed-forwards
     mixtral.py    Mixtral: Qwen3-MoE's model with Mixtral's config and names
+    gpt_oss.py    gpt-oss: Qwen3-MoE's model with sinks, alternating windows, YaRN, biased routers and experts
 
 The shared pieces they compose:
     spec.py       ModelSpec and ParallelPlan; the registry of families by Hugging Face model_type
@@ -20,7 +21,7 @@ The shared pieces they compose:
 Imports only the ground floor (tetron/__init__.py's layers). Importing the package registers its families.
 """
 
-from tetron.models import llama, mistral, mixtral, qwen, qwen3_moe  # noqa: F401  (registers the families)
+from tetron.models import gpt_oss, llama, mistral, mixtral, qwen, qwen3_moe  # noqa: F401  (registers the families)
 from tetron.models.spec import FAMILIES, ModelSpec, ParallelPlan, config_from_hf, family, register, spec_of
 
 __all__ = ["FAMILIES", "ModelSpec", "ParallelPlan", "config_from_hf", "family", "register", "spec_of"]
