@@ -48,11 +48,13 @@ class GptOssConfig(MoeConfig):
     # default); null: plain RoPE
     rms_norm_eps: float = 1e-5  # epsilon added to the mean square in RMSNorm
     attention_bias: bool = True  # q, k, v and o projections carry biases (gpt-oss: all four)
-    sliding_window: int | None = 128  # a sliding layer's query attends to this many latest positions, itself included
-    layer_types: list[str] | None = None  # "sliding_attention" or "full_attention" per layer; None: alternating,
-    # starting with a sliding layer (transformers' default)
-    swiglu_alpha: float = 1.702  # the experts' activation: (up + 1) * gate * sigmoid(alpha * gate)
-    swiglu_limit: float = 7.0  # ... the gate clamped from above at limit, up on both sides, before it
+    sliding_window: int | None = 128  # a windowed layer's query attends to this many latest positions, itself
+    # included; None: no window (Mistral, Mixtral: every layer is windowed; Qwen: with use_sliding_window; gpt-oss:
+    # the layers layer_types names sliding_attention)
+    layer_types: list[str] | None = None  # "full_attention" or "sliding_attention" per layer; None: Qwen's from
+    # use_sliding_window and max_window_layers, gpt-oss's alternating from a sliding layer, as transformers derives them
+    swiglu_alpha: float = 1.702  # gpt-oss's experts compute (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    swiglu_limit: float = 7.0  # gpt-oss's experts clamp the gate from above at this, and up on both sides, first
 
     hf_architecture: ClassVar[str] = "GptOssForCausalLM"
     qk_norm: ClassVar[bool] = False
