@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from common import rank_config
 from torch import Tensor, nn
 
-import tetron.models.moe as moe_module
+import tetron.models.experts as experts_module
 import tetron.parallel.expert_parallel as ep_module
 from tetron.config import from_dict
 from tetron.data.batch import MicroBatch
@@ -202,18 +202,18 @@ def print_timings(title: str, times: dict[str, list[list[float]]], tokens: int, 
 def experts_path(grouped: bool) -> Iterator[None]:
     """tetron's experts by torch._grouped_mm (`grouped`) or by one matmul per expert, wherever they run,
     instead of what Experts.forward picks (grouped wherever torch._grouped_mm runs)."""
-    supported = moe_module.grouped_mm_supported
-    moe_module.grouped_mm_supported = lambda x, *weights: grouped
+    supported = experts_module.grouped_mm_supported
+    experts_module.grouped_mm_supported = lambda x, *weights: grouped
     try:
         yield
     finally:
-        moe_module.grouped_mm_supported = supported
+        experts_module.grouped_mm_supported = supported
 
 
 def uses_grouped(model: nn.Module) -> bool:
     """Whether tetron's experts take the grouped path on this model's device and dtype."""
     weight = moe_blocks(model)[0].experts.gate_up_proj
-    return moe_module.grouped_mm_supported(weight[0, :0], weight)
+    return experts_module.grouped_mm_supported(weight[0, :0], weight)
 
 
 # ------------------------------------------------------------------------------------------ 2. expert parallelism

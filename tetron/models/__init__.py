@@ -15,7 +15,8 @@ The shared pieces they compose:
     blocks.py     the MLP (activation by name, gated or not), RMSNorm (weight or 1 + weight), norm placements
                   (pre, post, sandwich), the standard init
     attention.py  causal grouped-query attention with its options, and the document masks of packed windows
-    moe.py        the mixture-of-experts layer: router, experts, dispatch, balancing
+    moe.py        the mixture-of-experts layer: router, dispatch, balancing
+    experts.py    the routed experts (fused 3D tensors, their layouts and biases): loop and grouped paths
     loss.py       cross entropy with a one-pass backward
 
 Imports only the ground floor (tetron/__init__.py's layers). Importing the package registers its families.
