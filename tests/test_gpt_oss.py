@@ -84,11 +84,11 @@ def _gpt_oss_block():
 def test_the_block_equals_gpt_oss_mlp(path, monkeypatch):
     """The output, the input's gradient and every weight's (the biases' and the router bias' too) within 1e-5, on
     the loop over experts and on the grouped matmul; a limit the projections reach, so the clamp counts."""
-    from tetron.models import moe
+    from tetron.models import experts
 
     if path == "loop":
-        monkeypatch.setattr(moe, "grouped_mm_supported", lambda *a: False)
-    elif not moe.grouped_mm_available("cpu"):
+        monkeypatch.setattr(experts, "grouped_mm_supported", lambda *a: False)
+    elif not experts.grouped_mm_available("cpu"):
         pytest.skip("no grouped matmul on this CPU build")
     hf, ours = _gpt_oss_block()
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -104,6 +104,32 @@ def test_the_block_equals_gpt_oss_mlp(path, monkeypatch):
     with torch.no_grad():  # the limit changes the output: the comparison above could fail
         ours.experts.glu = ClampedSwiGLU(1.702, 100.0)
         assert (ours(x) - expected).abs().max() > 1e-3
+
+
+def test_the_aligned_grouped_path_adds_each_experts_biases():
+    """CUDA's grouped path (each expert's rows moved to a multiple of 8 in a padded buffer, its biases added by the
+    buffer's groups), run here on the CPU's kernel: equal to the loop over experts, output and every gradient; an
+    expert with no rows among them."""
+    from tetron.models import experts as experts_module
+
+    if not experts_module.grouped_mm_available("cpu"):
+        pytest.skip("no grouped matmul on this CPU build")
+    torch.manual_seed(5)
+    experts = Experts(4, 32, 16, transposed=True, interleaved=True, bias=True, glu=ClampedSwiGLU(1.702, 0.6))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.3)
+    counts = torch.tensor([5, 0, 11, 3])
+    x = torch.randn(int(counts.sum()), 32)
+    results = []
+    for run in (lambda x: experts.loop(x, counts), lambda x: experts.grouped(x, counts, align=8)):
+        x_in = x.clone().requires_grad_()
+        out = run(x_in)
+        out.backward(torch.ones_like(out) + out.detach())
+        results.append([out.detach(), x_in.grad, *(p.grad.clone() for p in experts.parameters())])
+        experts.zero_grad()
+    for name, got, want in zip(("out", "dx", "gate_up", "down", "gate_up_bias", "down_bias"), *results):
+        torch.testing.assert_close(got, want, **TOL, msg=name)
 
 
 def test_the_model_equals_transformers_forward_and_backward():
@@ -155,6 +181,29 @@ def test_folders_in_and_out(tmp_path):
     with pytest.raises(ValueError, match=r"^quantization_config: .*MXFP4.*dequantize") as err:
         config_from_hf(hub)
     assert "\n" not in str(err.value)
+
+
+def test_an_mxfp4_folder_is_one_line_before_any_rank(corpus, cache_dir, tmp_path, capsys):
+    """`tetron train --init-from` the hub's MXFP4 release (its config.json's quantization_config): exit 2, one line
+    naming the field and what to do, nothing launched."""
+    import yaml
+
+    from tetron import cli
+
+    _hf(GptOssConfig(**TINY)).save_pretrained(tmp_path / "hub")
+    hub = json.loads((tmp_path / "hub" / "config.json").read_text())
+    hub["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(hub))
+    raw = tiny_config(corpus, cache_dir, tmp_path / "run")
+    del raw["model"]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    capsys.readouterr()  # save_pretrained's progress
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "launch", lambda cfg: pytest.fail("launched"))
+        code = cli.main(["train", str(tmp_path / "run.yaml"), "--init-from", str(tmp_path / "hub")])
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("tetron: error: "), lines
+    assert "quantization_config" in lines[0] and "MXFP4" in lines[0] and "dequantize" in lines[0]
 
 
 def test_init_as_transformers(tmp_path):
