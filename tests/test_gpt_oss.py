@@ -270,14 +270,32 @@ LAYOUTS = {  # (parallel, micro_batch)
     "cp2-ulysses": ({"cp": 2, "cp_impl": "ulysses"}, 2),
     "dp2-ep2-zero3": ({"dp": 2, "ep": 2, "zero": 3}, 1),
     "tp2-cp2-ep2": ({"tp": 2, "cp": 2, "ep": 2}, 2),
+    # beyond issue 35's list: tp without sp, the 1f1b pipeline, contiguous ring shards under full recomputation,
+    # and packed documents masked in Ulysses' attention (windows and sinks within each document)
+    "tp2": ({"tp": 2}, 2),
+    "pp2-1f1b": ({"pp": 2}, 2),
+    "cp2-ring-contiguous-recompute": ({"cp": 2, "cp_layout": "contiguous"}, 2, {"recompute": "full"}),
+    "cp2-ulysses-documents": ({"cp": 2, "cp_impl": "ulysses"}, 2, {}, {"mask_documents": True}),
 }
 
 
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A .jsonl of documents of 3 to 60 characters (a 32-byte window packs several) and a token cache for it."""
+    from test_documents import write_documents
+
+    folder = tmp_path_factory.mktemp("gpt_oss_documents")
+    write_documents(folder / "docs.jsonl", count=1500)
+    return folder / "docs.jsonl", folder / "cache"
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(corpus, cache_dir, tmp_path, name):
-    parallel, micro_batch = LAYOUTS[name]
-    _, written = check_layout(corpus, cache_dir, tmp_path, model=MODEL, micro_batch=micro_batch,
-                              parallel={**parallel, "bucket_mb": 0.01})
+def test_layout_matches_single_process(corpus, cache_dir, tmp_path, name, request):
+    parallel, micro_batch, train, data = (*LAYOUTS[name], {}, {})[:4]
+    if data.get("mask_documents"):
+        corpus, cache_dir = request.getfixturevalue("short_documents")
+    _, written = check_layout(corpus, cache_dir, tmp_path, model=MODEL, micro_batch=micro_batch, train=train,
+                              data=data, parallel={**parallel, "bucket_mb": 0.01})
     state = written["model"]
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 64)  # [E, H, 2I], transformers'
     for key in ("self_attn.sinks", "mlp.router.bias", "mlp.experts.gate_up_proj_bias", "self_attn.o_proj.bias"):
