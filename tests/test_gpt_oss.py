@@ -300,3 +300,35 @@ def test_layout_matches_single_process(corpus, cache_dir, tmp_path, name, reques
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 64)  # [E, H, 2I], transformers'
     for key in ("self_attn.sinks", "mlp.router.bias", "mlp.experts.gate_up_proj_bias", "self_attn.o_proj.bias"):
         assert state[f"model.layers.1.{key}"].abs().max() > 1e-4, key  # trained (the biases start at 0)
+
+
+def test_dp2_ep2_zero3_checkpoint_resumes_in_one_process(corpus, cache_dir, tmp_path):
+    """dp2 ep2 ZeRO-3's checkpoint of step 2 (the experts and their biases written from their ep shards, the rest
+    from ZeRO's pieces) resumed by the single process: its remaining losses and final weights are the single
+    process's own."""
+    from conftest import LOSS_RTOL, WEIGHT_ATOL, layout_configs, reference_run, run_parallel
+
+    layout = dict(model=MODEL, micro_batch=1, parallel={"dp": 2, "ep": 2, "zero": 3, "bucket_mb": 0.01})
+    check_layout(corpus, cache_dir, tmp_path, checkpoint={"save_every": 2}, **layout)
+    ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)[1]
+    ref, ref_written = reference_run(ref_raw)
+    resumed = {**ref_raw, "out": str(tmp_path / "resumed"),
+               "checkpoint": {"resume": str(tmp_path / "run" / "checkpoints" / "step_2")}}
+    (got,), written = run_parallel(resumed)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), rtol=LOSS_RTOL, atol=0)
+    for name, value in written["model"].items():
+        torch.testing.assert_close(value, ref_written["model"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_dp2_ep2_in_bf16_tracks_the_fp32_single_process(corpus, cache_dir, tmp_path):
+    """dp2 ep2 in bf16 (sinks on the CPU's fused kernel, the experts' biases and clamped SwiGLU in bf16) against
+    the fp32 single process: within 1% a step, as test_moe.py's bf16 ep layout."""
+    from conftest import layout_configs, reference_run, run_parallel
+
+    layout = dict(model=MODEL, micro_batch=1, parallel={"dp": 2, "ep": 2, "bucket_mb": 0.01})
+    fp32, _ = reference_run(layout_configs(corpus, cache_dir, tmp_path, **layout)[1])
+    results, _ = run_parallel(layout_configs(corpus, cache_dir, tmp_path, **layout, train={"dtype": "bfloat16"})[0])
+    for result in results:
+        losses = torch.tensor(result["losses"])
+        torch.testing.assert_close(losses, torch.tensor(fp32["losses"]), rtol=0.01, atol=0)
+        assert not torch.equal(losses, torch.tensor(fp32["losses"]))  # bf16 really ran
