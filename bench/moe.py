@@ -16,6 +16,11 @@
 
     python bench/moe.py [--part both|one|ep] [--device cpu|cuda] [--dtype float32|bfloat16] [--hidden 256]
                         [--layers 4] [--experts 16] [--top-k 2] [--seq 256] [--batch 4] [--rounds 5]
+                        [--family qwen3_moe|gpt_oss]
+
+`--family gpt_oss` runs the same against transformers' GptOssForCausalLM (sinks, alternating windows of
+128, biased routers and experts, the clamped SwiGLU); its attention is transformers' eager one (gpt-oss takes
+no SDPA there).
 
 About a minute on 2 CPU cores; `--device cuda` has larger defaults (GPU_SIZES). Speeds are printed, not
 asserted. The balancing loss coefficient is 0: both models compute the cross entropy only. bench/gpu_check.py
@@ -41,13 +46,14 @@ import torch.nn.functional as F
 from common import rank_config
 from torch import Tensor, nn
 
-import tetron.models.moe as moe_module
+import tetron.models.experts as experts_module
 import tetron.parallel.expert_parallel as ep_module
 from tetron.config import from_dict
 from tetron.data.batch import MicroBatch
 from tetron.device import synchronize
 from tetron.launch import setup_rank
 from tetron.mesh import Mesh
+from tetron.models.gpt_oss import GptOssConfig
 from tetron.models.moe import moe_blocks
 from tetron.models.qwen3_moe import MoeConfig
 from tetron.observe.step_report import read_back
@@ -63,11 +69,13 @@ HF_IMPLS = (None, "eager")  # transformers' default (None) first: the ratio's pe
 
 
 def moe_config(s: dict) -> MoeConfig:
-    """A Qwen3-MoE of the sizes `s` (CPU_SIZES' keys): GQA 8/4 heads, every layer MoE, no balancing loss."""
-    return MoeConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["expert_width"],
-                     moe_intermediate_size=s["expert_width"], num_hidden_layers=s["layers"], num_attention_heads=8,
-                     num_key_value_heads=4, max_position_embeddings=s["seq"], num_experts=s["experts"],
-                     num_experts_per_tok=s["top_k"], router_aux_loss_coef=0.0)
+    """A Qwen3-MoE (or, with s["family"] "gpt_oss", a gpt-oss) of the sizes `s` (CPU_SIZES' keys): GQA 8/4
+    heads, every layer MoE, no balancing loss."""
+    config_class = GptOssConfig if s.get("family") == "gpt_oss" else MoeConfig
+    return config_class(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["expert_width"],
+                        moe_intermediate_size=s["expert_width"], num_hidden_layers=s["layers"],
+                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=s["seq"],
+                        num_experts=s["experts"], num_experts_per_tok=s["top_k"], router_aux_loss_coef=0.0)
 
 
 # ------------------------------------------------------------------------------------------ 1. one process
@@ -75,17 +83,19 @@ def moe_config(s: dict) -> MoeConfig:
 
 def build_pair(s: dict, device: torch.device, dtype: torch.dtype,
                impls: tuple[str | None, ...] = HF_IMPLS) -> tuple[nn.Module, dict[str, nn.Module]]:
-    """tetron's model (seeded as a run starts it) and transformers' Qwen3MoeForCausalLM on its weights for each
-    experts implementation (None: transformers' default), named by the one it resolved."""
+    """tetron's model (seeded as a run starts it) and transformers' class of its family (Qwen3MoeForCausalLM,
+    GptOssForCausalLM) on its weights for each experts implementation (None: transformers' default), named by
+    the one it resolved."""
     import transformers
 
     cfg = moe_config(s)
     ours = seeded_model(cfg, seed=0, device=device)
+    attention = "eager" if cfg.model_type == "gpt_oss" else "sdpa"  # GptOss takes no SDPA
     hfs = {}
     for impl in impls:
         with torch.device(device):
-            hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-                **cfg.to_hf(), attn_implementation="sdpa", experts_implementation=impl))
+            hf = getattr(transformers, cfg.hf_architecture)(transformers.AutoConfig.for_model(
+                **cfg.to_hf(), attn_implementation=attention, experts_implementation=impl))
         hf.load_state_dict(ours.state_dict(), strict=True)
         resolved = hf.config._experts_implementation
         hfs[f"default ({resolved})" if impl is None else resolved] = hf.to(dtype)
@@ -116,6 +126,7 @@ def block_steps(ours: nn.Module, hfs: dict[str, nn.Module], x: Tensor, dout: Ten
     def step(block: nn.Module) -> Tensor:
         leaf = x.detach().requires_grad_()
         out = block(leaf)
+        out = out[0] if isinstance(out, tuple) else out  # GptOssMLP returns (output, router scores)
         out.backward(dout)
         block.zero_grad(set_to_none=True)
         return out.detach().float().abs().mean()
@@ -202,18 +213,18 @@ def print_timings(title: str, times: dict[str, list[list[float]]], tokens: int, 
 def experts_path(grouped: bool) -> Iterator[None]:
     """tetron's experts by torch._grouped_mm (`grouped`) or by one matmul per expert, wherever they run,
     instead of what Experts.forward picks (grouped wherever torch._grouped_mm runs)."""
-    supported = moe_module.grouped_mm_supported
-    moe_module.grouped_mm_supported = lambda x, *weights: grouped
+    supported = experts_module.grouped_mm_supported
+    experts_module.grouped_mm_supported = lambda x, *weights: grouped
     try:
         yield
     finally:
-        moe_module.grouped_mm_supported = supported
+        experts_module.grouped_mm_supported = supported
 
 
 def uses_grouped(model: nn.Module) -> bool:
     """Whether tetron's experts take the grouped path on this model's device and dtype."""
     weight = moe_blocks(model)[0].experts.gate_up_proj
-    return moe_module.grouped_mm_supported(weight[0, :0], weight)
+    return experts_module.grouped_mm_supported(weight[0, :0], weight)
 
 
 # ------------------------------------------------------------------------------------------ 2. expert parallelism
@@ -357,6 +368,7 @@ def main() -> None:
                             help=f"default {CPU_SIZES[name]} (CPU), {GPU_SIZES[name]} (CUDA)")
     parser.add_argument("--ranks", type=int, default=2, help="expert parallelism: ranks = dp = ep")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--family", choices=("qwen3_moe", "gpt_oss"), default="qwen3_moe")
     parser.add_argument("--per-round", type=int, default=2, help="consecutive steps of each per round")
     args = parser.parse_args()
     defaults = GPU_SIZES if args.device == "cuda" else CPU_SIZES

@@ -225,7 +225,7 @@ def test_from_hf_errors(tmp_path) -> None:
     with pytest.raises(ValueError, match="config"):
         LlamaConfig.from_hf(tmp_path / "nope.json")
     with pytest.raises(ValueError, match="yarn"):
-        LlamaConfig.from_hf({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
+        LlamaConfig.from_hf({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})  # no factor
     with pytest.raises(ValueError, match="linear"):
         LlamaConfig(**TINY, rope_scaling={"type": "linear", "factor": 2.0})
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "xielu"}))

@@ -350,6 +350,10 @@ def _validate_model(cfg: Config) -> None:
     s = m.rope_scaling
     if s is not None and s["rope_type"] == "linear":  # Gemma 3's global layers (models/layer_types.py)
         _check(s["factor"] > 0, f"model.rope_scaling={s}: factor must be positive")
+    elif s is not None and s["rope_type"] == "yarn":
+        _check(s["factor"] > 0 and s["original_max_position_embeddings"] >= 1 and s["beta_fast"] > 0
+               and s["beta_slow"] > 0, f"model.rope_scaling={s}: factor, beta_fast, beta_slow and "
+               f"original_max_position_embeddings must be positive")
     elif s is not None:
         _check(s["factor"] > 0 and s["low_freq_factor"] > 0 and s["original_max_position_embeddings"] >= 1,
                f"model.rope_scaling={s}: factor, low_freq_factor and original_max_position_embeddings must be positive")

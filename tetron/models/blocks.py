@@ -5,7 +5,8 @@ the options); the blocks know nothing of parallelism.
 - MLP: gated, down(act(gate(x)) * up(x)) (Llama's SwiGLU, Gemma's GeGLU), or plain, down(act(up(x)))
   (Nemotron's); the activation named as transformers' ACT2FN names it (`hidden_act`); optional biases on the
   three linears (`mlp_bias`); an optional `limit` clamping the activation's inputs as gpt-oss does (gate from
-  above, up on both sides).
+  above, up on both sides); gpt-oss's whole gated activation of its experts (ClampedSwiGLU: the clamp, an
+  alpha in the sigmoid, up + 1), which models/moe.py's Experts take as their `glu`.
 - RMSNorm: y = x / rms(x) * weight (Llama), or * (1 + weight) computed in fp32 (Gemma's, `unit_offset`).
 - Init: how each tensor of these blocks starts, as transformers' `_init_weights` does: N(0,
   initializer_range) for linears and embeddings, ones for a norm's weight, zeros for a (1 + weight) norm's and
@@ -15,6 +16,7 @@ the options); the blocks know nothing of parallelism.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from typing import Any, Callable
@@ -86,6 +88,20 @@ class MLP(nn.Module):
         if self.limit is not None:  # gpt-oss's clamp: the gate from above, up on both sides
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return self.down_proj(self.act_fn(gate) * up)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gated activation (gate, up) -> (up + 1) * gate * sigmoid(alpha * gate), the gate clamped from above
+    and up on both sides at `limit` first: transformers' GptOssExperts._apply_gate, in its order of operations."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 def mlp_params(hidden: int, intermediate: int, *, gated: bool, bias: bool) -> int:

@@ -3,6 +3,7 @@
 
     router      scores (softmax, or sigmoid plus a load-driven routing bias), top-k (optionally within the
                 best groups of experts), the weights each chosen expert's output gets
+    experts     models/experts.py: the experts' weights as transformers stores them, their loop and grouped paths
     dispatch    permute: each (token, choice) assignment sorted by expert, those over an expert's capacity
                 dropped; `experts_fn` runs the experts on their contiguous slices (expert parallelism
                 replaces it with all-to-all -> local experts -> all-to-all); un-permute: each token's
@@ -33,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tetron.models.blocks import MLP, activation
-from tetron.torch_private import grouped_mm, grouped_mm_available, in_backward
+from tetron.models.blocks import MLP
+from tetron.models.experts import Experts, grouped_mm_supported  # noqa: F401  (grouped_mm_supported: the planner's)
+from tetron.torch_private import in_backward
 
 
 @dataclass
@@ -54,9 +56,11 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, scoring: str = "softmax",
                  norm_topk_prob: bool = True, n_group: int = 1, topk_group: int = 1,
-                 routed_scaling_factor: float = 1.0, bias_update_rate: float = 0.0) -> None:
+                 routed_scaling_factor: float = 1.0, bias_update_rate: float = 0.0, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        # a learned bias on the logits (gpt-oss's `mlp.router.bias`), trained as the weight is
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
         self.top_k, self.scoring, self.norm_topk_prob = top_k, scoring, norm_topk_prob
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
         self.bias_update_rate = bias_update_rate
@@ -65,10 +69,11 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> Routing:  # x [N, H]
         if self.scoring == "sigmoid":  # DeepSeek-V3 scores in fp32 from the start
-            logits = F.linear(x.float(), self.weight.float())  # [N, E]
-            scores = logits.sigmoid()
-        else:  # Qwen3-MoE and Mixtral: logits in the activations' dtype, softmax in fp32
-            logits = F.linear(x, self.weight).float()
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+            scores = logits.sigmoid()  # [N, E]
+        else:  # Qwen3-MoE, Mixtral and gpt-oss: logits in the activations' dtype, softmax in fp32 (over all E,
+            # then the top k renormalized: the softmax over the top k's logits that gpt-oss computes)
+            logits = F.linear(x, self.weight, self.bias).float()
             scores = logits.softmax(-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1:
@@ -90,88 +95,6 @@ class Router(nn.Module):
         best = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [N, groups]
         return choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(n, e), float("-inf"))
-
-
-class Experts(nn.Module):
-    """E gated experts, down(act(gate(x)) * up(x)) with the activation the config names (`hidden_act`, as
-    transformers' experts read it: SwiGLU with silu), as transformers 5 stores them: `gate_up_proj` [E, 2*I, H]
-    (gate rows, then up rows) and `down_proj` [E, H, I]. Takes tokens already grouped by expert."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, act: str = "silu") -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.act_fn = activation(act)
-        # Whether the CPU can run the grouped path, found out now: inside a forward that activation
-        # recomputation records, the probe's own operations would be recorded with it
-        grouped_mm_available("cpu")
-
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """x [M, H], the rows of expert 0 first, then expert 1's, ...; counts [E] rows per expert -> [M, H]."""
-        if grouped_mm_supported(x, self.gate_up_proj, self.down_proj):
-            return self.grouped(x, counts, align=8 if x.is_cuda else 1)
-        return self.loop(x, counts)
-
-    def loop(self, x: Tensor, counts: Tensor) -> Tensor:
-        """One matmul per expert on its contiguous slice (one host read of the counts per layer)."""
-        outs = []
-        for e, (start, n) in enumerate(zip((counts.cumsum(0) - counts).tolist(), counts.tolist())):
-            if n:
-                gate, up = F.linear(x[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
-        return torch.cat(outs) if outs else self._nothing(x)
-
-    def _nothing(self, x: Tensor) -> Tensor:
-        """Nothing routed here (often an expert-parallel rank's share): an empty [0, H] output still joined to the
-        weights, so they get a (zero) gradient."""
-        return x[:0] + 0 * (self.gate_up_proj.sum() + self.down_proj.sum())
-
-    def grouped(self, x: Tensor, counts: Tensor, *, align: int = 8) -> Tensor:
-        """The experts by torch._grouped_mm. CUDA's weight-gradient kernel needs each group to start 16 bytes
-        apart (8 bf16 rows): each expert's rows are moved to start at a multiple of `align`, in a buffer sized
-        without reading the counts on the host (the last expert's group takes the zero rows at the end). The
-        CPU's kernel needs no alignment (align=1): the rows are used where they are."""
-        if align == 1:
-            if not x.shape[0]:  # the CPU kernel's backward refuses zero rows
-                return self._nothing(x)
-            ends = counts.cumsum(0).to(torch.int32)
-            gate, up = grouped_mm(x, self.gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
-            return _DenseGrad.apply(grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), ends))
-        M, E = x.shape[0], counts.shape[0]
-        aligned = (counts + align - 1) // align * align
-        rows = (M + (align - 1) * E + align - 1) // align * align  # >= aligned.sum(), a multiple of align
-        expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=M)  # [M]
-        place = (aligned.cumsum(0) - aligned)[expert] + torch.arange(M, device=x.device) \
-            - (counts.cumsum(0) - counts)[expert]  # [M]: each row's place in the buffer
-        ends = aligned.cumsum(0)
-        ends[-1] = rows
-        ends = ends.to(torch.int32)
-        padded = x.new_zeros(rows, x.shape[1]).index_copy(0, place, x)  # [rows, H]
-        gate, up = grouped_mm(padded, self.gate_up_proj.transpose(1, 2), ends).chunk(2, dim=-1)
-        return grouped_mm(self.act_fn(gate) * up, self.down_proj.transpose(1, 2), ends)[place]
-
-
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward hands on a dense gradient: the CPU's grouped-matmul backward refuses an expanded
-    one (stride 0, as `out.sum().backward()` gives) in torch 2.13."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
-def grouped_mm_supported(x: Tensor, *weights: Tensor) -> bool:
-    """torch._grouped_mm where it runs forward and backward: rows of 16-byte multiples (its kernels' strides); on
-    CUDA in bf16 (fp32 is not among its CUDA kernels), on the CPU in fp32 and bf16 where this torch has it."""
-    if any(w.dtype != x.dtype or any(d * x.element_size() % 16 for d in w.shape[1:]) for w in weights):
-        return False
-    if x.is_cuda:
-        return grouped_mm_available("cuda") and x.dtype == torch.bfloat16
-    return grouped_mm_available(x.device.type)
 
 
 class MoEStats:
@@ -256,12 +179,16 @@ class MoEBlock(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, *,
                  capacity_factor: float | None = None, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 aux_loss: str = "sequence", n_shared_experts: int = 0, act: str = "silu", **router: object) -> None:
+                 aux_loss: str = "sequence", n_shared_experts: int = 0, act: str = "silu",
+                 experts: Experts | None = None, router_name: str = "gate", **router: object) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.aux_loss_coef, self.z_loss_coef, self.aux_loss = aux_loss_coef, z_loss_coef, aux_loss
-        self.gate = Router(hidden, num_experts, top_k, **router)
-        self.experts = Experts(num_experts, hidden, intermediate, act=act)
+        # the router under transformers' name for it in the family: `gate` (Qwen3-MoE, Mixtral), `router` (gpt-oss)
+        self.router_name = router_name
+        setattr(self, router_name, Router(hidden, num_experts, top_k, **router))
+        # the routed experts; a family whose experts have options (Experts' docstring) builds its own
+        self.experts = experts if experts is not None else Experts(num_experts, hidden, intermediate, act=act)
         # DeepSeek's shared experts: one dense gated MLP as wide as n of them (models/blocks.py's, no biases)
         self.shared_experts = MLP(hidden, intermediate * n_shared_experts, act=act) if n_shared_experts else None
         # (tokens [M, H] grouped by expert, counts [E]) -> [M, H]; None: this rank's `experts`. Expert
@@ -278,6 +205,10 @@ class MoEBlock(nn.Module):
         self.stats = MoEStats()
         self.last_route: Routing | None = None  # the last forward's routing, kept under aux_loss="batch"
 
+    def router_module(self) -> Router:
+        """The block's router, under the name the family gives it."""
+        return getattr(self, self.router_name)
+
     def capacity(self, tokens: int) -> int | None:
         """Assignments an expert takes per forward: capacity_factor * tokens * k / E, None when dropless."""
         if not self.capacity_factor:
@@ -287,7 +218,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # x [B, T, H]
         B, T, H = x.shape
         flat = x.reshape(-1, H)  # [N, H]
-        route = self.gate(flat)
+        route = self.router_module()(flat)
         out, counts, dropped = self.dispatch(flat, route)  # [N, H]
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
@@ -338,9 +269,10 @@ class MoEBlock(nn.Module):
         """Aux-loss-free balancing (DeepSeek-V3): each expert's routing bias moves by the rate toward
         balance, up when it took fewer assignments than the mean, down when more. `load` [E] must be the
         same on every rank (counted over all of them)."""
-        bias = self.gate.e_score_correction_bias
-        if bias is not None and self.gate.bias_update_rate:
-            bias += self.gate.bias_update_rate * torch.sign(load.mean() - load)
+        router = self.router_module()
+        bias = router.e_score_correction_bias
+        if bias is not None and router.bias_update_rate:
+            bias += router.bias_update_rate * torch.sign(load.mean() - load)
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:

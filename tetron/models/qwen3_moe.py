@@ -103,6 +103,11 @@ class MoeConfig(LlamaConfig):
         """The fields of config.json only this family's transformers class has, or has otherwise."""
         return {"use_sliding_window": False, "sliding_window": None}
 
+    def moe_block_options(self) -> dict:
+        """MoEBlock's keywords beyond the shared ones (moe_block): a family's router name and bias, its experts
+        built with their options (gpt-oss's); none for Qwen3-MoE and Mixtral."""
+        return {}
+
     def _layer_params(self, experts: int) -> int:
         """Parameters of the decoder layers with `experts` experts counted per MoE layer."""
         h = self.hidden_size
@@ -163,7 +168,7 @@ def moe_block(config: MoeConfig) -> MoEBlock:
                     norm_topk_prob=config.norm_topk_prob or config.norm_topk_always,
                     n_group=config.n_group, topk_group=config.topk_group,
                     routed_scaling_factor=config.routed_scaling_factor,
-                    bias_update_rate=config.moe_bias_update_rate)
+                    bias_update_rate=config.moe_bias_update_rate, **config.moe_block_options())
 
 
 class MoeForCausalLM(Llama):

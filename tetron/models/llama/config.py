@@ -31,7 +31,8 @@ class LlamaConfig:
     max_position_embeddings: int = 2048  # longest sequence the model is meant for
     rms_norm_eps: float = 1e-6  # epsilon added to the mean square in RMSNorm
     rope_theta: float = 10000.0  # RoPE base wavelength
-    rope_scaling: dict | None = None  # None, or HF's {"rope_type": "llama3", ...} (Llama 3.1/3.2)
+    rope_scaling: dict | None = None  # None, or HF's {"rope_type": "llama3", ...} (Llama 3.1/3.2) or
+    # {"rope_type": "yarn", "factor": ..., ...} (gpt-oss)
     tie_word_embeddings: bool = False  # lm_head shares the embedding's weight
     initializer_range: float = 0.02  # std of the normal init of linear and embedding weights
     bos_token_id: int | None = None  # beginning-of-sequence token id, for tokenizers and generation
@@ -104,22 +105,22 @@ class LlamaConfig:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type == "default":
             return None
-        if rope_type != "llama3":
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use None or 'llama3'")
-        missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+        if rope_type not in ("llama3", "yarn"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; use None, 'llama3' or 'yarn'")
+        required = _LLAMA3_KEYS if rope_type == "llama3" else ("factor",)
+        missing = [k for k in required if scaling.get(k) is None]
         if missing:
-            raise ValueError(f"rope_scaling of type 'llama3' lacks {missing}; it needs {list(_LLAMA3_KEYS)}")
+            raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}; it needs {list(required)}")
         original = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
         if type(original) is float and original.is_integer():
             original = int(original)
         if type(original) is not int:
             raise ValueError(f"rope_scaling.original_max_position_embeddings={original!r}: expected a positive "
                              f"integer (or leave it out: max_position_embeddings)")
-        return {
-            "rope_type": "llama3",
-            **{k: _rope_number(scaling[k], k) for k in _LLAMA3_KEYS},
-            "original_max_position_embeddings": original,
-        }
+        if rope_type == "llama3":
+            return {"rope_type": "llama3", **{k: _rope_number(scaling[k], k) for k in _LLAMA3_KEYS},
+                    "original_max_position_embeddings": original}
+        return {"rope_type": "yarn", **_yarn_fields(scaling), "original_max_position_embeddings": original}
 
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> LlamaConfig:
@@ -204,6 +205,26 @@ class LlamaConfig:
         # scores over head_dim, weighted values over v_head_dim: half of the 12 each
         widths = opts.head_dim + opts.v_head_dim
         return 6.0 * n + 6.0 * self.num_hidden_layers * self.num_attention_heads * widths * seq_len
+
+
+# YaRN's numbers and transformers' defaults for them (modeling_rope_utils._compute_yarn_parameters); None:
+# attention_factor derived from factor (and mscale, mscale_all_dim where both are given)
+_YARN_DEFAULTS = {"factor": None, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": None, "mscale": None,
+                  "mscale_all_dim": None}
+
+
+def _yarn_fields(scaling: dict) -> dict:
+    """YaRN's settings (gpt-oss's rope_scaling), every one present: numbers, and `truncate` (true: the correction
+    range rounded to whole dims, transformers' default)."""
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope_scaling.partial_rotary_factor={scaling['partial_rotary_factor']!r} is not "
+                         f"supported; use 1.0")
+    fields = {k: default if scaling.get(k) is None else _rope_number(scaling[k], k)
+              for k, default in _YARN_DEFAULTS.items()}
+    truncate = scaling.get("truncate", True)
+    if type(truncate) is not bool:
+        raise ValueError(f"rope_scaling.truncate={truncate!r}: expected true or false")
+    return {**fields, "truncate": truncate}
 
 
 def _rope_number(value: object, key: str) -> float:

@@ -1,5 +1,5 @@
-"""Rotary position embeddings as transformers computes them for Llama (the default, "linear" and Llama 3.1's
-"llama3" scaling), rotating halves of each head (`rotate_half`), not interleaved pairs. A family whose layers
+"""Rotary position embeddings as transformers computes them (the default, "linear", Llama 3.1's "llama3" and
+gpt-oss's YaRN scaling), rotating halves of each head (`rotate_half`), not interleaved pairs. A family whose layers
 differ in RoPE (Gemma 3's local and global layers) says so per layer in its config's `layer_rope(index)`; a
 layer's tables are those of its (theta, scaling)."""
 
@@ -15,9 +15,11 @@ from tetron.models.llama.config import LlamaConfig
 
 def rope_inv_freq(config: LlamaConfig, *, device: torch.device | None = None, layer: int = 0) -> Tensor:
     """RoPE inverse frequencies [head_dim/2] in fp32 of decoder layer `layer`, as transformers computes them
-    (incl. linear and llama3 scaling)."""
+    (incl. linear, llama3 and yarn scaling)."""
     dim = config.head_dim
     theta, s = config.layer_rope(layer)
+    if s is not None and s["rope_type"] == "yarn":
+        return _yarn_inv_freq(s, dim, theta, device=device)
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     if s is None:
         return inv_freq
@@ -35,14 +37,55 @@ def rope_inv_freq(config: LlamaConfig, *, device: torch.device | None = None, la
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def _yarn_inv_freq(s: dict, dim: int, base: float, *, device: torch.device | None) -> Tensor:
+    """YaRN (Peng et al. 2023): each frequency blended between itself (fast ones, extrapolated) and itself divided by
+    `factor` (slow ones, interpolated), by a linear ramp over the dims between the beta_fast and beta_slow
+    rotations of the original length; transformers' _compute_yarn_parameters, step for step."""
+    original = s["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times over the original length
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s["beta_fast"]), correction_dim(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    extrapolation = 1 - ramp  # 1 for the fast dims: kept as they are
+    return (1.0 / (s["factor"] * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(config: LlamaConfig, layer: int = 0) -> float:
+    """The factor on cos and sin of decoder layer `layer` (YaRN's attention temperature, transformers'
+    `attention_scaling`); 1 otherwise."""
+    _, s = config.layer_rope(layer)
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s["attention_factor"] is not None:
+        return s["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s["mscale"] and s["mscale_all_dim"]:
+        return float(mscale(s["factor"], s["mscale"]) / mscale(s["factor"], s["mscale_all_dim"]))
+    return mscale(s["factor"])
+
+
 def rope_cos_sin(config: LlamaConfig, position_ids: Tensor, *, dtype: torch.dtype,
                  layer: int = 0) -> tuple[Tensor, Tensor]:
-    """cos and sin [B or 1, T, head_dim] of decoder layer `layer` for the given positions, computed in fp32 then
-    cast."""
+    """cos and sin [B or 1, T, head_dim] of decoder layer `layer` for the given positions, computed in fp32 (times
+    YaRN's attention factor where it has one) then cast."""
     inv_freq = rope_inv_freq(config, device=position_ids.device, layer=layer)
     freqs = position_ids[..., None].float() * inv_freq  # [B, T, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, head_dim]: halves layout, as HF's rotate_half
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    factor = rope_attention_factor(config, layer)
+    if factor == 1.0:  # the default and llama3: no multiplication, so their bits stay as they were
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
