@@ -35,7 +35,7 @@ from test_bad_input import _corrupt, hashes, time_limit
 from test_cli import user_env
 
 import tetron.cli
-import tetron.data.sources
+import tetron.data.files
 from tetron.checkpoint.check import inspect_checkpoint, verify_tensors
 from tetron.config import from_dict
 from tetron.data.loader import prepare_data
@@ -715,7 +715,7 @@ def test_bad_data_files_are_one_line_or_skipped_and_counted(ck, tmp_path, tetron
              "nostr.jsonl": (good[:2] + [b'{"text": 7}'] + good, r"line 3 has no string field 'text'"),
              "long.jsonl": (good[:3] + [json.dumps({"text": "x" * 5000}).encode()] + good,
                             r"line 4 is longer than 4096 bytes")}
-    monkeypatch.setattr(tetron.data.sources, "MAX_RECORD_BYTES", 4096)
+    monkeypatch.setattr(tetron.data.files, "MAX_RECORD_BYTES", 4096)
     for name, (lines, pattern) in files.items():
         (tmp_path / name).write_bytes(b"\n".join(lines) + b"\n")
         code, _, err, launched = tetron_cli("train", config, "--data", tmp_path / name)
