@@ -226,6 +226,7 @@ def test_converting_an_older_checkpoint_writes_the_tokenizer_for_transformers(co
     ("tokenizer_config.json", lambda c: {**c, "pad_token": "<pad>"}, "pad_token='<pad>' is no token"),
     ("tokenizer_config.json", lambda c: {**c, "model_max_length": None}, "model_max_length=None: expected a pos"),
     ("tokenizer_config.json", lambda c: {**c, "split_special_tokens": "x"}, "split_special_tokens='x': expected"),
+    ("tokenizer_config.json", lambda c: {**c, "eos_token": "x"}, "eos_token='x', but tetron_tokenizer.json's eos_id"),
 ])
 def test_a_folder_whose_files_for_transformers_disagree_with_tetron_is_refused(file, edit, error, tmp_path):
     """What transformers reads beside tetron_tokenizer.json is checked with it: an edited file would give

@@ -192,7 +192,7 @@ def _load_saved(folder: Path) -> Tokenizer:
     if kind == "bytes" and meta.get("vocab_size") == 256 and meta.get("eos_id") is None:
         expected = bytes_backend()
         _check_bytes_file(folder, expected)
-        _check_config_file(folder, expected)
+        _check_config_file(folder, expected, eos_id=None)
         return Tokenizer(None, None)
     vocab, eos = meta.get("vocab_size") if kind == "hf" else None, meta.get("eos_id")
     good_eos = eos is None or (type(eos) is int and type(vocab) is int and 0 <= eos < vocab)
@@ -208,7 +208,7 @@ def _load_saved(folder: Path) -> Tokenizer:
     if backend.get_vocab_size(with_added_tokens=True) > vocab:
         raise DataError(f"{path}: vocab_size={vocab}, but tokenizer.json has "
                         f"{backend.get_vocab_size(with_added_tokens=True)} tokens")
-    _check_config_file(folder, backend)
+    _check_config_file(folder, backend, eos_id=eos)
     return Tokenizer(backend, eos, vocab_size=vocab)
 
 
@@ -235,10 +235,11 @@ def _check_bytes_file(folder: Path, expected: Any) -> None:
                         f"other ids than tetron's)")
 
 
-def _check_config_file(folder: Path, backend: Any) -> None:
+def _check_config_file(folder: Path, backend: Any, *, eos_id: int | None) -> None:
     """tokenizer_config.json (what transformers reads beside tokenizer.json), where there is one: the class
-    and flags tetron writes, a positive model_max_length, and only tokens of the vocabulary named (transformers
-    would add any other, with an id the model lacks)."""
+    and flags tetron writes, a positive model_max_length, only tokens of the vocabulary named (transformers
+    would add any other, with an id the model lacks), and the EOS tetron_tokenizer.json gives (`eos_id`: a
+    downstream tool would stop generating at another token than the one the run trained with)."""
     path = folder / "tokenizer_config.json"
     if not path.exists():
         return
@@ -257,6 +258,11 @@ def _check_config_file(folder: Path, backend: Any) -> None:
         token = token.get("content") if isinstance(token, dict) else token  # transformers' AddedToken form
         if token is not None and not (isinstance(token, str) and backend.token_to_id(token) is not None):
             raise DataError(f"{path}: {key}={token!r} is no token of tokenizer.json")
+    eos = config.get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if (None if eos is None else backend.token_to_id(eos)) != eos_id:
+        raise DataError(f"{path}: eos_token={eos!r}, but tetron_tokenizer.json's eos_id is {eos_id} "
+                        f"({None if eos_id is None else repr(backend.id_to_token(eos_id))}): the files disagree")
 
 
 def _meant(spec: str) -> str | None:
