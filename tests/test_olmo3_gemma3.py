@@ -26,8 +26,10 @@ B, T = 2, 24
 TINY = dict(vocab_size=257, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, max_position_embeddings=64, sliding_window=5, bos_token_id=2, eos_token_id=1)
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
-CASES = {  # windows of 5 < T; Gemma's global layers scaled, its local ones on a base of their own
-    "olmo3": dict(num_hidden_layers=4),
+CASES = {  # windows of 5 < T; the full layers scaled (OLMo 3's released YaRN, Gemma's linear), Gemma's local ones
+    # on a base of their own
+    "olmo3": dict(num_hidden_layers=4, rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "original_max_position_embeddings": 16}),
     "gemma3_text": dict(num_hidden_layers=4, layer_types=[LOCAL, GLOBAL, LOCAL, LOCAL], rope_theta=1000.0,
                         rope_local_base_freq=30.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
                         query_pre_attn_scalar=12),
@@ -78,9 +80,14 @@ def test_logits_and_gradients_match_transformers(model_type):
             layer.self_attn.sliding_window = None
         assert (ours(ids) - expected).abs().max() > 1e-2
         if model_type == "gemma3_text":
-            for layer in ours.model.layers.values():
-                layer.self_attn.sliding_window = cfg.layer_window(0)
-            ours.config = dataclasses.replace(cfg, rope_local_base_freq=None)
+            for index, layer in ours.model.layers.items():
+                layer.self_attn.sliding_window = cfg.layer_window(int(index))
+            ours.model.config = dataclasses.replace(cfg, rope_local_base_freq=None)  # the tables' config
+            assert (ours(ids) - expected).abs().max() > 1e-2
+        else:  # OLMo 3's YaRN on the full layers matters too
+            for index, layer in ours.model.layers.items():
+                layer.self_attn.sliding_window = cfg.layer_window(int(index))
+            ours.model.config = dataclasses.replace(cfg, rope_scaling=None)
             assert (ours(ids) - expected).abs().max() > 1e-2
 
 
@@ -89,9 +96,9 @@ def test_gemma3_refuses_what_it_does_not_compute():
         config_from_hf({**config("gemma3_text").to_hf(), "final_logit_softcapping": 30.0})
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         config_from_hf({**config("gemma3_text").to_hf(), "use_bidirectional_attention": True})
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported; use None, 'linear' or"):
+    with pytest.raises(ValueError, match="rope_scaling type 'dynamic' is not supported; use None, 'linear', "):
         config_from_hf({**config("olmo3").to_hf(), "rope_parameters": None,
-                        "rope_scaling": {"rope_type": "yarn", "factor": 8.0}})
+                        "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}})
     with pytest.raises(ValueError, match="layer_types"):
         config_from_hf({**config("olmo3").to_hf(), "layer_types": [LOCAL, "chunked", LOCAL, GLOBAL]})
 

@@ -3,9 +3,9 @@ layers attend within `sliding_window` positions, "full_attention" layers to the 
 kind has its own RoPE, as transformers 5 writes it in one `rope_parameters` dict per kind (OLMo 3, Gemma 3).
 
 The full layers' RoPE is Llama's fields, `rope_theta` and `rope_scaling` (which transformers applies to the full
-layers only; "linear" is read besides Llama 3.1's "llama3"); the sliding layers' base is `rope_local_base_freq`
-(Gemma 3's name; None: rope_theta) and they are never scaled. Older config.json files (rope_theta,
-rope_scaling, rope_local_base_freq at the top level) read the same.
+layers only; "linear" is read besides Llama 3.1's "llama3" and OLMo 3's YaRN); the sliding layers' base is
+`rope_local_base_freq` (Gemma 3's name; None: rope_theta) and they are never scaled. Older config.json files
+(rope_theta, rope_scaling, rope_local_base_freq at the top level) read the same.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class LayerTypesConfig(LlamaConfig):
 
     def _normalized_rope_scaling(self, scaling: dict) -> dict | None:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        if kind not in ("linear", "llama3", "default", None):
-            raise ValueError(f"rope_scaling type {kind!r} is not supported; use None, 'linear' or 'llama3'")
+        if kind not in ("linear", "llama3", "yarn", "default", None):
+            raise ValueError(f"rope_scaling type {kind!r} is not supported; use None, 'linear', 'llama3' or 'yarn'")
         if kind != "linear":
             return super()._normalized_rope_scaling(scaling)
         if "factor" not in scaling:
