@@ -6,6 +6,7 @@ and the layouts of issue 35 each equal to the single process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -332,3 +333,18 @@ def test_dp2_ep2_in_bf16_tracks_the_fp32_single_process(corpus, cache_dir, tmp_p
         losses = torch.tensor(result["losses"])
         torch.testing.assert_close(losses, torch.tensor(fp32["losses"]), rtol=0.01, atol=0)
         assert not torch.equal(losses, torch.tensor(fp32["losses"]))  # bf16 really ran
+
+
+def test_resuming_checks_the_experts_activation_and_the_windows(tmp_path):
+    """The clamped SwiGLU's alpha and limit, and which layers are windowed and how wide, give gpt-oss's weights
+    their meaning as rope_theta does: another value in the run is one line naming the field."""
+    from tetron.checkpoint.check import compare_models
+    from tetron.errors import CheckpointError
+
+    saved = GptOssConfig(**TINY)
+    for field, value in (("swiglu_alpha", 1.5), ("swiglu_limit", 5.0), ("sliding_window", 7),
+                         ("layer_types", ["full_attention"] * saved.num_hidden_layers)):
+        other = dataclasses.replace(saved, **{field: value})
+        with pytest.raises(CheckpointError, match=f"model.{field}=.* there, but this run has model.{field}="):
+            compare_models(saved, other, tmp_path)
+        compare_models(saved, other, tmp_path, settings=False)

@@ -36,7 +36,8 @@ MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", 
 # model's routing: which experts a token goes to, and with what weights)
 SETTING_FIELDS = ("rope_theta", "rope_scaling", "rope_local_base_freq", "rms_norm_eps", "query_pre_attn_scalar",
                   "scoring_func", "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group",
-                  "routed_scaling_factor")
+                  "routed_scaling_factor", "sliding_window", "layer_types", "attn_logit_softcapping",
+                  "swiglu_alpha", "swiglu_limit")
 
 _need = functools.partial(check, error=CheckpointError)
 BLOCK = 16 << 20  # bytes read at a time by `tetron check`
