@@ -210,3 +210,34 @@ def cli_in_process(args: list[str], workdir: Path) -> subprocess.CompletedProces
         patch.setattr(cli, "launch", launch)
         code = cli.main(args)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def train_through_cli(raw: dict, folder: Path, run) -> list[float]:
+    """`tetron train` as typed on `raw` (written to folder/run.yaml): every check before the ranks (the memory
+    model's too), then `run(raw dict)` in place of the launch; the losses it returns."""
+    import yaml
+
+    (folder / "run.yaml").write_text(yaml.safe_dump(raw))
+    losses: list[float] = []
+
+    def launch(cfg):
+        losses.extend(run(cfg.to_dict()))
+        return 0
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cli, "launch", launch)
+        assert cli.main(["train", str(folder / "run.yaml")]) == 0
+    return losses
+
+
+def first_batch_loss(raw: dict, model) -> float:
+    """`model`'s (a transformers causal LM) cross entropy on the first global batch the run of `raw` trains on
+    (sequences of 32, two of them: the init-from tests' batch)."""
+    from tetron.data.loader import DataLoader, load_tokens
+
+    cfg = from_dict(raw)
+    _, tokens = prepare_data(cfg)
+    loader = DataLoader(load_tokens(tokens), 32, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=cfg.train.seed)
+    ((inputs, targets, *_),) = loader.next_batch()
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten()))

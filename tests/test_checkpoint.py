@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors import safe_open
 
-from tetron import cli
 from tetron.checkpoint.check import inspect_checkpoint
 from tetron.checkpoint.convert import convert
 from tetron.checkpoint.load import TensorReader, load_model, read_header
@@ -24,7 +22,7 @@ from tetron.config import from_dict
 from tetron.data.loader import prepare_data
 from tetron.fs import find_latest
 
-from conftest import run_training, tiny_config
+from conftest import first_batch_loss, run_training, tiny_config, train_through_cli
 
 LOSS_RTOL = 1e-5  # per-step loss after a reshard, relative (as tests/test_layouts.py)
 LOGITS_ATOL = 1e-5  # transformers' logits against tetron's, fp32
@@ -180,26 +178,8 @@ def test_init_from_hf_folder(corpus, cache_dir, tmp_path, family, tied):
                       parallel={"pp": 2}, checkpoint={"init_from": str(hf)})
     del raw["model"]  # the model comes from the folder
     assert from_dict(raw).model.tie_word_embeddings is tied
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-    losses = []  # `tetron train` as typed: every check before the ranks (the memory model's too), then the ranks
-
-    def launch(cfg):
-        losses.extend(run(cfg.to_dict()))
-        return 0
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cli, "launch", launch)
-        assert cli.main(["train", str(tmp_path / "run.yaml")]) == 0
-    (loss,) = losses
-    from tetron.data.loader import DataLoader, load_tokens
-
-    cfg = from_dict(raw)
-    _, tokens = prepare_data(cfg)
-    loader = DataLoader(load_tokens(tokens), 32, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=cfg.train.seed)
-    ((inputs, targets, *_),) = loader.next_batch()
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    with torch.no_grad():
-        expected = torch.nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())
+    (loss,) = train_through_cli(raw, tmp_path, run)
+    expected = first_batch_loss(raw, transformers.AutoModelForCausalLM.from_pretrained(hf).eval())
     assert abs(loss - float(expected)) <= 1e-5 * abs(float(expected))
 
 

@@ -26,7 +26,7 @@ from tetron.models.qwen3_moe import MoeForCausalLM
 from tetron.observe.generate import kv_cache
 from tetron.parallel.init import seeded_model
 
-from conftest import check_layout, run_training, tiny_config
+from conftest import check_layout, first_batch_loss, run_training, tiny_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
@@ -237,8 +237,6 @@ def test_kv_cache_keeps_sinks_and_windows():
 def test_step_one_loss_from_a_transformers_folder(corpus, cache_dir, tmp_path):
     """`--init-from` a folder written by transformers' save_pretrained: step 1's loss is transformers' own cross
     entropy on the same batch (pp2: a sliding and a full layer on each stage)."""
-    from tetron.data.loader import DataLoader, load_tokens, prepare_data
-
     cfg = GptOssConfig(**{**TINY, "vocab_size": 256, "num_hidden_layers": 4})
     hf = _hf(cfg)
     hf.save_pretrained(tmp_path / "hf")
@@ -247,13 +245,7 @@ def test_step_one_loss_from_a_transformers_folder(corpus, cache_dir, tmp_path):
     del raw["model"]  # the model comes from the folder
     assert type(from_dict(raw).model) is GptOssConfig
     (loss,) = run_training(raw)
-    run_cfg = from_dict(raw)
-    _, tokens = prepare_data(run_cfg)
-    loader = DataLoader(load_tokens(tokens), 32, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0,
-                        seed=run_cfg.train.seed)
-    ((inputs, targets, *_),) = loader.next_batch()
-    with torch.no_grad():
-        expected = torch.nn.functional.cross_entropy(hf(inputs).logits.flatten(0, 1), targets.flatten())
+    expected = first_batch_loss(raw, hf)
     assert abs(loss - float(expected)) <= 1e-5 * abs(float(expected))
 
 

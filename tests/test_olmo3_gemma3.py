@@ -11,15 +11,13 @@ import dataclasses
 import pytest
 import torch
 import transformers
-import yaml
 
-from tetron import cli
 from tetron.config import from_dict
 from tetron.models import config_from_hf, family
 from tetron.models.llama import Llama
 from tetron.observe.generate import kv_cache
 
-from conftest import check_layout, run_training, tiny_config
+from conftest import check_layout, first_batch_loss, run_training, tiny_config, train_through_cli
 
 ATOL = RTOL = 1e-5
 B, T = 2, 24
@@ -151,32 +149,15 @@ def _hf_folder(path, model_type: str):
 def test_init_from_hf_folder(corpus, cache_dir, tmp_path, model_type):
     """Step 1's loss from a transformers-saved folder (`tetron train` with init_from, on two pipeline stages) is
     transformers' own loss on the same batch."""
-    from tetron.data.loader import DataLoader, load_tokens, prepare_data  # noqa: F401
-
     hf = _hf_folder(tmp_path / "hf", model_type)
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", train={"steps": 1, "micro_batch": 1, "grad_acc": 2},
                       parallel={"pp": 2}, checkpoint={"init_from": str(hf)})
     del raw["model"]  # the model comes from the folder
     assert from_dict(raw).model.model_type == model_type
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-    losses = []
-
-    def launch(cfg):
-        losses.extend(run_training(cfg.to_dict()))
-        return 0
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cli, "launch", launch)
-        assert cli.main(["train", str(tmp_path / "run.yaml")]) == 0
-    (loss,) = losses
-    cfg = from_dict(raw)
-    _, tokens = prepare_data(cfg)
-    loader = DataLoader(load_tokens(tokens), 32, micro_batch=2, grad_acc=1, dp_size=1, dp_rank=0, seed=cfg.train.seed)
-    ((inputs, targets, *_),) = loader.next_batch()
+    (loss,) = train_through_cli(raw, tmp_path, run_training)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
     assert type(model) is HF_CLASSES[model_type]
-    with torch.no_grad():
-        expected = torch.nn.functional.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())
+    expected = first_batch_loss(raw, model)
     assert abs(loss - float(expected)) <= 1e-5 * abs(float(expected))
 
 
