@@ -39,6 +39,7 @@ try:
         STATE_FILE,
         FolderLock,
         aside_name,
+        blocking_output,
         earlier_run,
         find_latest,
         has_control,
@@ -381,6 +382,7 @@ COMMANDS = {"plan": plan_command, "slurm": slurm_command, "convert": convert_com
 
 
 def main(argv: list[str] | None = None) -> int:
+    blocking_output()
     try:
         code = _main(argv)
         sys.stdout.flush()  # a reader that went away shows here, inside the try, not at the interpreter's exit

@@ -484,3 +484,14 @@ def set_aside(folder: Path) -> Path:
     os.rename(folder, aside)
     fsync_dir(aside.parent)
     return aside
+
+
+def blocking_output() -> None:
+    """Make standard output and error blocking again. CPython drops, silently and with exit status 0, what a
+    non-blocking pipe cannot take at once, so a slow reader got `tetron plan --json` cut at 128 KiB; a
+    parent may hand over such a pipe, and the ranks `--measure` forks share this one."""
+    for fd in (1, 2):
+        try:
+            os.set_blocking(fd, True)
+        except OSError:  # closed, or not a file descriptor a flag can be set on
+            pass
