@@ -24,6 +24,7 @@ from conftest import LAYOUT_LR, LOSS_RTOL, WEIGHT_ATOL, check_layout, run_traini
 from harness import run_ranks
 
 MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+GPT_OSS = {"model_type": "gpt_oss", "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 16, "head_dim": 8}
 STEPS = 4
 RTOL = 1e-6  # relative, fp32: the same ops in the same order as torch's, so in practice bit-equal
 
@@ -144,6 +145,8 @@ LAYOUTS = {  # (parallel, model, train): weights after the steps equal one proce
     "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, {"num_hidden_layers": 4}, {}),
     "cp2-recompute": ({"cp": 2}, SMALL, {"recompute": "full"}),
     "dp2-ep2-zero1": ({"dp": 2, "ep": 2, "zero": 1}, {**MOE, **SMALL}, {}),
+    # experts with [E, D] biases: AdamW's vectors, one per expert (as one [E, D] matrix, ep cut what NS orthogonalised)
+    "dp2-ep2-gpt-oss": ({"dp": 2, "ep": 2}, {**GPT_OSS, **SMALL}, {}),
     "dp2-tp2-pp2-zero1": ({"dp": 2, "tp": 2, "pp": 2, "zero": 1}, SMALL, {}),
 }
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from tetron.config import Config
 from tetron.mesh import Mesh
+from tetron.models.experts import Experts
 from tetron.models.moe import Router, moe_blocks
 from tetron.models.spec import spec_of
 from tetron.optim import Role, optimizer_class
@@ -109,14 +110,17 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
 def param_roles(chunks: list[nn.Module]) -> dict[int, Role]:
     """Each parameter's role for the optimizer (by id), as the family's plan tells: the token embedding, the head
     (a pipeline's tied copy of the embedding on the last stage is the head there), an MoE layer's router, any
-    other weight of 2+ dims a matrix, the rest (norms, biases, sinks) vectors."""
+    other weight of 2+ dims a matrix, the rest (norms, biases, sinks) vectors. An MoE layer's experts are stacked
+    on a leading dimension: their [E, D] biases are vectors (one per expert), not one [E, D] matrix."""
     roles: dict[int, Role] = {}
     for chunk in chunks:
         plan = spec_of(chunk.config).plan
         routers = {id(p) for m in chunk.modules() if isinstance(m, Router) for p in m.parameters()}
+        stacked = {id(p) for m in chunk.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)}
         for name, p in chunk.named_parameters():
+            dims = p.ndim - (id(p) in stacked)  # of one expert's tensor
             roles[id(p)] = ("embedding" if name == plan.embedding_weight else "head" if name == plan.head_weight
-                            else "router" if id(p) in routers else "matrix" if p.ndim >= 2 else "vector")
+                            else "router" if id(p) in routers else "matrix" if dims >= 2 else "vector")
     return roles
 
 
