@@ -1,6 +1,6 @@
 """Context parallelism, two benchmarks.
 
-    python bench/context_parallel.py [--part balance|impl|both] [--cp 4] [--seq 2048] [--reps 5]
+    python bench/context_parallel.py [--part balance|impl|window|both] [--cp 4] [--seq 2048] [--reps 5]
                                      [--impl-cps 2 4] [--impl-seqs 1024 2048 4096] [--kv-heads 8 2]
 
 balance: each rank's ring-attention compute for the contiguous and zigzag layouts, next to
@@ -11,6 +11,10 @@ this process, one rank after another, so that waiting on the ring, which hides i
 time, and the oversubscribed cores do not blur the figures. Prints per-rank medians, the max/min
 ratio (about 2*cp-1 for contiguous chunks under a causal mask, about 1 for zigzag) and each rank's
 count of scored query-key pairs.
+
+window: a sliding-window layer's compute on the busiest rank for several windows at one sequence length (and
+without a window): ring attention scores a windowed layer in tiles of the window against the keys in their reach
+(`_pieces`), so the time and the scored pairs grow with the window, not the sequence.
 
 impl: ring attention against Ulysses (all-to-all) attention on cp forked gloo ranks, zigzag layout,
 for each cp, sequence length and number of key/value heads: the median time of one forward+backward
@@ -33,8 +37,9 @@ import torch.nn.functional as F
 from common import launch, median_step_times
 
 from tetron.mesh import Mesh
+from tetron.models.attention import causal_mask
 from tetron.parallel.context_parallel import (
-    _parts,
+    _pieces,
     attention_work,
     block_attention,
     block_attention_backward,
@@ -46,8 +51,9 @@ from tetron.parallel.ulysses import kv_repeats, ulysses_attention
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def rank_compute(q, k, v, *, cp: int, rank: int, layout: str) -> float:
-    """Seconds of attention compute (forward + backward) that cp rank `rank` does in one ring pass."""
+def rank_compute(q, k, v, *, cp: int, rank: int, layout: str, window: int | None = None) -> float:
+    """Seconds of attention compute (forward + backward) that cp rank `rank` does in one ring pass: the pieces
+    ring attention scores (`_pieces`: with a window, tiles against the keys in their reach, masked)."""
     seq = q.shape[2]
     mine = shard_indices(seq, cp, rank, layout=layout)
     ql = q[:, :, mine].contiguous()
@@ -55,15 +61,13 @@ def rank_compute(q, k, v, *, cp: int, rank: int, layout: str) -> float:
     start = time.perf_counter()
     for step in range(cp):
         src = (rank - step) % cp
-        part = _parts(step, rank, cp, layout, tl)
-        if part is None:
-            continue
-        qs, ks, causal = part
         theirs = shard_indices(seq, cp, src, layout=layout)
-        kb, vb = k[:, :, theirs][:, :, ks].contiguous(), v[:, :, theirs][:, :, ks].contiguous()
-        qb = ql[:, :, qs].contiguous()
-        out, lse = block_attention(qb, kb, vb, causal)
-        block_attention_backward(torch.ones_like(out), qb, kb, vb, out, lse, causal)
+        for qs, ks, causal in _pieces(step, rank, cp, layout, tl, window):
+            kb, vb = k[:, :, theirs][:, :, ks].contiguous(), v[:, :, theirs][:, :, ks].contiguous()
+            qb = ql[:, :, qs].contiguous()
+            mask = None if window is None or window >= seq else causal_mask(mine[qs], theirs[ks], window)[None, None]
+            out, lse = block_attention(qb, kb, vb, causal, mask=mask)
+            block_attention_backward(torch.ones_like(out), qb, kb, vb, out, lse, causal, mask=mask)
     return time.perf_counter() - start
 
 
@@ -145,6 +149,25 @@ def _impl_rank(rank: int, args: argparse.Namespace) -> None:
             dist.barrier()
 
 
+def windows(args: argparse.Namespace) -> None:
+    """A sliding-window layer's ring-attention compute on the busiest rank, window by window: it grows with the
+    window, not the sequence (the tiles of `_pieces`), against the same rank without a window."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, args.heads, args.window_seq, args.head_dim, generator=g) for _ in range(3))
+    print(f"windowed ring attention, cp={args.cp}, seq {args.window_seq}, zigzag, the busiest rank's forward+backward "
+          f"compute, median of {args.reps}")
+    for window in [*args.windows, None]:
+        times, work = [], []
+        for rank in range(args.cp):
+            rank_compute(q, k, v, cp=args.cp, rank=rank, layout="zigzag", window=window)  # warm-up
+            times.append(statistics.median(rank_compute(q, k, v, cp=args.cp, rank=rank, layout="zigzag",
+                                                        window=window) for _ in range(args.reps)))
+            work.append(attention_work(args.window_seq, args.cp, rank, layout="zigzag", window=window))
+        shown = window or args.window_seq
+        print(f"  window {shown:6d}  {max(times) * 1e3:8.1f} ms  pairs {max(work):11,d}", flush=True)
+
+
 def compare_impls(args: argparse.Namespace) -> None:
     print(f"ring vs Ulysses attention, {args.impl_heads} query heads x {args.head_dim}, batch 1, fp32, zigzag; "
           f"forward+backward, median of {args.steps} steps in interleaved rounds (gloo, forked ranks)", flush=True)
@@ -154,12 +177,15 @@ def compare_impls(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("balance", "impl", "both"), default="both")
+    parser.add_argument("--part", choices=("balance", "impl", "window", "both"), default="both",
+                        help="both: balance and impl")
     parser.add_argument("--cp", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--window-seq", type=int, default=8192, help="sequence of the window part")
+    parser.add_argument("--windows", type=int, nargs="+", default=[128, 256, 512, 1024], help="window part's windows")
     parser.add_argument("--impl-cps", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--impl-seqs", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--impl-heads", type=int, default=8, help="query heads of the impl comparison")
@@ -171,6 +197,8 @@ def main() -> None:
         balance(args)
     if args.part in ("impl", "both"):
         compare_impls(args)
+    if args.part == "window":
+        windows(args)
 
 
 if __name__ == "__main__":

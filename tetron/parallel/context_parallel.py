@@ -113,15 +113,43 @@ def _parts(step: int, rank: int, cp: int, layout: str, tq: int) -> tuple[slice, 
     return slice(half, tq), full, False  # only our second chunk lies after the whole block
 
 
-def attention_work(seq_len: int, cp: int, rank: int, *, layout: str = "zigzag") -> int:
-    """Query-key pairs this rank scores in one ring-attention pass (causal blocks count half):
-    the measure of its attention FLOPs, for comparing layouts."""
+@functools.lru_cache(maxsize=1024)
+def _pieces(step: int, rank: int, cp: int, layout: str, tl: int,
+            window: int | None) -> tuple[tuple[slice, slice, bool], ...]:
+    """The (query slice, key slice, causal) pieces this rank scores of the block that started on rank
+    (rank - step) % cp: `_parts`' one piece, or with a sliding `window` shorter than the sequence, the queries in
+    tiles of `window` consecutive positions, each against only the keys in its reach ([first - window + 1, last]:
+    a contiguous run of the block's sorted positions). Blocks and tiles the window leaves nothing of are not
+    scored, so a windowed layer's compute grows with the window, not the sequence; the mask still drops the
+    pairs a tile's rectangle holds outside the window."""
+    part = _parts(step, rank, cp, layout, tl)
+    if part is None or window is None or window >= tl * cp:
+        return () if part is None else (part,)
+    qs, ks, _ = part
+    q_index, k_index = range(tl)[qs], range(tl)[ks]
+    q_pos = shard_indices(tl * cp, cp, rank, layout=layout)[qs].tolist()
+    k_pos = shard_indices(tl * cp, cp, (rank - step) % cp, layout=layout)[ks]
+    pieces, start = [], 0
+    while start < len(q_pos):  # a tile: up to `window` queries of consecutive positions (zigzag's chunks apart)
+        end = start + 1
+        while end < len(q_pos) and end - start < window and q_pos[end] == q_pos[end - 1] + 1:
+            end += 1
+        lo = int(torch.searchsorted(k_pos, q_pos[start] - window + 1))
+        hi = int(torch.searchsorted(k_pos, q_pos[end - 1], right=True))
+        if lo < hi:
+            pieces.append((slice(q_index[start], q_index[end - 1] + 1), slice(k_index[lo], k_index[hi - 1] + 1),
+                           False))
+        start = end
+    return tuple(pieces)
+
+
+def attention_work(seq_len: int, cp: int, rank: int, *, layout: str = "zigzag", window: int | None = None) -> int:
+    """Query-key pairs this rank scores in one ring-attention pass (causal blocks count half; with a `window`,
+    its tiles' rectangles): the measure of its attention FLOPs, for comparing layouts and windows."""
     tl = seq_len // cp
     work = 0
     for step in range(cp):
-        part = _parts(step, rank, cp, layout, tl)
-        if part is not None:
-            qs, ks, causal = part
+        for qs, ks, causal in _pieces(step, rank, cp, layout, tl, window):
             pairs = len(range(tl)[qs]) * len(range(tl)[ks])
             work += pairs // 2 if causal else pairs
     return work
@@ -152,9 +180,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             if step < cp - 1:
                 (k_next, v_next), works = ring.start([k, v])  # overlaps this block's compute
-            part = _parts(step, rank, cp, layout, tl)
-            if part is not None:
-                qs, ks, causal = part
+            for qs, ks, causal in _pieces(step, rank, cp, layout, tl, window):
                 kb = k[:, :, ks].repeat_interleave(rep, dim=1)  # [B, H, Tk, D]
                 vb = v[:, :, ks].repeat_interleave(rep, dim=1)
                 mask = _block_mask(q, docs, window, (rank - step) % cp, ring, layout, qs, ks)
@@ -188,9 +214,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             if step < cp - 1:
                 (k_next, v_next), kv_works = ring.start([k, v])
-            part = _parts(step, rank, cp, layout, tl)
-            if part is not None:
-                qs, ks, causal = part
+            for qs, ks, causal in _pieces(step, rank, cp, layout, tl, window):
                 kb = k[:, :, ks].repeat_interleave(rep, dim=1)
                 vb = v[:, :, ks].repeat_interleave(rep, dim=1)
                 mask = _block_mask(q, docs, window, (rank - step) % cp, ring, layout, qs, ks)
@@ -218,9 +242,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = Non
     """Causal attention over the whole sequence, from this cp rank's share of q, k, v
     ([B, heads, T/cp, head_dim], positions as `shard_indices` gives them); with `docs` (the whole window's
     documents) each position attends only within its document, with `window` only to the `window` latest
-    positions. A block the window leaves no pair of is still scored (all masked): the ring passes every
-    block on anyway, and which blocks are empty depends on the layout. `scale`, `softcap` and `sinks` [H] as
-    models/attention.py's AttentionOptions."""
+    positions: each block's queries in tiles of the window, each tile scored against the keys in its reach only
+    (`_pieces`; the ring still passes every block on). `scale`, `softcap` and `sinks` [H] as models/attention.py's
+    AttentionOptions."""
     if mesh.size("cp") == 1:
         return sdpa_attention(q, k, v, docs, window, scale=scale, softcap=softcap, sinks=sinks)
     ring = _Ring(mesh.group("cp"), mesh.cp_next, mesh.cp_prev)
