@@ -127,7 +127,7 @@ class MoeConfig(LlamaConfig):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token from the ACTIVE parameters: 6 * N_active + 12*L*H*s (see LlamaConfig's)."""
         n = self.num_params(include_embedding=False, active=True) + self.vocab_size * self.hidden_size
-        return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
+        return 6.0 * n + self.attention_flops_per_token(seq_len)
 
 
 _MOE_INTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "n_group",

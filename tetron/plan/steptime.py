@@ -6,16 +6,16 @@
            backward pass does not hide + the optimizer step + a checkpoint save's blocking time over
            checkpoint.save_every steps
 
-Compute is FLOPs at a device's efficiency figure (hardware.py): per token and layer 2 FLOPs per weight
-forward (4 backward), and causal attention's 2*s*hq forward (the usual 4*s*hq halved by the mask), the
-head's 2*V*h; full recomputation adds one forward of the layers, selective recomputation the element-wise
-tensors it recomputes, written and read once at the device's memory bandwidth. Communication is the ring algorithms'
-volume per rank (the Ultra-Scale Playbook's table: all-reduce 2(n-1)/n, reduce-scatter and all-gather
-(n-1)/n of the tensor) at the bandwidth of the slowest link the group spans (inside a node when all its
-ranks are: tp innermost, then cp, dp, pp, as mesh.py lays them out), plus a latency per message.
-Overlap: the bucketed gradient reduction runs during the backward pass (only what exceeds the last
-micro-batch's backward, or at least the last bucket, is exposed), ring attention's key/value transfer
-during the block computations, ZeRO-3's prefetched gathers during compute. Ulysses attention's four
+Compute is FLOPs at a device's efficiency figure (hardware.py): per token and layer 2 FLOPs per weight forward (4
+backward), and causal attention's 2*s*hq forward (the usual 4*s*hq halved by the mask; s the keys a query reaches,
+a sliding-window layer's window where shorter than the sequence), the head's 2*V*h; full recomputation adds one
+forward of the layers, selective recomputation the element-wise tensors it recomputes, written and read once at
+the device's memory bandwidth. Communication is the ring algorithms' volume per rank (the Ultra-Scale Playbook's
+table: all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n of the tensor) at the bandwidth of the slowest
+link the group spans (inside a node when all its ranks are: tp innermost, then cp, dp, pp, as mesh.py lays them
+out), plus a latency per message. Overlap: the bucketed gradient reduction runs during the backward pass (only
+what exceeds the last micro-batch's backward, or at least the last bucket, is exposed), ring attention's key/value
+transfer during the block computations, ZeRO-3's prefetched gathers during compute. Ulysses attention's four
 all-to-alls per layer (each rank sends (cp-1)/cp of its q, k, v or output, or their gradients) block.
 """
 
@@ -78,7 +78,11 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     rate = hw.flops(cfg.train.dtype)
     # forward FLOPs of a dense and of an MoE layer: its matmul weights (an MoE layer's: those one token's
     # top_k experts use); an MoE model's mlp, whole on every tp rank, on the n_mlp tokens it sees
-    per_layer, per_moe = (s.n * (2 * layer_matmul_numels(cfg, moe=moe, whole=False) + 2 * cfg.data.seq_len * s.hq)
+    # causal attention's forward, 2*s*hq a token, s the keys a query reaches (a sliding window's, where shorter):
+    # the model's count (12*H*s a layer for training, unhalved), its mean over the layers, 1/tp of the heads
+    attention_per_token = cfg.model.attention_flops_per_token(cfg.data.seq_len) / (6 * cfg.model.num_hidden_layers
+                                                                                   * p.tp)
+    per_layer, per_moe = (s.n * (2 * layer_matmul_numels(cfg, moe=moe, whole=False) + attention_per_token)
                           + s.n_mlp * 2 * layer_matmul_numels(cfg, moe=moe, whole=True) for moe in (False, True))
     tp_bw = _bandwidth(hw, p.tp, gpus_per_node)
     act = s.n * s.h * s.d  # one residual-stream tensor
@@ -86,7 +90,7 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     tp_layer = 2 * _ring(hw, act, p.tp, 2.0, tp_bw)
     cp_bw = _bandwidth(hw, p.tp * p.cp, gpus_per_node)
     kv = 2 * s.n * s.hkv * s.d
-    attention = s.n * 2 * cfg.data.seq_len * s.hq / rate
+    attention = s.n * attention_per_token / rate
     cp_fwd = max(0.0, (p.cp - 1) * (hw.latency_s + kv / cp_bw) - attention) if p.cp > 1 else 0.0
     cp_bwd = 3 * cp_fwd  # the blocks again, and their fp32 gradients travelling with them
     if s.ulysses_kv:  # Ulysses: all-to-all of q, k, v, then of the output (backward: the inverses), not hidden

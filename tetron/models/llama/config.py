@@ -191,20 +191,26 @@ class LlamaConfig:
         N = num_params(include_embedding=False) + vocab_size*hidden_size: every matmul weight,
         the output projection included even when tied (the embedding lookup is no matmul);
         6 = 2 forward + 4 backward FLOPs per weight. 12*L*H*s counts the attention scores and
-        weighted values, with L layers, H = num_attention_heads*head_dim (the mean of the q/k and v widths
-        where they differ), s = seq_len, the training sequence length. Causal masking is not discounted (not
-        halved): PaLM, Megatron-LM and torchtitan count it this way, so MFUs compare across reports; the
-        fused kernels skip most masked blocks, so the FLOPs actually run are about 6*L*H*s fewer (5% of the total for
-        SmolLM-1.7B at s=2048), and MFU counts those as done. Recomputation is not counted either:
-        MFU is the model's FLOPs, not the hardware's.
+        weighted values (`attention_flops_per_token`). Recomputation is not counted: MFU is the model's
+        FLOPs, not the hardware's.
         """
         n = self.num_params(include_embedding=False) + self.vocab_size * self.hidden_size
-        opts = self.attention_options(0)
-        if opts.v_head_dim == opts.head_dim:
-            return 6.0 * n + 12.0 * self.num_hidden_layers * self.num_attention_heads * self.head_dim * seq_len
-        # scores over head_dim, weighted values over v_head_dim: half of the 12 each
-        widths = opts.head_dim + opts.v_head_dim
-        return 6.0 * n + 6.0 * self.num_hidden_layers * self.num_attention_heads * widths * seq_len
+        return 6.0 * n + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token of the attention scores and weighted values, 12*H*s a layer, with H =
+        num_attention_heads*head_dim (the mean of the q/k and v widths where they differ) and s the keys a query
+        reaches: the training sequence length, or a sliding-window layer's window where shorter (ring attention and
+        the fused kernels skip what lies outside it). Causal masking is not discounted (not halved): PaLM,
+        Megatron-LM and torchtitan count it this way, so MFUs compare across reports; the fused kernels skip most
+        masked blocks, so the FLOPs actually run are about 6*L*H*s fewer (5% of the total for SmolLM-1.7B at
+        s=2048), and MFU counts those as done."""
+        total = 0.0
+        for index in range(self.num_hidden_layers):
+            opts = self.attention_options(index)
+            reach = seq_len if opts.window is None else min(opts.window, seq_len)
+            total += 6.0 * self.num_attention_heads * (opts.head_dim + opts.v_head_dim) * reach
+        return total
 
 
 # YaRN's numbers and transformers' defaults for them (modeling_rope_utils._compute_yarn_parameters); None:
