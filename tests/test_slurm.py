@@ -238,6 +238,24 @@ def test_the_job_script(tmp_path, monkeypatch):
     assert no_sbatch.returncode == 2 and "sbatch is not on PATH" in no_sbatch.stderr
 
 
+def test_every_local_data_path_is_made_absolute_for_the_job(tmp_path):
+    """The job may start in another folder: data.path (here a glob), data.val_path, each mixture source (a file, a
+    local hf: dataset folder with its split) become absolute; stdlib, a hub name and an absent path stay as given."""
+    from tetron.config import from_dict
+    from tetron.plan.slurm import _absolute
+
+    for name in ("a.txt", "b.txt", "held.txt"):
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / "ds").mkdir()
+    specs = ["a.txt", "hf:ds:validation", "hf:org/name", "stdlib", "gone.txt"]
+    cfg = from_dict({"data": {"path": "*.txt", "val_path": "held.txt",
+                              "sources": [{"path": spec, "weight": 1.0} for spec in specs]}})
+    data = _absolute(cfg, tmp_path).data
+    assert data.path == f"{tmp_path}/*.txt" and data.val_path == str(tmp_path / "held.txt")
+    assert [s["path"] for s in data.sources] == [str(tmp_path / "a.txt"), f"hf:{tmp_path / 'ds'}:validation",
+                                                 "hf:org/name", "stdlib", "gone.txt"]
+
+
 STUBS = {  # Slurm's commands and the node's python, recording what they were given (STUB_LOG) instead
     "srun": '#!/bin/bash\nprintf "%s\\n" "$@" > "$STUB_LOG/srun.args"\nwhile [[ "$1" == --* ]]; do shift; done\n'
             'SLURM_NODEID=0 exec "$@"\n',

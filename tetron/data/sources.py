@@ -15,6 +15,7 @@ in checkpoints count windows of tokens, whatever the source was. A new kind of s
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -89,6 +90,18 @@ class Source(ABC):
         """The tokenizer the data was tokenized with (a token store's), None for text."""
         return None
 
+    def anchored(self, workdir: Path) -> str:
+        """The spec as a process started in another folder reads the same data (a Slurm job's): local paths
+        relative to `workdir` made absolute; by default the spec names no local path and stays as it is."""
+        return self.spec
+
+
+def _anchored_path(path: str, workdir: Path) -> str:
+    """`path` absolute where it names something that exists relative to `workdir` (else as it is: a glob, a typo
+    that the data check names later)."""
+    local = workdir / Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+
 
 KINDS: list[type[Source]] = []  # filled by register_source(); the most recent registration claims a spec first
 Kind = TypeVar("Kind", bound=type[Source])
@@ -146,6 +159,11 @@ class TextFiles(Source):
     def size_bytes(self) -> int | None:
         return sum(f.stat().st_size for f in self.files())
 
+    def anchored(self, workdir: Path) -> str:
+        if glob.has_magic(self.spec) and not Path(self.spec).expanduser().is_absolute():
+            return str(workdir.resolve() / Path(self.spec).expanduser())  # the pattern, from the same folder
+        return _anchored_path(self.spec, workdir)
+
 
 @register_source
 class Stdlib(TextFiles):
@@ -157,6 +175,9 @@ class Stdlib(TextFiles):
 
     def check(self) -> None:  # it is there wherever Python is; walking it takes a while
         pass
+
+    def anchored(self, workdir: Path) -> str:
+        return self.spec
 
 
 @register_source
@@ -191,6 +212,11 @@ class HFDataset(Source):
     def plan_key(self, *, text_field: str, max_bytes: int | None) -> str:
         return self.spec  # a store resumed from the hub keeps reading the same name
 
+    def anchored(self, workdir: Path) -> str:
+        name = parse_hf(self.spec)[0]
+        local = _anchored_path(name, workdir)  # a local dataset folder; a hub name stays a name
+        return f"hf:{local}{self.spec[len('hf:') + len(name):]}"  # the config and split as they were
+
 
 @register_source
 class TokenStoreSource(Source):
@@ -204,6 +230,9 @@ class TokenStoreSource(Source):
 
     def folder(self) -> Path:
         return Path(self.spec).expanduser()
+
+    def anchored(self, workdir: Path) -> str:
+        return _anchored_path(self.spec, workdir)
 
     def _not_text(self) -> DataError:
         return DataError(f"data: {self.spec} is a token store (made by tetron tokenize): it holds tokens, not "

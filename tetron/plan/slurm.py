@@ -33,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from tetron.config import Config
+from tetron.data.sources import source_of
 from tetron.errors import ConfigError, check
 from tetron.fs import CONTROL, read_bounded, write_text
 from tetron.stop import parse_signal
@@ -238,14 +239,17 @@ def read_setup(name: str) -> str:
 
 
 def _absolute(cfg: Config, workdir: Path) -> Config:
-    """The run folder, and local data and cache paths, as absolute paths: the job may start elsewhere."""
+    """The run folder, the cache and every local data path (data.path, data.val_path, a mixture's sources) as
+    absolute paths, each as its kind of source says (`Source.anchored`): the job may start elsewhere."""
     out = str((workdir / Path(cfg.out).expanduser()).resolve())
     data = cfg.data
-    path = data.path
-    if path not in ("stdlib",) and not path.startswith("hf:") and (workdir / path).exists():
-        path = str((workdir / path).resolve())
     cache = str((workdir / Path(data.cache_dir).expanduser()).resolve()) if data.cache_dir else None
-    return replace(cfg, out=out, data=replace(data, path=path, cache_dir=cache))
+    val_path = source_of(data.val_path).anchored(workdir) if data.val_path else None
+    sources = None if data.sources is None else [
+        {**s, "path": source_of(s["path"]).anchored(workdir)} if isinstance(s.get("path"), str) else s
+        for s in data.sources]
+    return replace(cfg, out=out, data=replace(data, path=source_of(data.path).anchored(workdir), cache_dir=cache,
+                                              val_path=val_path, sources=sources))
 
 
 def write_job(cfg: Config, job: SlurmJob, *, workdir: Path | None = None) -> Path:
