@@ -102,7 +102,7 @@ def test_the_family_equals_transformers(config_class, hf_class, tmp_path):
     from tetron.checkpoint.check import inspect_checkpoint
     from tetron.checkpoint.load import TensorReader, load_model
     from tetron.checkpoint.save import save_model
-    from tetron.models.spec import stored_as_of
+    from tetron.models.spec import read_as_of
 
     cfg = config_class(**TINY, moe_aux_loss="batch", **({"moe_intermediate_size": 16} if config_class is MoeConfig
                                                         else {"sliding_window": 5}))
@@ -125,7 +125,7 @@ def test_the_family_equals_transformers(config_class, hf_class, tmp_path):
     with TensorReader(tmp_path / "hub") as reader:
         assert not any(".experts.gate_up_proj" in name for name in reader.names())
     inspect_checkpoint(tmp_path / "hub", require_state=False)
-    with TensorReader(tmp_path / "hub", stored_as=stored_as_of(cfg)) as reader:
+    with TensorReader(tmp_path / "hub", read_as=read_as_of(cfg)) as reader:
         for name, value in model.state_dict().items():
             assert torch.equal(reader.read(name), value), name
         assert torch.equal(reader.read("model.layers.1.mlp.experts.down_proj", 0, 1, 3),

@@ -25,7 +25,7 @@ from tetron.checkpoint.save import ADAMW, ADAMW_STATE, FORMAT, model_specs, opti
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError, DataError, check, failed
 from tetron.fs import STATE_FILE, STEP_DIR, complete_checkpoints, read_json, sha256
-from tetron.models.spec import config_from_hf, spec_of, stored_as_of
+from tetron.models.spec import config_from_hf, read_as_of, spec_of
 
 # the family and the shapes: always the same (an MoE model's experts, their width, which layers have them)
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -170,8 +170,10 @@ def _weigh(config: Any, reader: TensorReader, where: Path) -> None:
     (a num_hidden_layers of 10**6, whose meta model alone would take minutes and gigabytes) is refused at once.
     (Its other sizes cost nothing to build on the meta device: each tensor's shape is then checked.)"""
     prefix = spec_of(config).plan.layers + "."
-    held = [int(i) for i in {name[len(prefix):].split(".", 1)[0] for name in reader.file_of if name.startswith(prefix)}
-            if i.isdigit() and len(i) < 20]
+    read_as = read_as_of(config)  # the layers kept under another prefix too (a multimodal folder's)
+    prefixes = [prefix, *(other for other in (read_as(prefix) if read_as else []) if isinstance(other, str))]
+    held = [int(i) for i in {name[len(p):].split(".", 1)[0] for name in reader.file_of for p in prefixes
+                             if name.startswith(p)} if i.isdigit() and len(i) < 20]
     layers = max(held) + 1 if held else 0
     _need(config.num_hidden_layers <= layers,
           f"{where}: num_hidden_layers={config.num_hidden_layers}, and the folder's tensors hold {layers} layers "
@@ -195,7 +197,7 @@ def inspect_checkpoint(folder: Path, model: Any = None, *, require_state: bool =
     if model is not None:
         compare_models(config, model, folder / "config.json", settings=settings)
     dtypes = {"F32"} if state is not None else FLOAT_DTYPES
-    reader = TensorReader(folder, "model", stored_as=stored_as_of(config))
+    reader = TensorReader(folder, "model", read_as=read_as_of(config))
     _weigh(config, reader, folder / "config.json")
     for name, _, _, shape in model_specs(config, buffers=False):  # a buffer missing is left at its start value
         reader.check(name, shape, dtypes=dtypes)

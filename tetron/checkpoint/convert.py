@@ -25,7 +25,7 @@ from tetron.checkpoint.save import FORMAT, checkpoint_bytes, model_specs, seal, 
 from tetron.data.tokenizer import load_tokenizer
 from tetron.errors import CheckpointError
 from tetron.fs import STATE_FILE, replace_folder, sha256, write_json
-from tetron.models.spec import stored_as_of
+from tetron.models.spec import read_as_of, stored_as_of
 
 
 def _tmp_for(dst: Path) -> Path:
@@ -70,7 +70,7 @@ def _stream_model(src: Path, dst: Path, config: Any, *, shard_mb: int) -> dict[s
     """The model tensors of folder `src` (either layout) written into `dst` in fp32, one at a time, in the
     family's layout (model.safetensors.index.json and shards); returns each file's tensors' crc32."""
     specs, layout = model_specs(config), stored_as_of(config)
-    with TensorReader(src, "model", stored_as=layout) as reader:
+    with TensorReader(src, "model", read_as=read_as_of(config)) as reader:
         stream = ((key, reader.read(key).to(dtype)) for key, _, dtype, _ in specs)
         return write_tensors(dst, "model", specs, stream, shard_bytes=shard_mb << 20, layout=layout)
 

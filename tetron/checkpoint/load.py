@@ -31,7 +31,7 @@ from tetron.checkpoint.shards import tensor_crc32
 from tetron.data.hub import hub_problem
 from tetron.errors import CheckpointError, ConfigError, check
 from tetron.fs import STATE_FILE, read_json
-from tetron.models.spec import assemble, config_from_hf, piece_names, spec_of, stored_as_of
+from tetron.models.spec import assemble, config_from_hf, piece_names, read_as_of, spec_of
 from tetron.parallel.init import name_seed
 from tetron.parallel.layout import full_shape, layout_of
 from tetron.parallel.zero import ShardedOptimizer
@@ -109,9 +109,9 @@ class TensorReader:
     listed (a slice's tensor once, all of its bytes)."""
 
     def __init__(self, folder: Path, prefix: str = "model", *,
-                 stored_as: Callable[[str], str | list[list[str]] | None] | None = None) -> None:
+                 read_as: Callable[[str], list[str | list[list[str]]]] | None = None) -> None:
         self.folder = Path(folder)
-        self.stored_as = stored_as  # a family's other names for a tensor (ModelSpec.stored_as, its config bound)
+        self.read_as = read_as  # a family's other names for a tensor, in order (models.spec.read_as_of)
         index, single = self.folder / f"{prefix}.safetensors.index.json", self.folder / f"{prefix}.safetensors"
         if index.exists():
             data = read_json(index)
@@ -156,10 +156,10 @@ class TensorReader:
 
     def _stored(self, name: str) -> str | list[list[str]] | None:
         """The other names `name` is stored under here, when it is not stored as named and they all are."""
-        if name in self.file_of or self.stored_as is None:
+        if name in self.file_of or self.read_as is None:
             return None
-        stored = self.stored_as(name)
-        return stored if stored and all(n in self.file_of for n in piece_names(stored)) else None
+        return next((stored for stored in self.read_as(name) if all(n in self.file_of for n in piece_names(stored))),
+                    None)
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
         f = self.file_of.get(name)
@@ -238,22 +238,22 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch
         model = spec.model_class(config)
     tied_head = spec.plan.tied_head(config)
     expected = {k for k in model.state_dict() if k != tied_head}
-    stored_as = stored_as_of(config)
+    read_as = read_as_of(config)
     if (folder / "model.safetensors").is_file():
         state = load_file(folder / "model.safetensors", device=str(device))
         where = folder / "model.safetensors"
-        for key in sorted(expected - set(state)) if stored_as else []:  # kept under other names (the hub's)
-            stored = stored_as(key)
-            if stored and all(n in state for n in piece_names(stored)):
+        for key in sorted(expected - set(state)) if read_as else []:  # kept under other names (the hub's)
+            stored = next((s for s in read_as(key) if all(n in state for n in piece_names(s))), None)
+            if stored:
                 state[key] = assemble(stored, state.__getitem__)
                 for n in piece_names(stored):
                     del state[n]
     else:
-        with TensorReader(folder, "model", stored_as=stored_as) as reader:
+        with TensorReader(folder, "model", read_as=read_as) as reader:
             state = {k: reader.read(k).to(device) for k in expected if reader.info(k) is not None}
         where = folder / "model.safetensors.index.json"
     state.pop(tied_head, None)
-    state = {k: v.to(dtype) for k, v in state.items()}
+    state = {k: v.to(dtype) for k, v in state.items() if not (spec.unread and k.startswith(spec.unread))}
     optional = {name for name, _ in model.named_buffers()}  # a folder without a routing bias starts it at 0
     missing, unexpected = expected - set(state) - optional, set(state) - expected
     if missing or unexpected:
@@ -303,7 +303,7 @@ def _source_name(name: str, param: nn.Parameter, reader: TensorReader, chunk: nn
 def load_weights(chunks: list[nn.Module], folder: Path, optimizer: ShardedOptimizer) -> None:
     """Fill this rank's parameters, and the optimizer's fp32 master weights, from a checkpoint or HF
     model folder, reading only this rank's slices."""
-    with TensorReader(folder, "model", stored_as=stored_as_of(chunks[0].config)) as reader:
+    with TensorReader(folder, "model", read_as=read_as_of(chunks[0].config)) as reader:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 weights = _read_local(reader, _source_name(name, param, reader, chunk), param)

@@ -74,6 +74,12 @@ class Gemma3TextConfig(LayerTypesConfig):
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> Gemma3TextConfig:
         hf = dict(read_hf_config(path_or_dict))
+        if hf.get("model_type") == "gemma3":  # Gemma3ForConditionalGeneration (4B and up): its text model
+            text = hf.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError("model_type='gemma3' without a text_config mapping: not a Gemma 3 folder tetron "
+                                 "reads; give a Gemma 3 model folder")
+            hf = {**text, "model_type": "gemma3_text"}
         if hf.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention=true: tetron trains causal decoders; use false")
         if "hidden_activation" in hf:  # transformers' Gemma 3 reads this name, not hidden_act
@@ -90,5 +96,15 @@ class Gemma3TextConfig(LayerTypesConfig):
 
 GEMMA3_PLAN = ParallelPlan(blocks=LLAMA_PLAN.blocks, residual_norms=layer_norm_names("sandwich"),
                            kept_whole=("self_attn.q_norm", "self_attn.k_norm"))
-GEMMA3 = register(ModelSpec(name="gemma3_text", model_types=("gemma3_text",), config_class=Gemma3TextConfig,
-                            model_class=Llama, plan=GEMMA3_PLAN, init=standard_init))
+
+
+def in_multimodal_folder(name: str, config: Gemma3TextConfig) -> str:
+    """Where Gemma3ForConditionalGeneration's folder (the hub's gemma-3-4b and up, transformers' save_pretrained)
+    keeps the text model's tensor `name`: under language_model., beside the vision tower that tetron leaves
+    unread. A text-only folder holds them as named (read_as is asked only for a name the folder lacks)."""
+    return f"language_model.{name}"
+
+
+GEMMA3 = register(ModelSpec(name="gemma3_text", model_types=("gemma3_text", "gemma3"), config_class=Gemma3TextConfig,
+                            model_class=Llama, plan=GEMMA3_PLAN, init=standard_init, read_as=in_multimodal_folder,
+                            unread=("vision_tower.", "multi_modal_projector.")))

@@ -161,6 +161,13 @@ class ModelSpec:
     # the name of one of its own parameters, the config) -> how that parameter starts. None: models/blocks.py's
     # standard_init (normal(initializer_range), ones for norm weights, zeros for (1 + weight) norms and biases).
     init: Callable[[nn.Module, str, Any], Init] | None = None
+    # Where a folder of another model that holds this family's (a multimodal model's text model) keeps a tensor:
+    # (name, config) -> the name there, read where the folder lacks both `name` and its stored_as names; never
+    # written (tetron's folders are the family's own). None: no such folders.
+    read_as: Callable[[str, Any], str | None] | None = None
+    # Prefixes of the tensors such a folder holds beside the family's (the other towers): left unread where any
+    # other tensor would be refused as unexpected.
+    unread: tuple[str, ...] = ()
 
 
 def piece_names(stored: str | list[list[str]]) -> list[str]:
@@ -220,6 +227,16 @@ def stored_as_of(config: Any) -> Callable[[str], str | list[list[str]] | None] |
     """The family's `stored_as` for this config (where a model folder keeps a tensor), or None."""
     stored_as = spec_of(config).stored_as
     return None if stored_as is None else lambda name: stored_as(name, config)
+
+
+def read_as_of(config: Any) -> Callable[[str], list[str | list[list[str]]]] | None:
+    """Where a reader looks for a tensor that a folder does not hold as named: the family's `stored_as`, then its
+    `read_as` (another model's folder that holds this family's), in that order; None where the family has neither."""
+    spec = spec_of(config)
+    if spec.stored_as is None and spec.read_as is None:
+        return None
+    return lambda name: [other for other in (spec.stored_as and spec.stored_as(name, config),
+                                             spec.read_as and spec.read_as(name, config)) if other]
 
 
 def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
