@@ -1,7 +1,8 @@
-"""Pipeline parallelism, side by side: tetron's 1F1B and ZB-V against PyTorch's `torch.distributed.pipelining`
-Schedule1F1B and ScheduleZBVZeroBubble, each pair training the same model, cut the same way, on the same
-micro-batches, in one invocation; then the bubble of each tetron schedule (afab, 1f1b, interleaved,
-zbh1, zbv), measured from per-rank timestamps, against the theory.
+"""Pipeline parallelism, side by side: tetron's 1F1B, ZB-V and DualPipeV against PyTorch's
+`torch.distributed.pipelining` Schedule1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV, each pair training the
+same model, cut the same way, on the same micro-batches, in one invocation; then the bubble of each tetron
+schedule (afab, 1f1b, interleaved, zbh1, zbv, dualpipev), measured from per-rank timestamps, against the theory.
+DualPipeV needs at least 2 * ranks micro-batches (--micro-batches); with fewer its pair is left out.
 
     python bench/pipeline_parallel.py [--steps 10] [--hidden 256] [--layers 8] [--micro-batches 8]
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from common import add_model_args, add_timing_args, launch, median_step_times, model_config
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleZBVZeroBubble
 
 from tetron.mesh import Mesh
 from tetron.models.llama import Llama, LlamaConfig
@@ -31,7 +32,7 @@ from tetron.parallel.pipeline_parallel import (
     measure_bubble,
     split_layers,
 )
-from tetron.parallel.pipeline_schedules import simulate, stage_of, theoretical_bubble
+from tetron.parallel.pipeline_schedules import simulate, stage_of, style_of, theoretical_bubble
 
 
 def make_chunks(config: LlamaConfig, *, pp: int, virtual: int, rank: int, style: str = "loop") -> list[Llama]:
@@ -69,7 +70,7 @@ def rank_main(rank: int, args) -> None:
     micro_batches = list(zip(inputs.chunk(m), targets.chunk(m)))
 
     def tetron_pipeline(name: str, virtual: int) -> tuple[Pipeline, torch.optim.Optimizer]:
-        chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank, style="v" if name == "zbv" else "loop")
+        chunks = make_chunks(config, pp=p, virtual=virtual, rank=rank, style=style_of(name))
         # sum over tokens / (tokens per micro-batch * m): the mean over the batch, as torch's below
         pipeline = Pipeline(chunks, mesh, schedule_name=name, micro_batches=m, shape=(mb, seq, args.hidden),
                             positions=torch.arange(seq), loss_fn=lambda summed: summed / (mb * seq * m))
@@ -86,14 +87,22 @@ def rank_main(rank: int, args) -> None:
     theirs = Schedule1F1B(stage, m, loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
     their_opt = torch.optim.AdamW(stage_model.parameters(), lr=1e-4)
 
-    # tetron's ZB-V and torch's ScheduleZBVZeroBubble: two stages per rank in a V, the same cut
+    def torch_v(schedule_class: type) -> tuple[object, torch.optim.Optimizer]:
+        """torch's schedule of two stages per rank in a V, cut as tetron's."""
+        v_models = make_chunks(config, pp=p, virtual=2, rank=rank, style="v")
+        v_stages = [PipelineStage(model, stage_of(c, rank, pp=p, style="v"), 2 * p, torch.device("cpu"))
+                    for c, model in enumerate(v_models)]
+        schedule = schedule_class(v_stages, m, loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1),
+                                                                                       y.flatten()))
+        return schedule, torch.optim.AdamW([q for model in v_models for q in model.parameters()], lr=1e-4)
+
+    # tetron's ZB-V and DualPipeV against torch's: two stages per rank in a V, the same cut
     ours_v, our_opt_v = tetron_pipeline("zbv", 2)
-    v_models = make_chunks(config, pp=p, virtual=2, rank=rank, style="v")
-    v_stages = [PipelineStage(model, stage_of(c, rank, pp=p, style="v"), 2 * p, torch.device("cpu"))
-                for c, model in enumerate(v_models)]
-    theirs_v = ScheduleZBVZeroBubble(v_stages, m, loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1),
-                                                                                          y.flatten()))
-    their_opt_v = torch.optim.AdamW([q for model in v_models for q in model.parameters()], lr=1e-4)
+    theirs_v, their_opt_v = torch_v(ScheduleZBVZeroBubble)
+    dual = m >= 2 * p  # DualPipeV's least number of micro-batches (torch's and tetron's)
+    if dual:
+        ours_d, our_opt_d = tetron_pipeline("dualpipev", 2)
+        theirs_d, their_opt_d = torch_v(ScheduleDualPipeV)
 
     def step_tetron(pipeline: Pipeline, opt: torch.optim.Optimizer) -> float:
         loss = pipeline.step(micro_batches)
@@ -113,6 +122,9 @@ def rank_main(rank: int, args) -> None:
             "torch 1f1b": lambda: step_torch(theirs, their_opt, first=rank == 0, last=rank == p - 1),
             "tetron zbv": lambda: step_tetron(ours_v, our_opt_v),
             "torch zbv": lambda: step_torch(theirs_v, their_opt_v, first=rank == 0, last=rank == 0)}
+    if dual:
+        runs["tetron dualpipev"] = lambda: step_tetron(ours_d, our_opt_d)
+        runs["torch dualpipev"] = lambda: step_torch(theirs_d, their_opt_d, first=rank == 0, last=rank == 0)
     first = {impl: fn() for impl, fn in runs.items()}  # warm-up (torch infers shapes on its first step)
     for fn in runs.values():
         fn()
@@ -120,7 +132,8 @@ def rank_main(rank: int, args) -> None:
 
     # the bubble of each schedule, from every rank's action timestamps
     bubbles = {}
-    for name, virtual in (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2)):
+    for name, virtual in (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2),
+                          *([("dualpipev", 2)] if dual else [])):
         pipeline, opt = tetron_pipeline(name, virtual)
         measured, replayed, peaks = [], [], []
         for k in range(args.bubble_steps + 1):
@@ -146,17 +159,19 @@ def rank_main(rank: int, args) -> None:
     dist.barrier()
     if rank == 0:
         print(f"first-step loss (rank 0 holds the last stage of the V): tetron zbv {first['tetron zbv']:.6f}, "
-              f"torch zbv {first['torch zbv']:.6f}")
+              f"torch zbv {first['torch zbv']:.6f}" + (f"; tetron dualpipev {first['tetron dualpipev']:.6f}, torch "
+                                                       f"dualpipev {first['torch dualpipev']:.6f}" if dual else ""))
         print(f"pipeline parallel, {p} ranks (gloo), {args.layers} layers hidden {args.hidden} vocab {args.vocab}, "
               f"{m} micro-batches of {mb}x{seq}, {args.steps} steps each")
-        for ours_name, theirs_name, label in (("tetron 1f1b", "torch 1f1b", "Schedule1F1B"),
-                                              ("tetron zbv", "torch zbv", "ScheduleZBVZeroBubble")):
-            print(f"  {ours_name:12s} median step {med[ours_name] * 1e3:8.1f} ms   torch {label:22s} "
+        pairs = [("tetron 1f1b", "torch 1f1b", "Schedule1F1B"), ("tetron zbv", "torch zbv", "ScheduleZBVZeroBubble"),
+                 *([("tetron dualpipev", "torch dualpipev", "ScheduleDualPipeV")] if dual else [])]
+        for ours_name, theirs_name, label in pairs:
+            print(f"  {ours_name:16s} median step {med[ours_name] * 1e3:8.1f} ms   torch {label:22s} "
                   f"{med[theirs_name] * 1e3:8.1f} ms   tetron / torch = {med[ours_name] / med[theirs_name]:.3f}"
                   f"   (1.00 or below: tetron is not slower)")
         print(f"  bubble: idle fraction of the step per rank, median of {args.bubble_steps} steps; measured from "
               f"action timestamps, replayed (measured compute, free communication), theory with B = 2F "
-              f"(W = B = F under zbh1, zbv)")
+              f"(W = B = F under zbh1, zbv, dualpipev)")
         for name, (virtual, measured, replayed, peaks) in bubbles.items():
             theory = theoretical_bubble(name, pp=p, virtual=virtual, micro_batches=m)
             print(f"    {name:11s} v={virtual}  measured [{fmt(measured)}]  replayed [{fmt(replayed)}]  "

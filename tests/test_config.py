@@ -285,7 +285,7 @@ BAD_VALUES = [
     (["--cp", "2", "--cp-layout", "contiguous", "--tp", "2", "--sp", "--seq-len", "30"],
      ["parallel.sp", "seq_len=30", "cp=2", "tp=2"]),
     (["--pp", "3"], ["parallel.pp=3", "model.num_hidden_layers=2", "pp <= 2"]),
-    (["--pp-schedule", "gpipe"], ["parallel.pp_schedule='gpipe'", "afab, 1f1b, interleaved, zbh1 or zbv"]),
+    (["--pp-schedule", "gpipe"], ["parallel.pp_schedule='gpipe'", "afab, 1f1b, interleaved, zbh1, zbv or dualpipev"]),
     (["--pp-virtual", "2"], ["parallel.pp_virtual=2", "pp_schedule=interleaved"]),
     (["--pp-virtual", "0", "--pp-schedule", "interleaved"], ["parallel.pp_virtual=0"]),
     (["--pp-schedule", "interleaved"], ["pp_schedule=interleaved", "pp >= 2", "pp=1"]),

@@ -44,11 +44,16 @@ from harness import run_ranks
 
 CASES = [(name, p, m) for name in ("zbh1", "zbv") for p in (2, 3, 4, 8)
          for m in sorted({1, 2, p - 1, p, p + 1, 2 * p - 1, 2 * p, 3 * p} - {0})]
+CASES += [("dualpipev", p, m) for p in (2, 3, 4, 8) for m in (2 * p, 2 * p + 1, 3 * p)]  # it needs 2p or more
+
+
+def _virtual(name: str) -> int:
+    return 2 if style_of(name) == "v" else 1
 
 
 @pytest.mark.parametrize("name, p, m", CASES)
 def test_zero_bubble_order(name, p, m):
-    v = 2 if name == "zbv" else 1
+    v = _virtual(name)
     style = style_of(name)
     sent, taken = Counter(), Counter()
     for rank in range(p):
@@ -64,8 +69,10 @@ def test_zero_bubble_order(name, p, m):
         # most 2p chunk passes (p micro-batches of a rank's layers), both reached once m is large enough
         if name == "zbh1":
             assert peak_in_flight(order) == min(m, p)
-        else:
+        elif name == "zbv":
             assert peak_in_flight(order) <= 2 * p and (m < 2 * p - 1 or peak_in_flight(order) == 2 * p)
+        else:  # DualPipeV: one pair more than zbv on the ranks that start a whole backward before their last F
+            assert peak_in_flight(order) <= 2 * p + 1
         for a in order:
             if (out := sends(a, pp=p, virtual=v, rank=rank, style=style)) is not None:
                 sent[(out[0], rank, out[1])] += 1
@@ -110,9 +117,13 @@ def test_plan_knows_the_zero_bubble_schedules():
         return estimate(cfg, hw, gpus_per_node=8).bubble, [predict_rank(cfg, r).activations for r in range(4)]
 
     _, one_f_one_b = plan("1f1b", 1)
-    for name, virtual in (("zbh1", 1), ("zbv", 2)):
+    for name, virtual in (("zbh1", 1), ("zbv", 2), ("dualpipev", 2)):
         bubble, held = plan(name, virtual)
         assert bubble == pytest.approx(theoretical_bubble(name, pp=4, virtual=virtual, micro_batches=8), abs=1e-9)
+        if name == "dualpipev":  # 2p+1 half-chunks at its peak (zbv's 2p): 9/8 of the layers' (14% here, the
+            # V's last stage and its logits on rank 0 too), none of it more than the planner walks
+            assert one_f_one_b[0] * 9 / 8 <= held[0] <= 1.15 * one_f_one_b[0]
+            continue
         assert held[0] == pytest.approx(one_f_one_b[0], rel=1e-3)
         assert max(held) <= 1.07 * one_f_one_b[0]  # the last rank keeps its loss's logits until W
 
@@ -122,7 +133,10 @@ def test_plan_knows_the_zero_bubble_schedules():
     ({"pp_schedule": "zbh1"}, {}, {"compile": True}, "compile"),
     ({"pp_schedule": "zbv", "pp_virtual": 2}, {}, {}, ""),  # the controls: valid
     ({"pp_schedule": "zbh1", "dp": 2, "zero": 3}, {}, {"recompute": "selective"}, ""),
-], ids=["zbv-one-chunk", "compile", "valid", "valid-zero3-recompute"])
+    ({"pp_schedule": "dualpipev", "pp_virtual": 2}, {}, {"grad_acc": 3}, "grad_acc=4 or more"),
+    ({"pp_schedule": "dualpipev", "pp_virtual": 2}, {}, {"grad_acc": 4}, ""),
+], ids=["zbv-one-chunk", "compile", "valid", "valid-zero3-recompute", "dualpipev-few-micro-batches",
+        "valid-dualpipev"])
 def test_zero_bubble_refusals(tmp_path, parallel, model, train, needle):
     raw = {"model": {"num_hidden_layers": 4, **model}, "parallel": {"pp": 2, **parallel}, "train": train,
            "data": {"path": str(tmp_path / "x.txt"), "tokenizer": "bytes"}, "out": str(tmp_path / "out")}
@@ -348,6 +362,7 @@ def _assert_ran(results: list[dict], name: str, *, pp: int, virtual: int, m: int
         assert trace.peak_output_elements == 0
 
 
+MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 # (name, parallel, model, micro-batches[, train]): pp 2 and 4, m = pp and 2pp, with dp (naive; buckets under ZeRO
 # 1, 2 and 3), tp (+sp), cp, tied embeddings, recompute (full, selective; B recomputes, W reuses what B built)
 LAYOUTS = {
@@ -357,6 +372,8 @@ LAYOUTS = {
         ("zbv", {"pp": 2}, {}, 2),
         ("zbv", {"pp": 2}, {}, 4, {"recompute": "selective"}),
         ("zbv", {"pp": 2}, {"tie_word_embeddings": True}, 4),  # both copies on rank 0: summed there
+        ("dualpipev", {"pp": 2}, {"tie_word_embeddings": True}, 4),
+        ("dualpipev", {"pp": 2}, {}, 5, {"recompute": "full"}),
     ],
     4: [
         ("zbh1", {"pp": 4}, {}, 4),
@@ -371,6 +388,11 @@ LAYOUTS = {
         ("zbh1", {"pp": 2, "dp": 2, "zero": 3}, {}, 4, {"recompute": "selective"}),
         ("zbv", {"pp": 2, "tp": 2, "sp": True}, {}, 2),
         ("zbh1", {"pp": 2, "cp": 2}, {}, 4),
+        ("dualpipev", {"pp": 4}, {"num_hidden_layers": 8}, 8),
+        ("dualpipev", {"pp": 2, "dp": 2, "zero": 3}, {}, 4, {"recompute": "selective"}),
+        ("dualpipev", {"pp": 2, "dp": 2, "zero": 2, "bucket_mb": 0.01}, {}, 4),
+        ("dualpipev", {"pp": 2, "dp": 2, "zero": 1}, {}, 4),
+        ("dualpipev", {"pp": 2, "dp": 2, "ep": 2, "zero": 1}, MOE, 4),
     ],
 }
 
@@ -380,7 +402,7 @@ def test_zero_bubble_matches_single_process(corpus, cache_dir, tmp_path, world):
     cases, raws, refs = LAYOUTS[world], [], []
     for k, (name, parallel, model, m, *train) in enumerate(cases):
         model = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, **model}
-        virtual = 2 if name == "zbv" else 1
+        virtual = _virtual(name)
         dp = parallel.get("dp", 1)
         raws.append(tiny_config(corpus, cache_dir, tmp_path / f"run{k}", model=model,
                                 parallel={**parallel, "pp_schedule": name, "pp_virtual": virtual},
@@ -392,4 +414,4 @@ def test_zero_bubble_matches_single_process(corpus, cache_dir, tmp_path, world):
     for (name, parallel, _, m, *train), run, ref in zip(cases, runs, expected):
         what = f"{name} {parallel} m={m} {train}"
         _assert_same(run, ref, what)
-        _assert_ran(run[0], name, pp=parallel["pp"], virtual=2 if name == "zbv" else 1, m=m)
+        _assert_ran(run[0], name, pp=parallel["pp"], virtual=_virtual(name), m=m)

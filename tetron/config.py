@@ -45,9 +45,10 @@ class ParallelConfig:
     cp: int = 1  # context-parallel ranks (ring attention)
     ep: int = 1  # expert-parallel ranks, out of dp*cp (dividing it): each MoE layer's experts split over them
     pp_schedule: PpSchedule = "1f1b"  # pipeline schedule, one registered in parallel/pipeline_schedules.py: "afab" (all
-    # forward, all backward), "1f1b", "interleaved", or zero-bubble "zbh1" (1F1B's memory) and "zbv" (two chunks per
-    # rank in a V; pp_virtual=2)
-    pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank: above 1 with interleaved; 2 with zbv
+    # forward, all backward), "1f1b", "interleaved", zero-bubble "zbh1" (1F1B's memory) and "zbv" (two chunks per
+    # rank in a V; pp_virtual=2), or "dualpipev" (DeepSeek's DualPipeV: zbv's V; grad_acc >= 2*pp; pp_virtual=2)
+    pp_virtual: int = 1  # virtual stages (layer chunks) per pipeline rank: above 1 with interleaved; 2 with zbv or
+    # dualpipev
     pp_split: list[int] | None = None  # layers per pipeline stage (virtual-stage order); None: as even as possible
     cp_layout: CpLayout = "zigzag"  # the sequence over cp: "zigzag" (balanced for causal attention) or "contiguous"
     cp_impl: CpImpl = "ring"  # attention over cp: "ring" (P2P of k/v blocks, any cp) or "ulysses" (all-to-all to

@@ -73,6 +73,9 @@ def _validate_schedule_stages(cfg: Config, spec: ScheduleSpec) -> None:
         _check(stages <= layers,
                f"parallel.pp_virtual={p.pp_virtual} x pp={p.pp} = {stages} virtual stages is more than "
                f"model.num_hidden_layers={layers}; use pp_virtual <= {layers // p.pp}")
+    least = spec.min_micro_batches_per_pp * p.pp
+    _check(m >= least, f"train.grad_acc={m} micro-batches: {name.removeprefix('parallel.')} needs at least "
+           f"{spec.min_micro_batches_per_pp}*pp={least}; use grad_acc={least} or more (or pp_schedule=zbv)")
     if spec.micro_batches_per_pp:
         # Micro-batches go round the ring in groups of pp, one group per chunk in turn (Megatron's order).
         _check(m % p.pp == 0,

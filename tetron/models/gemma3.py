@@ -105,6 +105,6 @@ def in_multimodal_folder(name: str, config: Gemma3TextConfig) -> str:
     return f"language_model.{name}"
 
 
-GEMMA3 = register(ModelSpec(name="gemma3_text", model_types=("gemma3_text", "gemma3"), config_class=Gemma3TextConfig,
-                            model_class=Llama, plan=GEMMA3_PLAN, init=standard_init, read_as=in_multimodal_folder,
-                            unread=("vision_tower.", "multi_modal_projector.")))
+GEMMA3 = register(ModelSpec(name="gemma3_text", model_types=("gemma3_text",), config_class=Gemma3TextConfig,
+                            model_class=Llama, plan=GEMMA3_PLAN, init=standard_init, holder_types=("gemma3",),
+                            read_as=in_multimodal_folder, unread=("vision_tower.", "multi_modal_projector.")))

@@ -161,6 +161,9 @@ class ModelSpec:
     # the name of one of its own parameters, the config) -> how that parameter starts. None: models/blocks.py's
     # standard_init (normal(initializer_range), ones for norm weights, zeros for (1 + weight) norms and biases).
     init: Callable[[nn.Module, str, Any], Init] | None = None
+    # The config.json model_types of other models whose folders hold one of this family (a multimodal model's text
+    # model): config_from_hf reads such a folder's config with this family's from_hf, its tensors through read_as
+    holder_types: tuple[str, ...] = ()
     # Where a folder of another model that holds this family's (a multimodal model's text model) keeps a tensor:
     # (name, config) -> the name there, read where the folder lacks both `name` and its stored_as names; never
     # written (tetron's folders are the family's own). None: no such folders.
@@ -202,12 +205,15 @@ def split_stored(stored: str | list[list[str]], tensor: Tensor) -> list[tuple[st
 
 
 FAMILIES: dict[str, ModelSpec] = {}  # model_type -> family; filled by register()
+HOLDERS: dict[str, ModelSpec] = {}  # another model's model_type -> the family its folders hold (holder_types)
 
 
 def register(spec: ModelSpec) -> ModelSpec:
     """Make a family known by each of its model types (a later registration of a type replaces the earlier)."""
     for model_type in {spec.name, *spec.model_types}:
         FAMILIES[model_type] = spec
+    for model_type in spec.holder_types:
+        HOLDERS[model_type] = spec
     return spec
 
 
@@ -265,4 +271,6 @@ def config_from_hf(path_or_dict: str | os.PathLike | dict) -> Any:
     """A family's config from a transformers config.json (its path, its folder, or the dict); its model_type
     picks the family (a file without one is read as Llama, as older Llama files are)."""
     hf = read_hf_config(path_or_dict)
-    return family(hf.get("model_type", "llama")).config_class.from_hf(hf)
+    model_type = hf.get("model_type", "llama")
+    holder = HOLDERS.get(model_type) if isinstance(model_type, str) else None
+    return (holder or family(model_type)).config_class.from_hf(hf)

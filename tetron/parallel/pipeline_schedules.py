@@ -31,6 +31,11 @@ what would otherwise be bubble. With equal F, B and W times:
   is p-1 chunk passes (half a forward each; 1F1B: 3(p-1) forwards) once m >= (3p-1)/2, with at most
   2p (chunk, micro-batch) pairs in flight, p micro-batches of a rank's layers like 1F1B's rank 0.
 
+- dualpipev (DeepSeek's DualPipeV): zbv's V, its steady state pairing each forward with the whole backward of
+  another micro-batch on the other chunk (DualPipe overlaps the two on a GPU: one's compute with the other's
+  communication), its warm-up and drain zero-bubble. From 2p micro-batches on (it needs them) its bubble is
+  zbv's, with one more (chunk, micro-batch) pair in flight at the peak.
+
 Registered. A schedule is one function (the actions of one rank) and one `register_schedule(ScheduleSpec(...))`
 that declares what the code around it needs to know: how many chunks per rank it runs, whether it splits
 backwards into B and W, how it places stages, what it needs of pp and the micro-batches. The config's
@@ -217,6 +222,56 @@ def zbv(pp: int, micro_batches: int, rank: int) -> list[Action]:
     return [a for a in order if a.micro < micro_batches]
 
 
+def dualpipev(pp: int, micro_batches: int, rank: int) -> list[Action]:
+    """DualPipeV (DeepSeek's DualPipe cut in half; torch's ScheduleDualPipeV has the same order): zbv's V of two
+    chunks, its steady state pairing the forward of one micro-batch on one chunk with the whole backward (B and
+    then W) of another on the other chunk (F0 with B1, then F1 with B0), where DualPipe overlaps one's compute
+    with the other's communication; the warm-up (B1 W F1) and the drain (the second half of the B's split, their
+    W's last) are zero-bubble. It needs at least 2p micro-batches (what fills the V; torch's refuses fewer too)."""
+    if micro_batches < 2 * pp:
+        raise ValueError(f"dualpipev needs at least 2*pp={2 * pp} micro-batches, not {micro_batches}")
+    p, n = pp, micro_batches
+    order: list[Action] = []
+    count = {kind: [0, 0] for kind in "FBW"}
+    pending: list[int] = []  # chunks of the B's whose W is still to come, oldest first
+
+    def add(kind: str, chunk: int, *, whole: bool = False) -> None:  # whole: a backward as B then W at once
+        if kind == "W":
+            chunk = pending.pop(0) if pending else -1
+            if chunk < 0:
+                return
+        order.append(Action(kind != "F", chunk, count[kind][chunk], weight=kind == "W"))
+        count[kind][chunk] += 1
+        if kind == "B":
+            if whole:
+                order.append(Action(True, chunk, count["W"][chunk], weight=True))
+                count["W"][chunk] += 1
+            else:
+                pending.append(chunk)
+
+    for _ in range(2 * (p - rank - 1)):
+        add("F", 0)
+    for _ in range(rank + 1):
+        add("F", 0), add("F", 1)
+    for _ in range(p - rank - 1):
+        add("B", 1), add("W", -1), add("F", 1)
+    for _ in range(n - 2 * p + rank + 1):  # the main step: F0 with B1, F1 with B0
+        add("F", 0), add("B", 1, whole=True), add("F", 1), add("B", 0, whole=True)
+    for _ in range(p - rank - 1):
+        add("B", 1, whole=True), add("F", 1), add("B", 0, whole=True)
+    split = False
+    for i in range(rank + 1):  # B1 B0, the second half split into B and W
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        add("B", 1, whole=not split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        add("B", 0, whole=not split)
+    for _ in range(p - rank - 1):
+        add("W", -1), add("B", 0, whole=not split)
+    while pending:
+        add("W", -1)
+    return order
+
+
 @dataclass(frozen=True)
 class ScheduleSpec:
     """A pipeline schedule: its actions, and what the runner, the checks before start and the planner need to
@@ -231,6 +286,7 @@ class ScheduleSpec:
     style: str = "loop"  # how stages sit on ranks: "loop" (stage = chunk*p + rank) or "v" (zbv's V)
     min_pp: int = 1  # the fewest pipeline ranks it runs on
     micro_batches_per_pp: bool = False  # needs micro_batches to be a multiple of pp
+    min_micro_batches_per_pp: int = 0  # needs at least this many micro-batches per pipeline rank
     holds_every_micro_batch: bool = False  # a rank holds all m micro-batches at once (afab): the planner walks all m
     # the idle fraction of a step with equal stages and free communication (pp, virtual, micro_batches);
     # None: (p-1)/(v*m+p-1), 1F1B's and the interleaved schedule's
@@ -302,6 +358,9 @@ register_schedule(ScheduleSpec("1f1b", one_f_one_b))
 register_schedule(ScheduleSpec("interleaved", interleaved, virtual=None, min_pp=2, micro_batches_per_pp=True))
 register_schedule(ScheduleSpec("zbh1", zbh1, splits_backward=True, bubble=_zbh1_bubble))
 register_schedule(ScheduleSpec("zbv", zbv, virtual=2, splits_backward=True, style="v", min_pp=2, bubble=_zbv_bubble))
+# the V full from 2p micro-batches on: zbv's p-1 chunk passes
+register_schedule(ScheduleSpec("dualpipev", dualpipev, virtual=2, splits_backward=True, style="v", min_pp=2,
+                               min_micro_batches_per_pp=2, bubble=_zbv_bubble))
 
 
 def theoretical_bubble(name: str, *, pp: int, virtual: int, micro_batches: int) -> float:

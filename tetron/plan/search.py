@@ -37,7 +37,7 @@ PROGRESS_EVERY_S = 5.0  # a progress line this often while a search runs
 LEGEND = """\
 legend: dpN tpN ppN cpN epN: ranks along data, tensor, pipeline, context and expert parallelism (ep: an MoE
           model's experts split over that many of the dp*cp ranks); sp: sequence parallelism
-        ppN(S): the pipeline schedule S (afab, 1f1b, zbh1, zbv, interleaved; xV: V virtual stages per rank)
+        ppN(S): the pipeline schedule S (afab, 1f1b, zbh1, zbv, dualpipev, interleaved; xV: V virtual stages per rank)
         z0..z3: the ZeRO stage; z2f, z3f: ZeRO-2/3 accumulating gradients in full buffers (z2, z3: in slices)
         -, sel, full: activation recomputation none, selective (keeps the matmuls' and attention's outputs,
           redoes the element-wise work) or full (keeps each layer's input only)
@@ -142,7 +142,8 @@ def pipeline_schedules(base: Config, *, pp: int, grad_acc: int) -> list[tuple[st
     """The registered schedules a layout of pp > 1 ranks may run, as (name, chunks per rank): those with a fixed
     number of chunks, then those taking any number with 2 and 4 where the layers fill them and the micro-batches
     suit them."""
-    fixed = [(name, s.virtual) for name, s in SCHEDULES.items() if s.virtual is not None and pp >= s.min_pp]
+    fixed = [(name, s.virtual) for name, s in SCHEDULES.items() if s.virtual is not None and pp >= s.min_pp
+             and grad_acc >= s.min_micro_batches_per_pp * pp]
     return fixed + [(name, v) for name, s in SCHEDULES.items() if s.virtual is None and pp >= s.min_pp
                     for v in (2, 4) if pp * v <= base.model.num_hidden_layers
                     and (grad_acc % pp == 0 or not s.micro_batches_per_pp)]
