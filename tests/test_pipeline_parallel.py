@@ -182,7 +182,8 @@ def test_a_schedule_registered_in_a_test_trains_like_one_process(corpus, cache_d
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model,
                       parallel={"pp": 2, "pp_schedule": name}, train={"micro_batch": 1, "grad_acc": 4, "lr": LR})
     assert walked_micro_batches(from_dict(raw)) == 4
-    with pytest.raises(ConfigError, match=r"pp_schedule='nope': use afab, 1f1b, interleaved, zbh1, zbv, dualpipev or last_first"):
+    with pytest.raises(ConfigError,
+                       match=r"pp_schedule='nope': use afab, 1f1b, interleaved, zbh1, zbv, dualpipev or last_first"):
         validate(from_dict({**raw, "parallel": {"pp": 2, "pp_schedule": "nope"}}))
     assert theoretical_bubble(name, pp=2, virtual=1, micro_batches=4) == pytest.approx(1 / 5)
     results, written = run_parallel(raw, trace=True, timeout=120)

@@ -16,9 +16,11 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import socket
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -487,11 +489,30 @@ def set_aside(folder: Path) -> Path:
 
 
 def blocking_output() -> None:
-    """Make standard output and error blocking again. CPython drops, silently and with exit status 0, what a
-    non-blocking pipe cannot take at once, so a slow reader got `tetron plan --json` cut at 128 KiB; a
-    parent may hand over such a pipe, and the ranks `--measure` forks share this one."""
+    """Make standard output and error blocking, as a parent may hand them over non-blocking: CPython then drops,
+    silently and with exit status 0, what the pipe cannot take at once."""
     for fd in (1, 2):
         try:
             os.set_blocking(fd, True)
         except OSError:  # closed, or not a file descriptor a flag can be set on
             pass
+
+
+def write_output(text: str) -> None:
+    """Print `text` and a newline whole, whatever the flags of the pipe underneath: a write the pipe cannot take
+    now waits until it can (select), where print would drop the rest. CI once read `tetron plan --measure
+    --json` cut at exactly 128 KiB with exit status 0, stdout non-blocking by then (the forked ranks share its
+    open file; the cause was not found, so the write does not depend on it)."""
+    stream = sys.stdout
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO): print is whole there
+        print(text, file=stream)
+        return
+    stream.flush()
+    data = memoryview((text + "\n").encode())
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:
+            select.select([], [fd], [])

@@ -8,7 +8,7 @@ import typing
 
 from tetron.config import Config, Recompute, ZeroAccumulate, cuda_dtype, from_dict, load_config, load_raw
 from tetron.errors import UserError, check, failed
-from tetron.fs import blocking_output, check_new_file
+from tetron.fs import check_new_file, write_output
 from tetron.overrides import OneLineParser, split_known
 from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan.report import PlanRequest, check_plan_numbers, fixed_axes, run
@@ -82,8 +82,7 @@ def plan_command(args: list[str]) -> int:
         return failed(f"--write {ns.write}: already exists; give a new file name (nothing is overwritten)")
     except (UserError, ValueError) as err:
         return failed(str(err))
-    blocking_output()
-    print(text)
+    write_output(text)  # after --measure's ranks, whatever they left the pipe's flags at
     return code
 
 
@@ -128,7 +127,7 @@ def dry_run_config(cfg: Config, *, nodes: int | None = None, gpus_per_node: int 
         text = dry_run(cfg)
     except (UserError, DryRunUnavailable) as err:
         return failed(str(err))
-    print(text)
+    write_output(text)  # whole, whatever the pipe's flags (fs.write_output)
     return 0
 
 
