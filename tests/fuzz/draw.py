@@ -157,6 +157,9 @@ def draw(rng: random.Random, *, max_world: int = 8) -> dict[str, dict]:
     grad_acc = rng.choice([1, 2, 3])
     if SCHEDULES[schedule].micro_batches_per_pp and pp > 1 and not wild:
         grad_acc = pp * rng.choice([1, 2]) if pp <= 2 else pp
+    least = SCHEDULES[schedule].min_micro_batches_per_pp * pp
+    if grad_acc < least and not wild:  # dualpipev: its least (sometimes one more), else only ever refused
+        grad_acc = least + rng.choice([0, 1])
     local = micro_batch * seq // max(cp, 1)  # tokens of one micro-batch on one rank: the chunking's edges
     train: dict[str, Any] = {
         "steps": rng.choice([2, 3]), "warmup_steps": 1, "micro_batch": micro_batch, "grad_acc": grad_acc,
