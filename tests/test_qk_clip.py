@@ -143,11 +143,13 @@ def test_clipped_run_equals_a_loop_written_here(corpus, cache_dir, tmp_path, opt
     assert (unclipped["model"][name] - weights[name]).abs().max() > 100 * WEIGHT_ATOL  # the clip changed them
 
 
-CLIP_LAYOUTS = {  # (parallel, data, optim name): each equal to the single process, clipping included
-    "dp2-zero2-small-buckets-adamw": ({"dp": 2, "zero": 2, "bucket_mb": 0.001}, {}, "adamw"),  # pieces cut rows
-    "dp2-zero1-muon": ({"dp": 2, "zero": 1}, {}, "muon"),
-    "tp2-sp-muon": ({"tp": 2, "sp": True}, {}, "muon"),
-    "cp2-documents-muon": ({"cp": 2}, {"mask_documents": True}, "muon"),  # keys gathered, zigzag positions
+CLIP_LAYOUTS = {  # (parallel, data, optim name, train): each equal to the single process, clipping included
+    "dp2-zero2-small-buckets-adamw": ({"dp": 2, "zero": 2, "bucket_mb": 0.001}, {}, "adamw", {}),
+    "dp2-zero1-muon": ({"dp": 2, "zero": 1}, {}, "muon", {}),
+    "tp2-sp-muon": ({"tp": 2, "sp": True}, {}, "muon", {}),
+    "cp2-documents-muon": ({"cp": 2}, {"mask_documents": True}, "muon", {}),  # keys gathered, zigzag positions
+    "cp2-ulysses-window-muon": ({"cp": 2, "cp_impl": "ulysses"}, {}, "muon", {}),
+    "pp2-recompute-muon": ({"pp": 2}, {}, "muon", {"recompute": "full"}),  # each stage its layers; recomputed
 }
 
 
@@ -155,9 +157,10 @@ CLIP_LAYOUTS = {  # (parallel, data, optim name): each equal to the single proce
 def test_clip_in_layouts(corpus, cache_dir, tmp_path, name):
     """max_attn_logit (the maximum over dp's rows, cp's positions, tp's heads) equals the single process's at
     every step, and so do the losses and the clipped weights (check_layout's tolerances)."""
-    parallel, data, optim = CLIP_LAYOUTS[name]
+    parallel, data, optim, train = CLIP_LAYOUTS[name]
     settings = {"name": optim, "qk_clip_tau": TAU, **({"muon_ns_dtype": "float32"} if optim == "muon" else {})}
-    layout = dict(parallel=parallel, model={"num_hidden_layers": 2}, data=data, optim=settings, train={"lr": 3e-2})
+    model = {"num_hidden_layers": 2, **({"model_type": "mistral", "sliding_window": 8} if "window" in name else {})}
+    layout = dict(parallel=parallel, model=model, data=data, optim=settings, train={"lr": 3e-2, **train})
     _, written = check_layout(corpus, cache_dir, tmp_path, **layout)
     _, ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)
     ref = [m["max_attn_logit"] for m in reference_run(ref_raw)[1]["metrics"]]
