@@ -115,6 +115,7 @@ class QKClip:
         self.shape = (num_layers, num_heads)
         self.layers = []  # (layer index, first head's index, heads, kv heads, LogitMax, {id(param): rows per group})
         tp_rank = mesh.local_rank("tp")
+        self.device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
         for chunk in chunks:
             plan = spec_of(chunk.config).plan
             for index, layer in plan.layers_of(chunk).items():
@@ -136,8 +137,7 @@ class QKClip:
     def apply(self, pieces: list, found_inf: Tensor | None) -> None:
         """Reduce the step's maxima over the world, clip this rank's pieces (zero.Piece: a parameter, the offset of
         its flat elements, its fp32 master) of the query and key projections, and forget the maxima."""
-        device = pieces[0].master.device if pieces else torch.device("cpu")
-        maxima = torch.full(self.shape, float("-inf"), device=device)
+        maxima = torch.full(self.shape, float("-inf"), device=self.device)  # a rank may hold no piece (ZeRO)
         for layer, first, heads, _, record, _ in self.layers:
             if record.max is not None:
                 maxima[layer, first:first + heads] = record.max
