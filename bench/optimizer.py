@@ -1,7 +1,11 @@
-"""Muon against AdamW and against torch.optim.Muon: one optimizer step on the SmolLM-135M shape, in one process;
-and what keeping matrices whole costs ZeRO on the wire at dp8 (the 135M shape's bucket layouts, computed).
+"""Muon against AdamW and against torch.optim.Muon: one optimizer step on the SmolLM-135M shape, in one process and
+at dp2 ZeRO-1; and what keeping matrices whole costs ZeRO on the wire at dp8 (the 135M shape's bucket layouts,
+computed).
 
-    python bench/optimizer.py [--layers 30] [--steps 3] [--ns-dtype float32|bfloat16] [--config CONFIG]
+    python bench/optimizer.py [--layers 30] [--steps 3] [--ns-dtype float32|bfloat16] [--config CONFIG] [--tiny]
+
+`--tiny` runs every part on a tiny model of the config's family (hidden 72, 2 layers, vocabulary 512, sequences
+of 64): a check that the benchmark runs, not a measurement.
 
 Step time. The model of the config (SmolLM-135M: hidden 576, 30 layers, 9/3 heads, tied embeddings), fp32, with
 fixed random gradients; each optimizer (tetron's AdamW, the fused kernel; tetron's Muon; torch.optim.Muon on the
@@ -9,34 +13,43 @@ matrices plus torch's fused AdamW on the rest: the peer) steps in turn, round af
 compared. Newton-Schulz runs in `--ns-dtype` (torch's Muon always in bf16, which this CPU has no matmuls for:
 ~100x slower than fp32; compare tetron's bf16 with torch's on a GPU, or with --ns-dtype bfloat16 on few layers).
 `--layers` shrinks the model (every layer has the same matrices, so the ratio per layer stays); `--hidden` and
-`--intermediate` shrink its matrices, for a quick bf16 comparison with torch's on a CPU.
+`--intermediate` shrink its matrices, for a quick bf16 comparison with torch's on a CPU. The overhead on a training
+step: Muon's optimizer step less AdamW's, over AdamW's step plus one forward and backward of the config's
+micro-batches (timed here, on this device: the fraction that device would see).
+
+dp2 ZeRO-1: two forked gloo ranks, each tetron's own ZeRO-1 build of the model (parallelize, build_optimizer) with
+AdamW and with Muon, fixed random gradients in the buckets, the optimizer steps (the update of the owned pieces and
+the all-gather of the parameters after it) timed in interleaved rounds, medians compared.
 
 Muon's extra FLOPs: per matrix [A, B] (m = min, n = max) and iteration 4 m^2 n + 2 m^3, times ns_steps; printed
 beside a training step's 6 * parameters * tokens at the config's batch, the fraction a GPU spends on it.
 
 Bytes on the wire at dp8: ZeRO-1 (buckets of bucket_mb) and ZeRO-3 (one unit per decoder layer): each bucket's
-padded size, cut anywhere (AdamW) or each parameter whole on one rank (Muon), from data_parallel.py's own layout.
+padded size, cut anywhere (AdamW) or each matrix whole on one rank (Muon), from the planner's layout (plan/state.py,
+equal to data_parallel.py's: tests/test_plan_muon.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import launch, median_step_times  # noqa: E402
+
 from tetron.config import OptimConfig, load_config  # noqa: E402
+from tetron.mesh import Mesh  # noqa: E402
 from tetron.models.spec import spec_of  # noqa: E402
 from tetron.optim import AdamW, Muon, Param  # noqa: E402
-from tetron.parallel.data_parallel import DataParallelBucket, _Bucket  # noqa: E402
-from tetron.parallel.parallelize import param_roles  # noqa: E402
-from tetron.parallel.zero3 import units_of  # noqa: E402
+from tetron.parallel.parallelize import build_optimizer, parallelize, param_roles  # noqa: E402
+from tetron.plan.state import chunk_buckets, rank_chunks  # noqa: E402
 
 
 def ns_flops(shape: torch.Size, steps: int) -> int:
@@ -67,6 +80,8 @@ class TorchPeer:
 
 
 def step_times(cfg, args) -> None:
+    """One process: each optimizer's step over the model's parameters, fixed random gradients; then the step's
+    forward and backward, for the overhead on a whole training step."""
     torch.manual_seed(0)
     model = spec_of(cfg.model).model_class(cfg.model)
     roles = param_roles([model])
@@ -91,6 +106,47 @@ def step_times(cfg, args) -> None:
     print(f"  muon / adamw: {median['muon'] / median['adamw']:.2f}x the optimizer step")
     if "torch.optim.Muon" in median:
         print(f"  torch.optim.Muon / tetron muon: {median['torch.optim.Muon'] / median['muon']:.2f} (>= 1: as fast)")
+    else:
+        print("  torch.optim.Muon: not compared (it iterates in bf16 only; run with --ns-dtype bfloat16)")
+    train_s = forward_backward_s(cfg, model)
+    extra = median["muon"] - median["adamw"]
+    print(f"  a training step's forward and backward ({cfg.train.grad_acc} x {cfg.train.micro_batch} x "
+          f"{cfg.data.seq_len} tokens): {train_s * 1e3:,.1f} ms -> Muon adds {extra * 1e3:,.1f} ms, "
+          f"{extra / (train_s + median['adamw']):+.1%} of the step (goal <= 10%)")
+
+
+def forward_backward_s(cfg, model: torch.nn.Module) -> float:
+    """Seconds of one step's forward and backward passes (grad_acc micro-batches), the median of two after one."""
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(cfg.train.grad_acc):
+            model(tokens, targets=tokens).backward()
+        times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def zero1_rank(rank: int, args) -> None:
+    """One of two ranks: tetron's dp2 ZeRO-1 optimizer step with AdamW and with Muon, timed in turn."""
+    steps = {}
+    for name in ("adamw", "muon"):
+        cfg = load_config(args.config, [*args.overrides, "--parallel.dp=2", "--parallel.zero=1",
+                                        f"--optim.name={name}", f"--optim.muon_ns_dtype={args.ns_dtype}"])
+        mesh = Mesh(dp=2)
+        model = parallelize(cfg, mesh, torch.device("cpu"))
+        optimizer = build_optimizer(model, cfg, mesh)
+        gen = torch.Generator().manual_seed(rank)
+        for chunk in model.dp_chunks:
+            for bucket in chunk.buckets:
+                bucket.buffer.copy_(torch.randn(bucket.buffer.shape, generator=gen) * 1e-3)
+        steps[name] = optimizer.step
+    median = median_step_times(steps, steps=max(2, args.steps), per_round=1)
+    if rank == 0:
+        for name, t in median.items():
+            print(f"  {name:18s} step {t * 1e3:9.1f} ms at dp2 ZeRO-1 (median of {max(2, args.steps)}, rank 0)")
+        print(f"  muon / adamw at dp2 ZeRO-1: {median['muon'] / median['adamw']:.2f}x the optimizer step")
 
 
 def ns_share(cfg, ns_steps: int) -> None:
@@ -108,34 +164,20 @@ def ns_share(cfg, ns_steps: int) -> None:
 
 
 def wire_bytes(cfg, shards: int) -> None:
-    with torch.device("meta"):
-        model = spec_of(cfg.model).model_class(cfg.model)
-    roles = param_roles([model])
-    units = [ps for _, ps in units_of(model)]  # ZeRO-3's; ZeRO-1/2 size buckets over all parameters at once
-    meta = torch.device("meta")
+    """ZeRO-1 and ZeRO-3's bucket elements at dp `shards`, cut anywhere (AdamW) or each matrix whole on one rank
+    (Muon), as the planner lays them out (plan/state.py: the same layout as data_parallel.py's, tested equal)."""
     for zero in (1, 3):
         sizes = {}
-        for muon in (False, True):
-            # as data_parallel.py lays them out: Muon's matrices whole in buckets of their own, the rest cut
-            kinds = [(lambda p: True, False)] if not muon else [(lambda p: roles[id(p)] != "matrix", False),
-                                                                 (lambda p: roles[id(p)] == "matrix", True)]
-            buckets = []
-            for ps in units if zero == 3 else [[p for u in units for p in u]]:
-                for keep, whole in kinds:
-                    mine = [p for p in ps if keep(p)]
-                    shard = {"shards": shards, "rank": 0, "separate_shard": False, "replicate": None, "group": None,
-                             "whole": whole}
-                    if mine and zero == 3:
-                        buckets.append(_Bucket(mine, meta, allocate=False, **shard))
-                    elif mine:
-                        buckets += DataParallelBucket._size_buckets(SimpleNamespace(lazy=True), mine, meta,
-                                                                    cfg.parallel.bucket_mb, shard)
-            sizes[muon] = sum(b.padded for b in buckets)
+        for name in ("adamw", "muon"):
+            run = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=shards, zero=zero, tp=1, pp=1,
+                                                                        cp=1, ep=1, dp_shard=None),
+                                      optim=dataclasses.replace(cfg.optim, name=name))
+            sizes[name] = sum(b.padded for c in rank_chunks(run, 0) for b in chunk_buckets(run, c))
         # per step and rank: grads reduce-scattered (fp32), params all-gathered (bf16; ZeRO-3: forward and backward)
         per_elem = 4 + 2 * (2 if zero == 3 else 1)
-        cut, whole = ((shards - 1) / shards * sizes[w] * per_elem / 2**20 for w in (False, True))
-        print(f"  dp{shards} ZeRO-{zero}: {sizes[False]:,} elements in AdamW's buckets, {sizes[True]:,} in Muon's "
-              f"(matrices whole) ({sizes[True] / sizes[False]:.2f}x); per rank and step {cut:,.0f} MiB -> "
+        cut, whole = ((shards - 1) / shards * sizes[n] * per_elem / 2**20 for n in ("adamw", "muon"))
+        print(f"  dp{shards} ZeRO-{zero}: {sizes['adamw']:,} elements in AdamW's buckets, {sizes['muon']:,} in Muon's "
+              f"(matrices whole) ({sizes['muon'] / sizes['adamw']:.2f}x); per rank and step {cut:,.0f} MiB -> "
               f"{whole:,.0f} MiB sent (fp32 gradients, bf16 parameters)")
 
 
@@ -148,16 +190,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--ns-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--tiny", action="store_true", help="a tiny model: check that it runs (no measurement)")
     args = parser.parse_args()
+    if args.tiny:
+        args.layers, args.hidden, args.intermediate = args.layers or 2, args.hidden or 72, args.intermediate or 192
     overrides = [f"--model.{key}={value}" for key, value in (("num_hidden_layers", args.layers),
                                                              ("hidden_size", args.hidden),
                                                              ("intermediate_size", args.intermediate)) if value]
+    if args.tiny:
+        overrides += ["--model.vocab_size=512", "--data.seq_len=64", "--train.micro_batch=2", "--train.grad_acc=2",
+                      "--model.max_position_embeddings=64"]
+    args.overrides = overrides
     cfg = load_config(args.config, overrides)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"{Path(args.config).name}: hidden {cfg.model.hidden_size}, {cfg.model.num_hidden_layers} layers; "
-          f"Newton-Schulz in {args.ns_dtype}")
+          f"Newton-Schulz in {args.ns_dtype}" + (" (--tiny: a check that it runs, not a measurement)"
+                                                 if args.tiny else ""))
     step_times(cfg, args)
-    full = load_config(args.config)
+    args.ranks = 2
+    launch(zero1_rank, args)
+    full = load_config(args.config, overrides if args.tiny else [])
     print(f"{Path(args.config).name} ({full.model.num_hidden_layers} layers), bucket_mb {full.parallel.bucket_mb}:")
     ns_share(full, OptimConfig().muon_ns_steps)
     wire_bytes(full, args.shards)

@@ -139,6 +139,10 @@ class OptimConfig:
     muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"  # Muon's lr per matrix of
     # [A, B]: train.lr * 0.2 * sqrt(max(A, B)) (Moonlight's: AdamW's lr and weight decay carry over), or
     # train.lr * sqrt(max(1, A / B)) (Keller Jordan's); torch.optim.Muon's `adjust_lr_fn`
+    qk_clip_tau: float | None = None  # QK-clip (Kimi-K2's MuonClip), with either optimizer: after each step, the q and
+    # k weight rows of each kv-head group whose largest pre-softmax logit (scale * q.k, before soft-capping; sinks
+    # apart) over the step's global batch exceeded this are scaled by sqrt(tau / max) each; max_attn_logit is logged
+    # (docs/optim.md); null: off. Kimi-K2 used 100
 
 
 @dataclass

@@ -253,7 +253,9 @@ def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
     # after the step: the optimizer's moments exist
     memory = memory_figures(run.model, run.optimizer.tensors(), meter) if meter is not None else None
     run.model.zero_grad()
-    values = StepValues(loss=loss, grad_norm=grad_norm, nonfinite=bad, stop=stop, moe=moe)
+    clip = run.optimizer.qk_clip  # optim.qk_clip_tau: the step's largest attention logit, clipped after the step
+    values = StepValues(loss=loss, grad_norm=grad_norm, nonfinite=bad, stop=stop, moe=moe,
+                        max_attn_logit=clip.max_logit if clip is not None else None)
     return PendingStep(step, values, lr, start, memory)
 
 

@@ -330,6 +330,12 @@ def _validate_optim(cfg: Config) -> None:
            f"optim.muon_ns_coefficients={o.muon_ns_coefficients} must be three finite numbers a, b, c "
            f"(default: [3.4445, -4.775, 2.0315])")
     _check(o.muon_eps > 0, f"optim.muon_eps={o.muon_eps} must be > 0 (default: 1e-7)")
+    if o.qk_clip_tau is not None:
+        _check(o.qk_clip_tau > 0, f"optim.qk_clip_tau={o.qk_clip_tau} must be > 0 (Kimi-K2's: 100), or null: off")
+        normed = [i for i in range(cfg.model.num_hidden_layers) if cfg.model.attention_options(i).qk_norm]
+        # QK-norm rescales q and k after their projections: scaling the projections would not move a logit
+        _check(not normed, f"optim.qk_clip_tau={o.qk_clip_tau}: model_type={cfg.model.model_type} norms q and k "
+                           f"(QK-norm, which bounds the logits itself); use optim.qk_clip_tau=null")
 
 
 def _validate_numbers(cfg: Config) -> None:

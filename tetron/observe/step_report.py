@@ -34,6 +34,7 @@ class StepFigures:
     memory: dict[str, float] | None = None  # MiB this rank holds, by kind (measured on a launch's first step)
     stop: bool = False  # some rank was asked to stop: every rank saves after this step and returns
     moe: dict[str, float] | None = None  # an MoE model's balancing figures (parallel/moe_balance.py)
+    max_attn_logit: float | None = None  # with optim.qk_clip_tau: the step's largest attention logit (qk_clip.py)
 
 
 @dataclass
@@ -45,10 +46,14 @@ class StepValues:
     nonfinite: Tensor  # 1 when the loss or the gradient norm is not finite (the update was skipped), else 0
     stop: Tensor  # 1 when some rank was asked to stop, else 0
     moe: Tensor | None = None  # [len(moe_balance.FIGURES)] an MoE model's balancing figures
+    max_attn_logit: Tensor | None = None  # with optim.qk_clip_tau: the largest logit over layers, heads, batch
 
     def packed(self) -> Tensor:
         """The fields in one tensor, in their order (read_back unpacks them): one copy to the host."""
-        values = torch.stack([self.loss, self.grad_norm, self.nonfinite, self.stop])
+        values = [self.loss, self.grad_norm, self.nonfinite, self.stop]
+        if self.max_attn_logit is not None:
+            values.append(self.max_attn_logit.to(self.loss.device, torch.float32))
+        values = torch.stack(values)
         return values if self.moe is None else torch.cat([values, self.moe])
 
 
@@ -72,9 +77,13 @@ def read_back(pending: list[PendingStep]) -> list[StepFigures]:
     step's time is the interval's mean (dispatch runs ahead of the device, so only the interval is real)."""
     rows = torch.stack([p.values.packed() for p in pending]).tolist()
     each = (time.perf_counter() - pending[0].start - sum(p.aside_s for p in pending)) / len(pending)
-    return [StepFigures(loss=loss, grad_norm=float("nan") if bad else norm, lr=p.lr, skipped=bool(bad), time_s=each,
-                        memory=p.memory, stop=stop > 0, moe=dict(zip(MOE_FIGURES, moe)) if moe else None)
-            for p, (loss, norm, bad, stop, *moe) in zip(pending, rows)]  # StepValues.packed's order
+    figures = []
+    for p, (loss, norm, bad, stop, *rest) in zip(pending, rows):  # StepValues.packed's order
+        logit = rest.pop(0) if p.values.max_attn_logit is not None else None
+        figures.append(StepFigures(loss=loss, grad_norm=float("nan") if bad else norm, lr=p.lr, skipped=bool(bad),
+                                   time_s=each, memory=p.memory, stop=stop > 0,
+                                   moe=dict(zip(MOE_FIGURES, rest)) if rest else None, max_attn_logit=logit))
+    return figures
 
 
 def check_finite(cfg: Config, step: int, f: StepFigures) -> None:
@@ -129,6 +138,8 @@ class Reporter:
         }
         if f.skipped:
             record["skipped"] = True
+        if f.max_attn_logit is not None:
+            record["max_attn_logit"] = f.max_attn_logit
         if f.memory is not None:
             record.update(f.memory)
         record.update(f.moe or {})

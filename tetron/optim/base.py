@@ -9,7 +9,8 @@ plan tells (a matrix, a vector, the token embedding, the head). It declares, as 
   "{parameter}.{name}", so the names are the checkpoint's: AdamW's `exp_avg`, `exp_avg_sq`. A state may
   belong to some roles only (`StateSpec.roles`: Muon's momentum on matrices, AdamW's moments on the rest): a
   parameter's checkpoint holds the names of its role (`state_names(role)`).
-- `tensor_bytes`: what it keeps per tensor besides (AdamW's step counter: 4 bytes), for the planner.
+- `tensor_bytes`: what it keeps per tensor besides (AdamW's step counter: 4 bytes), for the planner; only for
+  tensors of `tensor_roles` (Muon: those AdamW updates).
 - `needs_whole_matrices`: whether its step needs each matrix whole on one rank (Muon's Newton-Schulz
   iteration on a 2-D update). ZeRO then keeps every parameter of its `whole_roles` (Muon: matrices) whole in
   the slice of one owner rank, in buckets of their own (the others' are cut anywhere), so each such tensor it
@@ -73,6 +74,7 @@ class Optimizer:
     name: ClassVar[str]
     state: ClassVar[tuple[StateSpec, ...]]
     tensor_bytes: ClassVar[int] = 0
+    tensor_roles: ClassVar[tuple[Role, ...]] = ROLES  # the roles whose tensors keep tensor_bytes
     needs_whole_matrices: ClassVar[bool] = False
     whole_roles: ClassVar[tuple[Role, ...]] = ROLES  # with needs_whole_matrices: the roles it needs whole
     gathers_tp_splits: ClassVar[bool] = False
@@ -84,6 +86,11 @@ class Optimizer:
     def state_names(cls, role: Role | None = None) -> tuple[str, ...]:
         """The declared state's names: all of them, or those a parameter of `role` keeps."""
         return tuple(spec.name for spec in cls.state if role is None or role in spec.roles)
+
+    @classmethod
+    def whole(cls, role: Role) -> bool:
+        """Whether ZeRO must keep a parameter of `role` whole on one rank for this optimizer."""
+        return cls.needs_whole_matrices and role in cls.whole_roles
 
     @classmethod
     def state_bytes(cls, role: Role | None = None) -> int:

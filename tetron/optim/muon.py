@@ -62,6 +62,7 @@ class Muon(Optimizer):
     state = (StateSpec("momentum_buffer", roles=("matrix",)),  # torch.optim.Muon's name
              StateSpec("exp_avg", roles=ADAMW_ROLES), StateSpec("exp_avg_sq", roles=ADAMW_ROLES))
     tensor_bytes = 4  # AdamW's step counter per tensor
+    tensor_roles = ADAMW_ROLES
     needs_whole_matrices = True
     whole_roles = ("matrix",)  # AdamW's parameters are cut by ZeRO anywhere, as under optim.name=adamw
     gathers_tp_splits = True

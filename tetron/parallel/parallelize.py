@@ -1,7 +1,7 @@
 """The recipe: what is done to the plain model, in order, so that this rank trains its part of it.
 
     build on meta -> pipeline split -> tensor parallel -> expert parallel -> materialize + init -> context
-    parallel -> recompute -> compile -> data parallel
+    parallel -> (QK-clip's logit records) -> recompute -> compile -> data parallel
 
 `parallelize` is the only caller of the axes' `apply_*` functions; each axis lives in its own file.
 The order matters: the pipeline split decides which modules exist on this rank, tensor parallelism
@@ -37,6 +37,7 @@ from tetron.parallel.layout import layout_of
 from tetron.parallel.moe_balance import scale_moe_losses, sequence_pieces
 from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embeddings
 from tetron.parallel.pipeline_schedules import splits_backward
+from tetron.parallel.qk_clip import build_qk_clip, record_attention_logits
 from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.tensor_parallel import (
     apply_tensor_parallel,
@@ -85,6 +86,8 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
         scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc,
                          cp=mesh.size("cp"), pieces=sequence_pieces(mesh, sequence_parallel=p.sp))
         apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
+        if cfg.optim.qk_clip_tau is not None:  # each attention function, as context parallelism left it, recorded
+            record_attention_logits(chunk, mesh, layout=p.cp_layout)
         # zbh1/zbv split each backward into B and W: a recomputed layer must then split too
         apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
         apply_compile(chunk, cfg.train.compile)
@@ -128,9 +131,14 @@ def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedOpt
     """The optimizer optim.name over fp32 master weights, sharded over dp_shard (dp*cp) under ZeRO (zero.py); it
     also casts the parameters to the compute dtype, so it comes after data parallelism has laid out the buckets."""
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    return ShardedOptimizer(model.params, model.dp_chunks, cfg.train, kind=optimizer_class(cfg.optim.name),
-                            roles=param_roles(model.chunks), zero=cfg.parallel.zero, dtype=dtype,
-                            group=mesh.group("dp_shard"), optim=cfg.optim, tp_group=mesh.group("tp"))
+    optimizer = ShardedOptimizer(model.params, model.dp_chunks, cfg.train, kind=optimizer_class(cfg.optim.name),
+                                 roles=param_roles(model.chunks), zero=cfg.parallel.zero, dtype=dtype,
+                                 group=mesh.group("dp_shard"), optim=cfg.optim, tp_group=mesh.group("tp"))
+    if cfg.optim.qk_clip_tau is not None:
+        optimizer.qk_clip = build_qk_clip(model.chunks, mesh, tau=cfg.optim.qk_clip_tau,
+                                          num_layers=cfg.model.num_hidden_layers,
+                                          num_heads=cfg.model.num_attention_heads)
+    return optimizer
 
 
 @torch.no_grad()

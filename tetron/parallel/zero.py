@@ -42,6 +42,7 @@ from tetron.optim import Optimizer, Param, Role, TensorSplit
 from tetron.parallel.comm import all_gather_flat
 from tetron.parallel.data_parallel import DataParallel, DataParallelBucket, _Bucket
 from tetron.parallel.layout import layout_of
+from tetron.parallel.qk_clip import QKClip
 from tetron.parallel.timers import timer
 from tetron.parallel.zero3 import ParameterSharding
 
@@ -121,6 +122,7 @@ class ShardedOptimizer:
         # every rank, even one whose slices hold only padding.
         self.calls = 0.0
         self.skipped = torch.zeros((), device=masters[0].device if masters else "cpu")
+        self.qk_clip: QKClip | None = None  # optim.qk_clip_tau's, set by parallelize.build_optimizer
 
     def state_names_of(self, param: nn.Parameter) -> tuple[str, ...]:
         """The state names a checkpoint holds for `param` (those of its role)."""
@@ -183,6 +185,8 @@ class ShardedOptimizer:
             for piece in self.pieces:
                 piece.master.grad = piece.grad
         self.inner.step(found_inf)
+        if self.qk_clip is not None:  # on the masters, before the parameters are refreshed from them
+            self.qk_clip.apply(self.pieces, found_inf)
         if found_inf is not None:
             self.skipped += found_inf
         self.calls += 1

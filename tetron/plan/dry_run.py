@@ -222,4 +222,22 @@ def dry_run(cfg: Config) -> str:
             f"({time.perf_counter() - start:.0f} s)")
     note = ("planner: peak = plan.memory.predict_rank; FLOPs = the model FLOPs (6N + attention a token, as MFU counts "
             "them) of the global batch over the ranks. MoE routing taken as even.")
-    return "\n".join([head, table(cfg, figures), *failed, note])
+    return "\n".join([head, table(cfg, figures), *failed, *optimizer_lines(cfg, figures), note])
+
+
+def optimizer_lines(cfg: Config, figures: list[RankFigures]) -> list[str]:
+    """Under Muon, the planner's figures of each simulated rank's optimizer step (plan/muon.py, plan/state.py):
+    its state, its Newton-Schulz FLOPs (within the FLOPs measured above) and its gathers over tp (within the
+    all_gather bytes)."""
+    from tetron.plan.muon import muon_work
+    from tetron.plan.state import state
+
+    if cfg.optim.name != "muon":
+        return []
+    lines = []
+    for f in figures:
+        work, held = muon_work(cfg, f.pp_rank), state(cfg, f.pp_rank)
+        lines.append(f"muon, rank {f.rank} (planner): optimizer state {_size(held.optimizer)} (momentum on the "
+                     f"matrices, AdamW's moments on the rest); Newton-Schulz {work.ns_flops / 1e9:,.1f} GFLOP on "
+                     f"{work.matrices} whole matrices; tp all-gathers {_size(work.tp_gather_bytes)}")
+    return lines

@@ -13,8 +13,9 @@ import torch
 
 from tetron.config import Config
 from tetron.models import family
-from tetron.models.moe import moe_blocks
-from tetron.optim import optimizer_class
+from tetron.models.moe import Router, moe_blocks
+from tetron.optim import ROLES, optimizer_class
+from tetron.parallel.data_parallel import owners
 from tetron.parallel.pipeline_parallel import split_layers
 from tetron.parallel.pipeline_schedules import stage_of, style_of
 from tetron.plan.sizes import F32, Sizes, is_moe, moe_layers
@@ -57,12 +58,12 @@ def layer_numels(cfg: Config, *, moe: bool = False, experts: bool = True) -> lis
     """Elements of one decoder layer's parameters on a rank, in `parameters()` order (for Llama: q, k, v, o,
     gate, up, down, each 1/tp, then the two RMSNorm weights, whole); `moe`: of an MoE layer, whose routed
     experts' tensors hold 1/ep of the experts (without them: `experts=False`)."""
-    return [n for n, kind, _ in _layer_params(cfg, moe) if experts or kind != "expert"]
+    return [n for n, kind, _, _, _ in _layer_params(cfg, moe) if experts or kind != "expert"]
 
 
 def expert_numels(cfg: Config) -> list[int]:
     """Elements of one MoE layer's routed-expert tensors on a rank (gate_up, down: 1/ep of the experts)."""
-    return [n for n, kind, _ in _layer_params(cfg, True) if kind == "expert"]
+    return [n for n, kind, _, _, _ in _layer_params(cfg, True) if kind == "expert"]
 
 
 def layer_matmul_numels(cfg: Config, *, moe: bool = False, whole: bool | None = None) -> int:
@@ -72,17 +73,18 @@ def layer_matmul_numels(cfg: Config, *, moe: bool = False, whole: bool | None = 
     `whole`: only those in the parts the plan keeps whole under tp (True: an MoE model's mlp, which under sp
     sees 1/tp of the tokens) or only the others (False); None: all."""
     m = cfg.model
-    dense = sum(n for n, kind, part in _layer_params(cfg, moe) if kind == "matmul" and whole in (None, part))
+    dense = sum(n for n, kind, part, _, _ in _layer_params(cfg, moe) if kind == "matmul" and whole in (None, part))
     if not (moe and is_moe(m)) or whole is False:
         return dense
     return dense + sum(expert_numels(cfg)) * cfg.parallel.ep * m.num_experts_per_tok // m.num_experts
 
 
-_LAYER_PARAMS: dict[tuple[str, int, int, bool], tuple[tuple[int, str, bool], ...]] = {}  # -> what follows
+_LAYER_PARAMS: dict[tuple[str, int, int, bool], tuple[tuple[int, str, bool, str, tuple], ...]] = {}  # -> below
 
 
-def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str, bool], ...]:
-    """(elements on a rank, kind, whether in a part the plan keeps whole under tp) of each parameter of one
+def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str, bool, str, tuple], ...]:
+    """(elements on a rank, kind, whether in a part the plan keeps whole under tp, the optimizer's role: "matrix",
+    "router" or "vector", as parallelize.param_roles tells; its whole shape, unsplit) of each parameter of one
     decoder layer (dense, or `moe`), read off the family's module built on the meta device and split as its
     parallel plan says (ParallelPlan.tp_dim) and, for a routed expert's tensor, over ep. Kinds: "matmul" (a
     tp-split linear's weight, or an MoE layer's router and shared experts, or a weight of a part kept whole),
@@ -101,17 +103,19 @@ def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str, bool]
             layer = spec.plan.layers_of(spec.model_class(one))["0"]
         experts = {id(t) for block in moe_blocks(layer) for t in block.experts.parameters()}
         in_block = {id(t) for block in moe_blocks(layer) for t in block.parameters()}  # router, experts, shared
+        routers = {id(t) for m in layer.modules() if isinstance(m, Router) for t in m.parameters()}
         found = []
         for name, param in layer.named_parameters():
             dim = spec.plan.tp_dim(name)
             n = param.numel() if dim is None else param.numel() // p.tp
             whole = name.split(".")[0] in spec.plan.replicated
+            role = "router" if id(param) in routers else "matrix" if param.dim() >= 2 else "vector"
             if id(param) in experts:
-                found.append((n // p.ep, "expert", whole))
+                found.append((n // p.ep, "expert", whole, role, tuple(param.shape)))
             else:
                 matmul = name.endswith(".weight") and (dim is not None or (id(param) in in_block and param.dim() == 2)
                                                        or (whole and param.dim() == 2))
-                found.append((n, "matmul" if matmul else "other", whole))
+                found.append((n, "matmul" if matmul else "other", whole, role, tuple(param.shape)))
         _LAYER_PARAMS[key] = tuple(found)
     return _LAYER_PARAMS[key]
 
@@ -132,6 +136,18 @@ def chunk_units(cfg: Config, chunk: Chunk, *, experts: bool = True) -> list[list
     return [root] + [dense] * (chunk.layers - chunk.moe) + [moe] * chunk.moe
 
 
+def chunk_unit_roles(cfg: Config, chunk: Chunk, *, experts: bool = True) -> list[list[str]]:
+    """The optimizer's role of each parameter of chunk_units, in the same places."""
+    root = ["embedding"] if chunk.first else []
+    if chunk.last:
+        root.append("vector")
+        if not (cfg.model.tie_word_embeddings and chunk.first):
+            root.append("head")
+    dense = [role for _, kind, _, role, _ in _layer_params(cfg)]
+    moe = [role for _, kind, _, role, _ in _layer_params(cfg, True) if experts or kind != "expert"] if chunk.moe else []
+    return [root] + [dense] * (chunk.layers - chunk.moe) + [moe] * chunk.moe
+
+
 @dataclass(frozen=True)
 class Bucket:
     """One fp32 gradient bucket (parallel/data_parallel._Bucket): its parameters' sizes in buffer
@@ -140,17 +156,27 @@ class Bucket:
     numels: tuple[int, ...]
     shards: int
     expert: bool = False  # routed experts' shards under expert parallelism: averaged (ZeRO-1: sharded) over edp
+    whole: bool = False  # each parameter whole in one owner rank's slice (an optimizer's whole_roles: Muon's matrices)
 
     @functools.cached_property
-    def padded(self) -> int:
-        return -(-sum(self.numels) // self.shards) * self.shards
+    def owners(self) -> list[int]:
+        return owners(list(self.numels), self.shards)
 
     @functools.cached_property
     def slice_size(self) -> int:
-        return self.padded // self.shards
+        if self.whole and self.shards > 1:  # the fullest owner's
+            return max(sum(n for n, q in zip(self.numels, self.owners) if q == r) for r in range(self.shards))
+        return -(-sum(self.numels) // self.shards)
+
+    @functools.cached_property
+    def padded(self) -> int:
+        return self.slice_size * self.shards
 
     def owned(self, rank: int) -> tuple[int, int]:
         """(elements, pieces) of slice `rank`: the real elements it holds and how many parameters they touch."""
+        if self.whole and self.shards > 1:
+            mine = [n for n, q in zip(self.numels, self.owners) if q == rank]
+            return sum(mine), len(mine)
         lo, hi = rank * self.slice_size, (rank + 1) * self.slice_size
         elements = pieces = start = 0
         for numel in self.numels:
@@ -184,32 +210,46 @@ def chunk_buckets(cfg: Config, chunk: Chunk) -> list[Bucket]:
     routed experts' shards after the others, in buckets of their own (on their edp group)."""
     p = cfg.parallel
     apart = p.ep > 1 and chunk.moe > 0
+    kind = optimizer_class(cfg.optim.name)
     units = tuple(tuple(u) for u in chunk_units(cfg, chunk, experts=not apart))
-    buckets = list(_buckets(units, chunk.first, zero_shards(cfg), p.zero == 3, p.bucket_mb))
+    # an optimizer that needs some roles whole (data_parallel.py's `whole`): their parameters in buckets of their own
+    flags = tuple(tuple(map(kind.whole, u)) for u in chunk_unit_roles(cfg, chunk, experts=not apart))
+    buckets = list(_buckets(units, flags, chunk.first, zero_shards(cfg), p.zero == 3, p.bucket_mb))
     if apart:
         experts = ((),) + tuple(tuple(expert_numels(cfg)) for _ in range(chunk.moe))
-        buckets += _buckets(experts, False, expert_shards(cfg), p.zero == 3, p.bucket_mb, True)
+        whole = tuple(tuple(kind.whole("matrix") for _ in u) for u in experts)
+        buckets += _buckets(experts, whole, False, expert_shards(cfg), p.zero == 3, p.bucket_mb, True)
     return buckets
 
 
+def _kinds(numels, flags) -> list[tuple[list[int], bool]]:
+    """`numels` split as data_parallel.py's kinds: those cut anywhere, then those kept whole (`flags`)."""
+    flags = list(flags)
+    return [([n for n, w in zip(numels, flags) if w == whole], whole) for whole in (False, True)]
+
+
 @functools.lru_cache(maxsize=4096)
-def _buckets(units: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: float,
+def _buckets(units: tuple, flags: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: float,
              expert: bool = False) -> tuple[Bucket, ...]:
     if per_unit:
-        return tuple(Bucket(u, shards, expert) for u in reversed(units) if u)
-    root, *layers = units
+        return tuple(Bucket(tuple(ns), shards, expert, w) for u, f in zip(reversed(units), reversed(flags))
+                     for ns, w in _kinds(u, f) if ns)
+    (root, *layers), (root_flags, *layer_flags) = units, flags
     embed = root[:1] if first else ()
     numels = [*embed, *(n for layer in layers for n in layer), *root[len(embed):]]  # parameters() order
+    wholes = [*root_flags[:len(embed)], *(w for layer in layer_flags for w in layer), *root_flags[len(embed):]]
     limit = max(1, int(bucket_mb * 2**20 / 4))
-    buckets, group, filled = [], [], 0  # (a running total: summing the group anew is quadratic in its length)
-    for numel in reversed(numels):
-        group.append(numel)
-        filled += numel
-        if filled >= limit:
-            buckets.append(Bucket(tuple(group), shards, expert))
-            group, filled = [], 0
-    if group:
-        buckets.append(Bucket(tuple(group), shards, expert))
+    buckets = []
+    for kind, whole in _kinds(numels, wholes):
+        group, filled = [], 0  # (a running total: summing the group anew is quadratic in its length)
+        for numel in reversed(kind):
+            group.append(numel)
+            filled += numel
+            if filled >= limit:
+                buckets.append(Bucket(tuple(group), shards, expert, whole))
+                group, filled = [], 0
+        if group:
+            buckets.append(Bucket(tuple(group), shards, expert, whole))
     return tuple(buckets)
 
 
@@ -245,19 +285,25 @@ def _optimizer_bytes(cfg: Config, buckets: list[Bucket], dp_rank: int) -> tuple[
     the state the optimizer declares (tetron/optim)."""
     p, shards = cfg.parallel, zero_shards(cfg)
     kind = optimizer_class(cfg.optim.name)
-    per_element, per_tensor = kind.state_bytes() + 4 * (cfg.train.dtype == "bfloat16"), kind.tensor_bytes
+    master = 4 * (cfg.train.dtype == "bfloat16")
+    # per element and per piece, by bucket kind: Muon keeps one momentum on its (whole) matrices, AdamW's moments and
+    # step counters on the rest; an optimizer without whole roles has one kind
+    roles = {w: [r for r in ROLES if kind.whole(r) == w] or list(ROLES) for w in (False, True)}
+    per_element = {w: master + max(kind.state_bytes(r) for r in rs) for w, rs in roles.items()}
+    per_tensor = {w: kind.tensor_bytes * any(r in kind.tensor_roles for r in rs) for w, rs in roles.items()}
     if shards == 1:
         numels = [n for b in buckets for n in b.numels]
         # Plain fp32: the optimizer over the parameters themselves (AdamW: exp_avg + exp_avg_sq, and a 4-byte step
         # each); bf16: plus an fp32 master copy of every parameter (Megatron: 12 + 2 bytes per parameter).
-        return per_element * sum(numels) + per_tensor * len(numels), max(numels)
+        return sum(per_element[b.whole] * sum(b.numels) + per_tensor[b.whole] * len(b.numels)
+                   for b in buckets), max(numels)
     # the slice of its place in the shard group (an expert shard's: in its edp group, mesh.py's dp*cp index // ep)
-    owned = [b.owned((dp_rank // p.ep if b.expert else dp_rank) % b.shards) for b in buckets]
-    elements, pieces = sum(e for e, _ in owned), sum(k for _, k in owned)
+    owned = [(b.whole, *b.owned((dp_rank // p.ep if b.expert else dp_rank) % b.shards)) for b in buckets]
+    total = sum(per_element[w] * e + per_tensor[w] * k for w, e, k in owned)
     # ZeRO: moments of this rank's pieces only; fp32 masters are views of its parameter slice (no copy),
     # bf16 ones are fp32 copies of its pieces. Largest piece: at most a slice, at most a parameter.
     largest = max(min(b.slice_size, max(b.numels)) for b in buckets)
-    return per_element * elements + per_tensor * pieces, largest if p.dp_impl == "bucket" else 0
+    return total, largest if p.dp_impl == "bucket" else 0
 
 
 def _mean_layer(cfg: Config, *, experts: bool = True) -> int:
@@ -274,16 +320,23 @@ def _zero3_units(cfg: Config, chunks: list[Chunk]) -> dict[str, int]:
     on the same module: gathered, and given gradient buffers, together with the rest of the layer)."""
     shards, experts = zero_shards(cfg), expert_shards(cfg)
     apart = cfg.parallel.ep > 1
-    expert = Bucket(tuple(expert_numels(cfg)), experts, True).padded if apart else 0
+    kind = optimizer_class(cfg.optim.name)
+    expert = Bucket(tuple(expert_numels(cfg)), experts, True, kind.whole("matrix")).padded if apart else 0
     whole = expert if apart and experts == 1 else 0  # whole expert buckets: their gradients persist
+
+    def padded(numels: list[int], roles: list[str]) -> int:  # a unit's buckets: one per kind (cut, whole)
+        return sum(Bucket(tuple(ns), shards, whole=w).padded for ns, w in _kinds(numels, map(kind.whole, roles)))
+
     root = layer = prefetched = grads = 0
     for chunk in chunks:
         units = chunk_units(cfg, chunk, experts=not apart)
+        roles = chunk_unit_roles(cfg, chunk, experts=not apart)
         if chunk.first or chunk.last:
-            root = max(root, Bucket(tuple(units[0]), shards).padded)
-        kinds = ([units[1]] if chunk.layers > chunk.moe else []) + ([units[-1]] if chunk.moe else [])
-        for unit in kinds:
-            rest = Bucket(tuple(unit), shards).padded
+            root = max(root, padded(units[0], roles[0]))
+        kinds = ([1] if chunk.layers > chunk.moe else []) + ([len(units) - 1] if chunk.moe else [])
+        for i in kinds:
+            unit = units[i]
+            rest = padded(unit, roles[i])
             moe = unit is units[-1] and chunk.moe
             layer = max(layer, rest + (expert if moe else 0))
             grads = max(grads, rest + (expert - whole if moe else 0))
@@ -307,9 +360,9 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
     parameters (3) as in Rajbhandari et al. 2020 and the Ultra-Scale Playbook, on tetron's buckets: each
     padded to a multiple of N = dp*cp (HSDP: dp_shard), every gradient in fp32 whatever the compute dtype
     (Megatron's main_grad), one bucket per decoder layer under ZeRO-3 (FSDP2's unit)."""
-    # the model, the parallel section and the dtype are all it reads (the train section's micro-batch,
-    # recompute and accumulation do not change what persists)
-    key = (repr(cfg.model), repr(cfg.parallel), cfg.train.dtype, pp_rank, dp_rank)
+    # the model, the parallel section, the dtype and the optimizer are all it reads (the train section's
+    # micro-batch, recompute and accumulation do not change what persists)
+    key = (repr(cfg.model), repr(cfg.parallel), cfg.train.dtype, cfg.optim.name, pp_rank, dp_rank)
     if key not in _STATES:
         if len(_STATES) > 65536:
             _STATES.clear()

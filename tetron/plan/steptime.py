@@ -29,6 +29,7 @@ from tetron.optim import optimizer_class
 from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import Hardware
+from tetron.plan.muon import muon_work
 from tetron.plan.sizes import Sizes
 from tetron.plan.state import (
     accumulates_sharded,
@@ -52,7 +53,8 @@ class TimeEstimate:
     pp_s: float  # stage-to-stage P2P
     ep_s: float  # expert parallelism's all-to-alls (dispatch and combine, forward and backward; not overlapped)
     dp_s: float  # gradient reduction (and ZeRO's gathers) not hidden by the backward pass
-    optimizer_s: float  # the optimizer step: its state streamed through memory once or twice
+    optimizer_s: float  # the optimizer step: its state streamed through memory once or twice; Muon's Newton-Schulz
+    # matmuls and tp gathers (plan/muon.py)
     save_s: float  # a checkpoint save's blocking time, per step of its checkpoint.save_every
     tokens_per_s: float
     mfu: float  # model FLOPs (6N + 12*L*h*s per token; MoE: N active) per second over the peak of all devices
@@ -259,6 +261,12 @@ def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     # the optimizer reads and writes the masters and its state and reads the gradient (AdamW: ~7 fp32 values an
     # element)
     optimizer = owned * (4 * 3 + 2 * optimizer_class(cfg.optim.name).state_bytes()) / (hw.hbm_gbs * 1e9)
+    # Muon (plan/muon.py): the Newton-Schulz matmuls of the matrices this rank updates, in optim.muon_ns_dtype,
+    # and the all-gathers over tp of the matrices tensor parallelism cuts (not overlapped: one after another)
+    muon = muon_work(cfg, 0)
+    optimizer += muon.ns_flops / hw.flops(cfg.optim.muon_ns_dtype)
+    if muon.tp_gather_bytes:
+        optimizer += _ring(hw, muon.tp_gather_bytes, p.tp, 1.0, _bandwidth(hw, p.tp, gpus_per_node))
     every = cfg.checkpoint.save_every
     save = save_blocking(cfg, hw, gpus_per_node=gpus_per_node) / every if every else 0.0
     step = span + dp_s + optimizer + save
