@@ -16,6 +16,7 @@ from tetron.mesh import Mesh
 from tetron.models.qwen3_moe import MoeConfig
 from tetron.models.spec import spec_of
 from tetron.optim import Muon, Param
+from tetron.parallel.data_parallel import owners
 from tetron.parallel.parallelize import build_optimizer, parallelize, param_roles
 from tetron.plan.dry_run import simulate_rank
 from tetron.validate import validate
@@ -225,6 +226,17 @@ def _buckets(raw: dict) -> list[tuple[set[str], int, int, int]]:
     roles = param_roles(model.chunks)
     return [({roles[id(p)] for p in b.params}, sum(p.numel() for p in b.params), b.padded,
              max(len(optimizer.piece_ranges(p)) for p in b.params)) for b in optimizer.buckets]
+
+
+def test_one_matrix_buckets_go_round_the_owners():
+    """Buckets of one whole matrix each (a big model's, or small buckets) are owned in turn, by size: each rank
+    orthogonalises its share (the tie went to rank 0 every time: it ran every Newton-Schulz), and a bucket of
+    several still balances its own slices first."""
+    loads = [0, 0]
+    assert [owners([n], 2, loads)[0] for n in (100, 100, 60, 60, 40)] == [0, 1, 0, 1, 0]
+    assert loads == [200, 160]
+    assert owners([50, 30, 20], 2, loads) == [1, 0, 0]  # its slices 50 and 50; the first to the one owning less
+    assert loads == [250, 210]
 
 
 def test_zero_keeps_only_the_matrices_whole(corpus, cache_dir, tmp_path):

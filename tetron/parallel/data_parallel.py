@@ -111,20 +111,20 @@ class _Bucket:
     `shard_grad` of their own when the full buffer is released after the reduction (ZeRO-2/3).
     The parameters lie one after another, cut by the slices wherever they fall; with `whole` (an optimizer
     that needs whole matrices) each lies whole in the slice of one owner rank instead, the slices as long
-    as the fullest one (`owners`), the rest of each padding. A
+    as the fullest one (`owners`, balanced with the earlier whole buckets' `loads`), the rest of each padding. A
     bucket made from a unit (ZeRO-3: a decoder layer, or the rest of the chunk) knows its `module`. It is
     averaged (and sharded) over `group`, then under HSDP averaged over `replicate`."""
 
     def __init__(self, params: list[nn.Parameter], device: torch.device, *, shards: int, rank: int = 0,
                  separate_shard: bool = False, module: nn.Module | None = None, allocate: bool = True,
                  group: dist.ProcessGroup | None = None, replicate: dist.ProcessGroup | None = None,
-                 whole: bool = False) -> None:
+                 whole: bool = False, loads: list[int] | None = None) -> None:
         self.params, self.module = params, module
         self.group, self.replicate = group, replicate
         self.world = dist.get_world_size(group) if group is not None else 1
         self.offsets: dict[nn.Parameter, int] = {}  # where each parameter starts in the buffer
         if whole and shards > 1:
-            owner = owners([p.numel() for p in params], shards)
+            owner = owners([p.numel() for p in params], shards, loads)
             self.slice_size = max(sum(p.numel() for p, q in zip(params, owner) if q == r) for r in range(shards))
             filled = [r * self.slice_size for r in range(shards)]
             for p, q in zip(params, owner):
@@ -159,13 +159,19 @@ class _Bucket:
         return self.buffer[self.mine] if self.sharded else self.buffer
 
 
-def owners(numels: list[int], shards: int) -> list[int]:
-    """The rank that holds each parameter whole: the largest first, each to the rank holding least so far
-    (the same answer on every rank)."""
+def owners(numels: list[int], shards: int, loads: list[int] | None = None) -> list[int]:
+    """The rank that holds each parameter whole: the largest first, each to the rank holding least of this
+    bucket so far (its slices are as long as the fullest), of ranks holding equally the one that owns least of
+    the earlier buckets (`loads`, elements per rank, which this adds the bucket's to): a run of one-matrix buckets
+    goes round the ranks by size instead of all to rank 0, which would run every orthogonalisation. The same
+    answer on every rank."""
+    loads = loads if loads is not None else [0] * shards
     held, owner = [0] * shards, [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
-        owner[i] = min(range(shards), key=held.__getitem__)
+        owner[i] = min(range(shards), key=lambda r: (held[r], loads[r]))
         held[owner[i]] += numels[i]
+    for r in range(shards):
+        loads[r] += held[r]
     return owner
 
 
@@ -218,11 +224,14 @@ class DataParallelBucket(DataParallel):
         self.reduce_dtype = reduce_dtype
         keep_whole = whole or (lambda p: False)
 
+        # the elements each rank owns of the whole buckets made so far, of each kind (expert shards or not)
+        loads = {expert: [0] * options["shards"] for expert, options in ((False, shard), (True, expert_shard))}
+
         def kinds(ps: list[nn.Parameter]) -> list[tuple[list[nn.Parameter], dict]]:
             """`ps` by bucket kind: cut anywhere, kept whole; expert shards (sharded over their own group) apart"""
             return [([p for p in ps if (layout_of(p).ep is not None) == expert and keep_whole(p) == w],
-                     {**(expert_shard if expert else shard), "whole": w}) for expert in (False, True)
-                    for w in (False, True)]
+                     {**(expert_shard if expert else shard), "whole": w, "loads": loads[expert] if w else None})
+                    for expert in (False, True) for w in (False, True)]
 
         if units is not None:
             # Backward visits the units in reverse order: so are the buckets; a unit's expert shards in a bucket

@@ -157,10 +157,17 @@ class Bucket:
     shards: int
     expert: bool = False  # routed experts' shards under expert parallelism: averaged (ZeRO-1: sharded) over edp
     whole: bool = False  # each parameter whole in one owner rank's slice (an optimizer's whole_roles: Muon's matrices)
+    loads: tuple[int, ...] = ()  # whole: the elements each rank owns of the earlier whole buckets of its kind
 
     @functools.cached_property
     def owners(self) -> list[int]:
-        return owners(list(self.numels), self.shards)
+        return owners(list(self.numels), self.shards, list(self.loads) or None)
+
+    def loads_after(self) -> tuple[int, ...]:
+        """`loads` with this bucket's owned elements added: the next whole bucket's."""
+        loads = list(self.loads) or [0] * self.shards
+        owners(list(self.numels), self.shards, loads)
+        return tuple(loads)
 
     @functools.cached_property
     def slice_size(self) -> int:
@@ -228,12 +235,24 @@ def _kinds(numels, flags) -> list[tuple[list[int], bool]]:
     return [([n for n, w in zip(numels, flags) if w == whole], whole) for whole in (False, True)]
 
 
+def _balanced(buckets: list[Bucket]) -> tuple[Bucket, ...]:
+    """`buckets` in order, each whole one knowing what the earlier ones gave each rank (data_parallel.owners)."""
+    loads: tuple[int, ...] = ()
+    out = []
+    for b in buckets:
+        if b.whole and b.shards > 1:
+            b = dataclasses.replace(b, loads=loads)
+            loads = b.loads_after()
+        out.append(b)
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=4096)
 def _buckets(units: tuple, flags: tuple, first: bool, shards: int, per_unit: bool, bucket_mb: float,
              expert: bool = False) -> tuple[Bucket, ...]:
     if per_unit:
-        return tuple(Bucket(tuple(ns), shards, expert, w) for u, f in zip(reversed(units), reversed(flags))
-                     for ns, w in _kinds(u, f) if ns)
+        return _balanced([Bucket(tuple(ns), shards, expert, w) for u, f in zip(reversed(units), reversed(flags))
+                          for ns, w in _kinds(u, f) if ns])
     (root, *layers), (root_flags, *layer_flags) = units, flags
     embed = root[:1] if first else ()
     numels = [*embed, *(n for layer in layers for n in layer), *root[len(embed):]]  # parameters() order
@@ -250,7 +269,7 @@ def _buckets(units: tuple, flags: tuple, first: bool, shards: int, per_unit: boo
                 group, filled = [], 0
         if group:
             buckets.append(Bucket(tuple(group), shards, expert, whole))
-    return tuple(buckets)
+    return _balanced(buckets)
 
 
 # ------------------------------------------------------------------------------------ state
