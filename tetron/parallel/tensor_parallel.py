@@ -111,7 +111,10 @@ class RowParallelLinear(nn.Module):
             set_layout(self.bias, summed_over_tp=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight)  # [B, T, out], this rank's share of the sum
+        return self.finish(F.linear(x, self.weight))  # F.linear: [B, T, out], this rank's share of the sum
+
+    def finish(self, partial: Tensor) -> Tensor:
+        """The output from this rank's partial product [B, T, out] (the MLP computes that itself: blocks.py)."""
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence(partial, self.group)  # [B, T/t, out]
         else:

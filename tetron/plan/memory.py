@@ -57,8 +57,9 @@ from tetron.plan.state import (
 )
 
 # Fitted constants for short-lived tensors (bytes are these times the named size; see each use).
-LAYER_BWD_I = 2.0  # a layer's backward: MLP-width activation gradients alive at once (grad of the product,
-# of silu's output and of up; the layer's own saved tensors are being released meanwhile)
+LAYER_BWD_I = 4.0  # a layer's backward: MLP-width tensors alive at once (fused.gated_linear's: silu(gate)
+# recomputed, the gradients of the product, of silu's output and of up; the layer's own saved tensors are being
+# released meanwhile)
 LAYER_BWD_H = 1.0  # ... and residual-width ones (the incoming gradient)
 
 
