@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tetron.models.attention import Documents, sdpa_attention
 from tetron.models.blocks import MLP, RMSNorm
 from tetron.observe.memory import ActivationMeter
 
@@ -89,5 +90,34 @@ def test_gated_mlp_keeps_gate_and_up_only(act, limit, bias):
     dy = torch.randn(B, T, H, generator=torch.Generator().manual_seed(2))
     inputs = (x, *mlp.parameters())
     # the product recomputed by the same ops, differentiated by autograd as before: equal (measured: bitwise)
+    for got, want in zip(torch.autograd.grad(out, inputs, dy), torch.autograd.grad(ref, inputs, dy)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- grouped-query attention
+
+HEADS, KV_HEADS, HD = 4, 2, 8
+
+
+@pytest.mark.parametrize("path", ["causal", "window", "documents", "sinks"])
+def test_attention_keeps_grouped_kv_heads(path):
+    """k and v reach the CPU's fused kernel, and its saved tensors, as the kv heads they are (no copy per query
+    head); the output equals attention on repeated heads exactly, the gradients within fp32 rounding (the
+    kernel sums a group's key gradients in another order: measured 4e-7)."""
+    q, k, v = _x(B, HEADS, T, HD, seed=3), _x(B, KV_HEADS, T, HD, seed=4), _x(B, KV_HEADS, T, HD, seed=5)
+    sinks = torch.nn.Parameter(torch.randn(HEADS, generator=torch.Generator().manual_seed(6)))
+    docs = Documents(torch.tensor([[0] * 5 + [1] * (T - 5)] * B)) if path == "documents" else None
+    kwargs = {"window": 4 if path == "window" else None, "sinks": sinks if path == "sinks" else None}
+    meter = ActivationMeter([sinks])
+    with meter:
+        out = sdpa_attention(q, k, v, docs, **kwargs)
+    mask = 0 if path in ("causal", "sinks") else (B if docs else 1) * T * T * F32  # the additive mask, saved
+    # q, out, k, v, and the fp32 log-sum-exp per query head and position
+    assert meter.live_bytes == F32 * (2 * q.numel() + 2 * k.numel() + B * HEADS * T) + mask
+    k_rep, v_rep = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (k, v))
+    ref = sdpa_attention(q, k_rep, v_rep, docs, **kwargs)
+    assert torch.equal(out, ref)
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    inputs = (q, k, v, sinks) if path == "sinks" else (q, k, v)
     for got, want in zip(torch.autograd.grad(out, inputs, dy), torch.autograd.grad(ref, inputs, dy)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

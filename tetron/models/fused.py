@@ -18,26 +18,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tetron.torch_private import engine_runs
 
-def _wanted(ctx: Any, present: tuple[bool, ...]) -> tuple[bool, ...]:
+
+def wanted(ctx: Any, present: tuple[bool, ...]) -> tuple[bool, ...]:
     """Per leading input of a Function (`present`: which of them are tensors, not None), in its backward: whether
     this engine run wants its gradient. A backward split into B and W (parallel/weight_grad.py) runs the node
     twice, for the input's gradient, then for the weight's, and W may run where the weights are released
     (ZeRO-3): a gradient not wanted is neither computed nor read from. A plain backward wants every input that
-    needs one. (The node's edges are its tensor inputs', in order.)"""
+    needs one. A parameter's gradient counts as wanted (torch_private.engine_runs cannot ask about a leaf), so B
+    computes a weight gradient it then drops (a norm's; the down projection's: one matmul); W never computes an
+    input's gradient, the one that reads the weights, as data inputs are never leaves (`_not_leaf`). The node's
+    edges are its tensor inputs', in order."""
     edges = iter(ctx.next_functions)
     nodes = [next(edges)[0] if here else None for here in present]
-    return tuple(need and node is not None and _will_run(node) for need, node in zip(ctx.needs_input_grad, nodes))
-
-
-def _will_run(node: Any) -> bool:
-    """Whether the running engine executes `node`. A leaf's (a parameter's AccumulateGrad) cannot be asked while
-    the engine runs for chosen inputs (torch raises): it counts as wanted, so B computes a weight gradient it
-    then drops (a norm's, the down projection's: one matmul), but W never computes an input's gradient, the one
-    that reads the (maybe released) weights: the data inputs are never leaves (`_not_leaf`)."""
-    if type(node).__name__ == "AccumulateGrad":
-        return True
-    return torch._C._will_engine_execute_node(node)
+    return tuple(need and node is not None and engine_runs(node) for need, node in zip(ctx.needs_input_grad, nodes))
 
 
 def _rstd(x: Tensor, eps: float) -> Tensor:
@@ -67,7 +62,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple:
         x, weight, rstd = ctx.saved_tensors
-        want_x, want_w = _wanted(ctx, (True, True))
+        want_x, want_w = wanted(ctx, (True, True))
         xhat = x.float() * rstd  # [..., h] fp32
         dy = dy.float()
         dx = dw = None
@@ -81,7 +76,7 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def _not_leaf(x: Tensor) -> Tensor:
-    """x, or where it is a leaf (a pipeline stage's received input), a view of it: a node _wanted can ask about.
+    """x, or where it is a leaf (a pipeline stage's received input), a view of it: a node `wanted` can ask about.
     Whether or not it needs a gradient, so that a recomputed forward runs the ops its first run did."""
     return x.view_as(x) if x.grad_fn is None else x
 
@@ -110,7 +105,7 @@ class _GatedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple:
         gate, up, weight = ctx.saved_tensors
-        want_gate, want_up, want_weight, want_bias = _wanted(ctx, (True, True, True, ctx.has_bias))
+        want_gate, want_up, want_weight, want_bias = wanted(ctx, (True, True, True, ctx.has_bias))
         # The ops autograd would run on the composite, in its order, each temporary freed once used: the
         # backward holds about as much as autograd's did beside its four saved tensors.
         with torch.enable_grad():

@@ -22,20 +22,16 @@ def norm_bytes(s: Sizes, tokens: int) -> int:
 def _attention(s: Sizes) -> int:
     """What attention saves: q, k and v as the kernel sees them and its output, in the compute dtype, and
     the fp32 log-sum-exp per head. The fused kernel keeps no [s, s] scores (Korthikanti's 5as/h term is
-    gone). Without cp, GQA's k and v are repeated to every query head before the kernel (hq each), and
-    the output is already laid out for o_proj. Ring attention keeps its own contiguous k and v (hkv
+    gone). GQA's k and v reach the kernel as the kv heads they are (hkv each; models/attention.py: the CPU's
+    flash kernel, CUDA's FlashAttention; CUDA's masked and soft-capped paths still repeat them, not modelled),
+    and the output is already laid out for o_proj. Ring attention keeps its own contiguous k and v (hkv
     each) and its output in [B, H, T, D], which o_proj's input reshape copies (one more hq). Ulysses
-    attention keeps what the kernel keeps (q, its k and v: repeated to every query head where the rank's
-    heads are grouped, its output) and o_proj's copy; under the contiguous layout the kernel's q is a view
-    of the all-to-all's buffer, which then stays whole (its k and v parts too)."""
+    attention keeps what the kernel keeps (q, the k and v heads cp needs, its output) and o_proj's copy;
+    under the contiguous layout q, k and v are views of the all-to-all's buffer, kept once."""
     if s.cp == 1:
-        return s.n * (4 * s.d * s.hq + F32 * s.heads)
-    if s.ulysses_kv:
-        grouped = s.ulysses_kv < s.hq
-        kernel_kv = s.hq if grouped else s.ulysses_kv
-        buffer = 2 * s.ulysses_kv if s.ulysses_views and grouped else 0  # k, v parts that the q view keeps
-        return s.n * (s.d * (3 * s.hq + 2 * kernel_kv + buffer) + F32 * s.heads)
-    return s.n * (s.d * (3 * s.hq + 2 * s.hkv) + F32 * s.heads)
+        return s.n * (s.d * (2 * s.hq + 2 * s.hkv) + F32 * s.heads)
+    kv = s.ulysses_kv or s.hkv
+    return s.n * (s.d * (3 * s.hq + 2 * kv) + F32 * s.heads)
 
 
 def layer_none(s: Sizes, moe: bool = False) -> int:
@@ -45,7 +41,7 @@ def layer_none(s: Sizes, moe: bool = False) -> int:
     see them (the whole sequence, all-gathered under sp; an MoE model's mlp, whole on every tp rank, sees
     its n_mlp tokens instead), attention, and the MLP's gate and up (2 x intermediate/tp: fused.gated_linear
     recomputes silu(gate) * up in the backward), or an MoE layer's block (moe_block_none). In d-byte elements
-    per token, tp 1: 4h + 4 hq (GQA: 2 hq + 2 hkv) + 2i, and 4 heads + 8 bytes of fp32 statistics
+    per token, tp 1: 4h + 2 hq + 2 hkv + 2i, and 4 heads + 8 bytes of fp32 statistics
     (tests/test_saved_activations.py checks the meter's bytes against this formula exactly)."""
     # Under sp each block's norm output is all-gathered into one contiguous [n, h] buffer (comm.py) that
     # q, k and v (gate and up) all read and save: one per block, as without sp.
