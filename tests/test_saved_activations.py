@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tetron.models.attention import Documents, sdpa_attention
 from tetron.models.blocks import MLP, RMSNorm
 from tetron.observe.memory import ActivationMeter
+
+from harness import run_ranks
 
 H, INTER, B, T = 32, 48, 2, 12
 F32 = 4
@@ -121,3 +124,85 @@ def test_attention_keeps_grouped_kv_heads(path):
     inputs = (q, k, v, sinks) if path == "sinks" else (q, k, v)
     for got, want in zip(torch.autograd.grad(out, inputs, dy), torch.autograd.grad(ref, inputs, dy)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- sequence parallelism's gathers
+
+SP_MODEL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+
+
+def _sp_rank(regather: bool) -> dict:
+    from tetron.models.llama import Llama, LlamaConfig
+    from tetron.parallel.init import materialize_
+    from tetron.parallel.layout import local_slice
+    from tetron.parallel.tensor_parallel import apply_tensor_parallel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SP_MODEL)
+    plain = Llama(config)
+    with torch.device("meta"):
+        model = Llama(config)
+    apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True, regather=regather)
+    materialize_(model, torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(local_slice(p, plain.state_dict()[name]))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    meter, marks = ActivationMeter(model.parameters()), []
+    layer = model.model.layers["0"]
+    layer.register_forward_pre_hook(lambda *_: marks.append(meter.live_bytes))
+    layer.register_forward_hook(lambda *_: marks.append(meter.live_bytes))
+    with meter:
+        out = model(ids)  # [2, 16, vocab/tp]
+    out.sum().backward()
+    return {"layer_saved": marks[1] - marks[0], "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def test_sp_blocks_keep_their_input_shard():
+    """Under tp2 with sp, each block's column-parallel linears keep the shard of their input (the norm output for
+    this rank's tokens) and all-gather it again in the backward (parallel/regather.py): a layer holds 2 x (n -
+    n/tp) x h values less than with the gathered input kept, and every gradient is the same within fp32 rounding
+    (the weight gradients' matmuls sum in another order: measured 2.2e-7 of each tensor's largest)."""
+    kept = run_ranks(2, _sp_rank, False)
+    shard = run_ranks(2, _sp_rank, True)
+    tokens, h = 2 * 16, SP_MODEL["hidden_size"]
+    for whole, mine in zip(kept, shard):
+        assert whole["layer_saved"] - mine["layer_saved"] == 2 * (tokens - tokens // 2) * h * F32
+        worst = max(((grad - mine["grads"][name]).abs().max() / grad.abs().max()).item()
+                    for name, grad in whole["grads"].items())
+        assert worst <= 1e-6, worst
+
+
+# ----------------------------------------------------------------------------- the per-layer formula
+
+
+@pytest.mark.parametrize("family, dtype, kv_heads", [("llama", "float32", 2), ("llama", "bfloat16", 2),
+                                                     ("llama", "float32", 4), ("qwen3", "float32", 2)],
+                         ids=["gqa-fp32", "gqa-bf16", "mha-fp32", "qwen3-qk-norm"])
+def test_a_layer_saves_the_planners_formula_to_the_byte(family, dtype, kv_heads):
+    """docs/memory.md's per-layer formula (plan/activations.py layer_none), term by term, against what the meter
+    counts for one decoder layer's forward, exactly: the norms' inputs and 1/rms, their outputs (q/k/v's and
+    gate/up's input), q, k and v as the kernel takes them, its output and log-sum-exp, gate and up (and Qwen3's
+    per-head norms' inputs and 1/rms)."""
+    from tetron.config import from_dict
+    from tetron.models import family as family_of
+    from tetron.models.llama import rope_cos_sin
+    from tetron.plan.activations import layer_none
+    from tetron.plan.sizes import Sizes
+
+    model = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
+             "num_hidden_layers": 1, "vocab_size": 64, "max_position_embeddings": 16}
+    cfg = from_dict({"model": {"model_type": family, **model}, "data": {"seq_len": 16}, "train": {"micro_batch": 2,
+                                                                                            "dtype": dtype}})
+    torch.manual_seed(0)
+    compute = getattr(torch, dtype)
+    llama = family_of(family).model_class(cfg.model).to(compute)
+    layer = llama.model.layers["0"]
+    x = torch.randn(2, 16, 32, dtype=compute, requires_grad=True)
+    cos, sin = rope_cos_sin(cfg.model, torch.arange(16)[None], dtype=compute)
+    meter = ActivationMeter(layer.parameters())
+    with meter:
+        out = layer(x * 1, cos, sin)  # x * 1: the layer's input made inside, as the previous layer's output is
+    rope = 2 * 16 * cfg.model.head_dim * compute.itemsize  # cos and sin, which the chunk counts once for all layers
+    assert meter.live_bytes - rope == layer_none(Sizes.of(cfg)), out.shape

@@ -44,10 +44,21 @@ def layer_none(s: Sizes, moe: bool = False) -> int:
     per token, tp 1: 4h + 2 hq + 2 hkv + 2i, and 4 heads + 8 bytes of fp32 statistics
     (tests/test_saved_activations.py checks the meter's bytes against this formula exactly)."""
     # Under sp each block's norm output is all-gathered into one contiguous [n, h] buffer (comm.py) that
-    # q, k and v (gate and up) all read and save: one per block, as without sp.
+    # q, k and v (gate and up) all read: one saved per block, as without sp, or with regather (sp_regather) the
+    # block's sequence shard, n_res tokens (an MoE model's mlp is no tp block: it reads its own tokens).
     mlp = moe_block_none(s) if moe else s.n_mlp * 2 * s.d * s.inter
-    return (2 * norm_bytes(s, s.n_res) + (s.n + s.n_mlp) * s.d * s.h + _attention(s) + _head_norms(s)
-            + mlp)
+    return (2 * norm_bytes(s, s.n_res) + (_block_input(s) + _mlp_input(s)) * s.d * s.h + _attention(s)
+            + _head_norms(s) + mlp)
+
+
+def _block_input(s: Sizes) -> int:
+    """Tokens of a tp block's input its column-parallel linears keep: all (gathered under sp), or the shard."""
+    return s.n_res if s.regather else s.n
+
+
+def _mlp_input(s: Sizes) -> int:
+    """Tokens of the norm output the MLP keeps: a tp block's (_block_input), or an MoE model's whole mlp's own."""
+    return s.n_mlp if s.mlp_whole else _block_input(s)
 
 
 def _head_norms(s: Sizes) -> int:
@@ -105,13 +116,15 @@ def layer_weight_inputs(s: Sizes, moe: bool = False) -> int:
     column-parallel matmuls see them, attention's output, the MLP's gate and up, from which its node
     recomputes the product; an MoE layer's permuted tokens and each assignment's product, the shared
     experts' gate and up; Qwen3's per-head norms')."""
-    # under sp each column-parallel linear keeps its own gathered input; a whole mlp reads the norm's output
-    attention = 3 if s.sp else 1
-    reads = 1 if s.mlp_whole or not s.sp else 2
+    # under sp each column-parallel linear keeps its own gathered input (with regather: the block's one shard); a
+    # whole mlp reads the norm's output
+    attention = s.n_res * s.h if s.regather else s.n * s.h * (3 if s.sp else 1)
+    reads = 1 if s.mlp_whole or not s.sp or s.regather else 2
     m = s.n_mlp * s.top_k
-    mlp = (s.n_mlp * s.d * (reads * s.h + 2 * s.shared_inter) + s.rows(m) * s.d * (s.h + s.expert_inter) if moe
-           else s.n_mlp * s.d * (reads * s.h + 2 * s.inter))
-    return 2 * norm_bytes(s, s.n_res) + s.n * s.d * (attention * s.h + s.hq) + _head_norms(s) + mlp
+    mlp_in = _mlp_input(s) * reads * s.h
+    mlp = (s.d * (mlp_in + s.n_mlp * 2 * s.shared_inter) + s.rows(m) * s.d * (s.h + s.expert_inter) if moe
+           else s.d * (mlp_in + s.n_mlp * 2 * s.inter))
+    return 2 * norm_bytes(s, s.n_res) + s.d * (attention + s.n * s.hq) + _head_norms(s) + mlp
 
 
 def layer_activations(s: Sizes, mode: str, moe: bool = False) -> int:

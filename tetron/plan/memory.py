@@ -11,9 +11,9 @@ Models" (activations per layer, sequence parallelism, selective recomputation); 
 `theoretical_memory_usage.py` (weights and optimizer bytes per parameter, pipeline in-flight
 micro-batches, the first stage's worst case); the Ultra-Scale Playbook (Hugging Face, 2025: ZeRO
 stages, logits and the vocabulary-parallel loss, context parallelism's 1/cp). Where tetron differs from
-those (RMSNorm in fp32, no dropout, fused attention that keeps no [s, s] scores, GQA keys/values
-repeated before attention, fp32 gradient buckets even at dp 1), the term follows tetron, and the
-constants that describe short-lived tensors were fitted to tetron's measurements (noted where used).
+those (no dropout, fused norms and gated MLPs that keep their inputs only, fused attention that keeps no
+[s, s] scores and takes GQA's kv heads as they are, fp32 gradient buckets even at dp 1), the term follows
+tetron, and the constants that describe short-lived tensors were fitted to tetron's measurements (noted where used).
 
 The peak is the largest of a few moments, each = what persists (parameters, gradients, optimizer
 state) + the activations of the micro-batches in flight + what that moment adds: the head and the loss
