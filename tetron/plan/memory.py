@@ -143,6 +143,7 @@ def _layer_backward_of(s: Sizes, chunk: Chunk, mode: str, split: bool) -> tuple[
             continue
         width = s.top_k * s.expert_inter + s.shared_inter if moe else s.inter
         grads = int(LAYER_BWD_I * s.n_mlp * width * s.d + LAYER_BWD_H * s.n * s.h * s.d)
+        grads += s.n * s.h * s.d if s.regather else 0  # sp_regather: the block's input all-gathered again
         if moe:
             grads += moe_backward(s)[0]
         ring = s.n * (F32 * s.hq + 2 * F32 * s.hkv + 2 * s.d * s.hkv) if s.cp > 1 else 0  # dq, dk, dv in fp32;
