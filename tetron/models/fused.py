@@ -30,6 +30,8 @@ def wanted(ctx: Any, present: tuple[bool, ...]) -> tuple[bool, ...]:
     computes a weight gradient it then drops (a norm's; the down projection's: one matmul); W never computes an
     input's gradient, the one that reads the weights, as data inputs are never leaves (`_not_leaf`). The node's
     edges are its tensor inputs', in order."""
+    if torch.compiler.is_compiling():  # traced, the node is not the engine's (and a split backward is refused)
+        return tuple(ctx.needs_input_grad[:len(present)])
     edges = iter(ctx.next_functions)
     nodes = [next(edges)[0] if here else None for here in present]
     return tuple(need and node is not None and engine_runs(node) for need, node in zip(ctx.needs_input_grad, nodes))
@@ -77,7 +79,10 @@ class _RMSNorm(torch.autograd.Function):
 
 def _not_leaf(x: Tensor) -> Tensor:
     """x, or where it is a leaf (a pipeline stage's received input), a view of it: a node `wanted` can ask about.
-    Whether or not it needs a gradient, so that a recomputed forward runs the ops its first run did."""
+    Whether or not it needs a gradient, so that a recomputed forward runs the ops its first run did. Compiled, x
+    (Dynamo does not trace grad_fn; a compiled run never splits its backward: validate.py refuses the pair)."""
+    if torch.compiler.is_compiling():
+        return x
     return x.view_as(x) if x.grad_fn is None else x
 
 
