@@ -186,3 +186,29 @@ def test_wrapped_tensors_finds_a_wrapper_subclass_inner_tensor():
     a, b = torch.ones(3), torch.zeros(3)
     inner = tp.wrapped_tensors(TwoTensor(a, b))
     assert inner is not None and [t.data_ptr() for t in inner] == [a.data_ptr(), b.data_ptr()]
+
+
+def test_engine_runs_says_which_nodes_this_backward_executes():
+    """Private: the nodes this engine run executes (a backward to chosen inputs skips the others); public: every
+    node (the plain backward's answer), as for a leaf, which torch cannot be asked about then."""
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * b
+
+        @staticmethod
+        def backward(ctx, grad):
+            (node_a, _), (node_b, _) = ctx.next_functions
+            seen["private"] = (tp.engine_runs(node_a), tp.engine_runs(node_b))
+            seen["public"] = (tp.engine_runs(node_a, fallback=True), tp.engine_runs(node_b, fallback=True))
+            return grad, grad
+
+    x, w = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    a, b = x * 2, w * 3  # non-leaf inputs: nodes the engine can be asked about
+    torch.autograd.grad(Probe.apply(a, b).sum(), [x], retain_graph=True)
+    assert seen == {"private": (True, False), "public": (True, True)}
+    seen.clear()
+    Probe.apply(a, w).sum().backward()  # w is a leaf: True on both paths
+    assert seen == {"private": (True, True), "public": (True, True)}

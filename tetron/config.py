@@ -54,6 +54,9 @@ class ParallelConfig:
     cp_impl: CpImpl = "ring"  # attention over cp: "ring" (P2P of k/v blocks, any cp) or "ulysses" (all-to-all to
     # heads; query heads per tp rank must be divisible by cp)
     sp: bool = False  # sequence parallelism: split activations outside attention/MLP along the sequence over tp
+    sp_regather: bool = True  # with sp: each attention/MLP block keeps its input's sequence shard for the backward
+    # and all-gathers it again there (Megatron's: 1/tp of the memory); false: keeps the gathered input (one
+    # all-gather fewer per block and backward)
     vocab_pad_multiple: int = 1  # pad the vocabulary to a multiple of tp * this (64 or 128 speeds up GPU matmuls)
     dp_impl: DpImpl = "bucket"  # "naive": an all-reduce hook per parameter; "bucket": fp32 buckets, overlapped
     bucket_mb: float = 25.0  # gradient bucket size for dp_impl=bucket, in MB of fp32

@@ -91,15 +91,19 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = Non
     v_head_dim] -> [B, n_heads, T, v_head_dim]; with `docs` (documents.py) each position attends only within its
     document, with `window` only to the `window` latest positions (itself included); `scale`, `softcap` and
     `sinks` [n_heads] as AttentionOptions says."""
-    if k.shape[1] != q.shape[1]:
-        # Repeat each kv head for its group of query heads; works with every SDPA backend.
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)  # [B, n_heads, T, head_dim]
-        v = v.repeat_interleave(rep, dim=1)  # [B, n_heads, T, v_head_dim]
     if window is not None and window >= q.shape[2]:
         window = None  # no query is further than T-1 from a key: the window masks nothing
+    grouped = k.shape[1] != q.shape[1]
     if softcap is not None or (sinks is not None and q.device.type != "cpu"):
+        k, v = repeat_kv(q, k, v)  # the math path: its [B, H, T, T] scores outweigh the repeated heads
         return scored_attention(q, k, v, docs, window, scale=scale, softcap=softcap, sinks=sinks)
+    # GQA: the fused kernels that take grouped heads get them as they are, so that the k and v saved for the
+    # backward are the kv heads, never one copy per query head. The CPU's flash kernel takes them in every
+    # dtype, with or without a mask; on CUDA only FlashAttention (no mask, fp16/bf16): elsewhere torch would fall
+    # back to its math path, and the heads are repeated instead.
+    if grouped and q.device.type != "cpu" and not (docs is None and window is None and _flash_takes_groups(q, k, v)):
+        k, v = repeat_kv(q, k, v)
+        grouped = False
     if sinks is not None:  # the CPU's fused kernel, the sinks added to its log-sum-exp
         bias = None if docs is None and window is None else (
             docs.bias(q.dtype, window) if docs is not None else _window_bias(q.shape[2], window, q.dtype, q.device))
@@ -107,9 +111,29 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = Non
         return _SinksCPU.apply(*qkv, bias, sinks, scale)[..., :v.shape[-1]]
     if docs is None and window is None:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # takes v of another width
+        # takes v of another width
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
     bias = docs.bias(q.dtype, window) if docs is not None else _window_bias(q.shape[2], window, q.dtype, q.device)
     return masked_attention(q, k, v, bias, scale=scale)
+
+
+def repeat_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """k and v with each kv head repeated for its group of query heads ([B, n_heads, T, D]); as they are without
+    GQA."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    rep = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def _flash_takes_groups(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether CUDA's FlashAttention runs causal attention on these grouped heads (enable_gqa), by torch's own
+    check; False where this torch cannot say."""
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True)
+        return torch.backends.cuda.can_use_flash_attention(params, False)
+    except (AttributeError, TypeError, RuntimeError):
+        return False
 
 
 def scored_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = None, window: int | None = None, *,
@@ -230,15 +254,16 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents, window:
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float | None = None) -> Tensor:
-    """Causal attention with an additive mask `bias` [B or 1, 1, T, T] on top: q, k [B, H, T, D], v [B, H, T, Dv]
-    -> [B, H, T, Dv]."""
+    """Causal attention with an additive mask `bias` [B or 1, 1, T, T] on top: q [B, H, T, D], k [B, KVH, T, D],
+    v [B, KVH, T, Dv] (KVH dividing H) -> [B, H, T, Dv]."""
     if q.device.type == "cpu":
         if v.shape[-1] == q.shape[-1]:
             return _CausalMaskedCPU.apply(q, k, v, bias, scale)  # strided as they come, as torch passes them
         # the CPU kernel takes q, k and v of one width only: the narrower side padded, the output cut back
         *qkv, scale = equal_widths(q, k, v, scale)
         return _CausalMaskedCPU.apply(*qkv, bias, scale)[..., :v.shape[-1]]
-    # CUDA: the memory-efficient kernel, which takes a mask (FlashAttention takes none)
+    # CUDA: the memory-efficient kernel, which takes a mask (FlashAttention takes none) but not grouped heads
+    k, v = repeat_kv(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
 

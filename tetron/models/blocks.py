@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tetron.models.attention import ProjectionRMSNorm
+from tetron.models.fused import gated_linear, rms_norm
 from tetron.models.spec import Init
 
 
@@ -85,9 +86,28 @@ class MLP(nn.Module):
         if not self.gated:
             return self.down_proj(self.act_fn(self.up_proj(x)))
         gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, intermediate] each
-        if self.limit is not None:  # gpt-oss's clamp: the gate from above, up on both sides
-            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return self.down_proj(self.act_fn(gate) * up)
+        # fused.gated_linear keeps gate and up for the backward, not act(gate) nor the product. A down projection
+        # whose output needs finishing (tensor parallelism's row-parallel linear: the sum over ranks, then its
+        # bias) says so with `finish`; a plain Linear adds its bias itself.
+        # Compiled, the composite: AOTAutograd's partitioner chooses what to save itself (it recomputes
+        # element-wise ops), and Dynamo does not trace the autograd.grad that gated_linear's backward calls.
+        if torch.compiler.is_compiling():
+            up = up if self.limit is None else self.bound(up)
+            return self.down_proj(self.activate(gate) * up)
+        down = self.down_proj
+        bound = None if self.limit is None else self.bound
+        finish = getattr(down, "finish", None)
+        if finish is None:
+            return gated_linear(gate, up, down.weight, down.bias, self.activate, bound)
+        return finish(gated_linear(gate, up, down.weight, None, self.activate, bound))
+
+    def activate(self, gate: Tensor) -> Tensor:
+        """act(gate), gpt-oss's clamp from above first where `limit` is set."""
+        return self.act_fn(gate if self.limit is None else gate.clamp(max=self.limit))
+
+    def bound(self, up: Tensor) -> Tensor:
+        """up clamped on both sides at `limit` (gpt-oss)."""
+        return up.clamp(min=-self.limit, max=self.limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,16 +141,9 @@ class RMSNorm(nn.Module):
         self.eps, self.unit_offset = eps, unit_offset
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.unit_offset:
-            y = x.float()
-            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (y * (1.0 + self.weight.float())).type_as(x)
-        if x.dtype == torch.float32:  # the same arithmetic in one fused kernel (about 20% faster on a CPU)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # fused.rms_norm: the same arithmetic as written out above, keeping for the backward only x and one fp32
+        # 1/rms per row (autograd would keep an fp32 copy of x and the normalised x besides)
+        return rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
 
 
 # Where a decoder layer's norms sit, by placement, with transformers' names: (before attention, on attention's

@@ -78,7 +78,7 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
         moe_layers = len(moe_blocks(chunk))  # of the whole model, before the pipeline keeps its stage's
         apply_pipeline_stage(chunk, layers, first=first, last=last, plan=spec.plan)
         apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
-                              vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan)
+                              vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan, regather=p.sp_regather)
         apply_expert_parallel(chunk, mesh)
         materialize_(chunk, device)
         # Names stay Hugging Face names, so every layout starts from the same weights.

@@ -51,6 +51,7 @@ from tetron.parallel.comm import (
     reduce_scatter_to_sequence,
 )
 from tetron.parallel.layout import Shard, set_layout
+from tetron.parallel.regather import SequenceGather, linear_on_shard
 from tetron.parallel.timers import timer
 
 
@@ -67,17 +68,18 @@ def _shard_param(old: nn.Parameter, shape: tuple[int, ...], *, dim: int, group: 
 class ColumnParallelLinear(nn.Module):
     """y[..., rows of this rank] = x @ W[rows].T; `input_mode` says how x arrives:
     "copy" applies f (replicated x), "gather" all-gathers a sequence-split x, "none" takes x as is
-    (f already applied by the caller, once for several sibling layers)."""
+    (f already applied by the caller, once for several sibling layers; with `gathered`, the sequence-parallel
+    block's gather, which this linear keeps x's shard of for the backward instead of x: regather.py)."""
 
     def __init__(self, linear: nn.Linear, group: dist.ProcessGroup, *, input_mode: str = "copy",
-                 padded_out: int | None = None) -> None:
+                 padded_out: int | None = None, gathered: SequenceGather | None = None) -> None:
         super().__init__()
         world = dist.get_world_size(group)
         out_features, in_features = linear.weight.shape
         padded = padded_out or out_features  # the head's vocabulary, padded to a multiple of tp
         if padded % world:
             raise ValueError(f"{padded} output features are not divisible by tp={world}")
-        self.group, self.input_mode = group, input_mode
+        self.group, self.input_mode, self.gathered = group, input_mode, gathered
         logical = out_features if padded_out else None
         self.weight = _shard_param(linear.weight, (padded // world, in_features), dim=0, group=group, logical=logical)
         # a bias is split like the rows it is added to
@@ -89,6 +91,8 @@ class ColumnParallelLinear(nn.Module):
             x = copy_to_group(x, self.group)
         elif self.input_mode == "gather":
             x = gather_from_sequence(x, self.group)  # [B, T/t, in] -> [B, T, in]
+        elif self.gathered is not None:
+            return linear_on_shard(x, self.weight, self.bias, self.gathered)  # [B, T, out/t]
         return F.linear(x, self.weight, self.bias)  # [B, T, out/t]
 
 
@@ -111,7 +115,10 @@ class RowParallelLinear(nn.Module):
             set_layout(self.bias, summed_over_tp=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        partial = F.linear(x, self.weight)  # [B, T, out], this rank's share of the sum
+        return self.finish(F.linear(x, self.weight))  # F.linear: [B, T, out], this rank's share of the sum
+
+    def finish(self, partial: Tensor) -> Tensor:
+        """The output from this rank's partial product [B, T, out] (the MLP computes that itself: blocks.py)."""
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence(partial, self.group)  # [B, T/t, out]
         else:
@@ -222,9 +229,12 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
 
 
 def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequence_parallel: bool = False,
-                          vocab_pad_multiple: int = 1, plan: ParallelPlan | None = None) -> nn.Module:
+                          vocab_pad_multiple: int = 1, plan: ParallelPlan | None = None,
+                          regather: bool = True) -> nn.Module:
     """Swap the plain model's layers for tensor-parallel ones over `group`, in place, as its family's plan
-    says (models/spec.py; None: the plan of `model.config`'s family).
+    says (models/spec.py; None: the plan of `model.config`'s family). Under sequence parallelism, `regather`:
+    each block's column-parallel linears keep their input's sequence shard for the backward and gather it
+    again there (regather.py), not the whole gathered input.
 
     Parameters keep their names (so init and checkpoints see Hugging Face names) and are left
     uninitialised; call init (or load) afterwards. Works on a model still on the meta device."""
@@ -239,10 +249,12 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
     for layer in plan.layers_of(model).values():
         for block in plan.blocks:
             part = layer.get_submodule(block.path)
+            gathered = SequenceGather(group) if sp and regather else None  # the pre-hook and its linears' record
             for name in block.column:
-                setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none"))
+                setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none",
+                                                         gathered=gathered))
             setattr(part, block.row, RowParallelLinear(getattr(part, block.row), group, sequence_parallel=sp))
-            part.register_forward_pre_hook(enter(group))
+            part.register_forward_pre_hook(gathered or enter(group))
         _split_heads(layer, plan, group)
         # whole weights whose gradient on each rank is a share (of the heads always, of the tokens under sp)
         for name, param in layer.named_parameters():

@@ -14,28 +14,24 @@ from tetron.plan.state import Chunk
 
 
 def norm_bytes(s: Sizes, tokens: int) -> int:
-    """What an RMSNorm saves (model.RMSNorm, computed in fp32): its input in fp32 (the input itself in
-    fp32, a copy in bf16), 1/rms per token, and the normalized input in the compute dtype."""
-    return tokens * (F32 * s.h + F32 + s.d * s.h)
+    """What an RMSNorm saves (models/fused.py's rms_norm): its input in the compute dtype and 1/rms per token
+    in fp32; its backward recomputes the normalized input from them."""
+    return tokens * (s.d * s.h + F32)
 
 
 def _attention(s: Sizes) -> int:
     """What attention saves: q, k and v as the kernel sees them and its output, in the compute dtype, and
     the fp32 log-sum-exp per head. The fused kernel keeps no [s, s] scores (Korthikanti's 5as/h term is
-    gone). Without cp, GQA's k and v are repeated to every query head before the kernel (hq each), and
-    the output is already laid out for o_proj. Ring attention keeps its own contiguous k and v (hkv
+    gone). GQA's k and v reach the kernel as the kv heads they are (hkv each; models/attention.py: the CPU's
+    flash kernel, CUDA's FlashAttention; CUDA's masked and soft-capped paths still repeat them, not modelled),
+    and the output is already laid out for o_proj. Ring attention keeps its own contiguous k and v (hkv
     each) and its output in [B, H, T, D], which o_proj's input reshape copies (one more hq). Ulysses
-    attention keeps what the kernel keeps (q, its k and v: repeated to every query head where the rank's
-    heads are grouped, its output) and o_proj's copy; under the contiguous layout the kernel's q is a view
-    of the all-to-all's buffer, which then stays whole (its k and v parts too)."""
+    attention keeps what the kernel keeps (q, the k and v heads cp needs, its output) and o_proj's copy;
+    under the contiguous layout q, k and v are views of the all-to-all's buffer, kept once."""
     if s.cp == 1:
-        return s.n * (4 * s.d * s.hq + F32 * s.heads)
-    if s.ulysses_kv:
-        grouped = s.ulysses_kv < s.hq
-        kernel_kv = s.hq if grouped else s.ulysses_kv
-        buffer = 2 * s.ulysses_kv if s.ulysses_views and grouped else 0  # k, v parts that the q view keeps
-        return s.n * (s.d * (3 * s.hq + 2 * kernel_kv + buffer) + F32 * s.heads)
-    return s.n * (s.d * (3 * s.hq + 2 * s.hkv) + F32 * s.heads)
+        return s.n * (s.d * (2 * s.hq + 2 * s.hkv) + F32 * s.heads)
+    kv = s.ulysses_kv or s.hkv
+    return s.n * (s.d * (3 * s.hq + 2 * kv) + F32 * s.heads)
 
 
 def layer_none(s: Sizes, moe: bool = False) -> int:
@@ -43,23 +39,34 @@ def layer_none(s: Sizes, moe: bool = False) -> int:
     sbh(34 + 5as/h) for GPT becomes, for this Llama (no dropout, SwiGLU, RMSNorm in fp32): two norms
     (on the residual stream, 1/tp of it under sp), the two norm outputs as the column-parallel matmuls
     see them (the whole sequence, all-gathered under sp; an MoE model's mlp, whole on every tp rank, sees
-    its n_mlp tokens instead), attention, and the MLP's gate, silu(gate), up and their product
-    (4 x intermediate/tp), or an MoE layer's block (moe_block_none). fp32, tp 1, no GQA: 24h + 16hq +
-    16i + 4 heads + 8 bytes a token (tests/test_recompute.py measures 1,185,792 for its model: this
-    formula exactly)."""
+    its n_mlp tokens instead), attention, and the MLP's gate and up (2 x intermediate/tp: fused.gated_linear
+    recomputes silu(gate) * up in the backward), or an MoE layer's block (moe_block_none). In d-byte elements
+    per token, tp 1: 4h + 2 hq + 2 hkv + 2i, and 4 heads + 8 bytes of fp32 statistics
+    (tests/test_saved_activations.py checks the meter's bytes against this formula exactly)."""
     # Under sp each block's norm output is all-gathered into one contiguous [n, h] buffer (comm.py) that
-    # q, k and v (gate and up) all read and save: one per block, as without sp.
-    mlp = moe_block_none(s) if moe else s.n_mlp * 4 * s.d * s.inter
-    return (2 * norm_bytes(s, s.n_res) + (s.n + s.n_mlp) * s.d * s.h + _attention(s) + _head_norms(s)
-            + mlp)
+    # q, k and v (gate and up) all read: one saved per block, as without sp, or with regather (sp_regather) the
+    # block's sequence shard, n_res tokens (an MoE model's mlp is no tp block: it reads its own tokens).
+    mlp = moe_block_none(s) if moe else s.n_mlp * 2 * s.d * s.inter
+    return (2 * norm_bytes(s, s.n_res) + (_block_input(s) + _mlp_input(s)) * s.d * s.h + _attention(s)
+            + _head_norms(s) + mlp)
+
+
+def _block_input(s: Sizes) -> int:
+    """Tokens of a tp block's input its column-parallel linears keep: all (gathered under sp), or the shard."""
+    return s.n_res if s.regather else s.n
+
+
+def _mlp_input(s: Sizes) -> int:
+    """Tokens of the norm output the MLP keeps: a tp block's (_block_input), or an MoE model's whole mlp's own."""
+    return s.n_mlp if s.mlp_whole else _block_input(s)
 
 
 def _head_norms(s: Sizes) -> int:
     """Qwen3's RMSNorm over each query and key head (models/llama.py's q_norm, k_norm), before RoPE: what an
-    RMSNorm saves (norm_bytes), of the rank's query and key widths, 1/rms per head."""
+    RMSNorm saves (norm_bytes): its input, the q and k projections' outputs, and 1/rms per head."""
     if not s.qk_norm:
         return 0
-    return s.n * ((F32 + s.d) * (s.hq + s.hkv) + F32 * (s.hq + s.hkv) // s.hd)
+    return s.n * (s.d * (s.hq + s.hkv) + F32 * (s.hq + s.hkv) // s.hd)
 
 
 def moe_block_none(s: Sizes) -> int:
@@ -71,7 +78,8 @@ def moe_block_none(s: Sizes) -> int:
     gate_up output, silu's output and the product (4 x moe_intermediate), the expert output and the weighted
     output the scatter-add keeps ([M, H] each); the shared experts as a dense MLP. torch._grouped_mm (Sizes.
     grouped) keeps each group's end (int32, one per local expert); on CUDA its first four are padded to the
-    alignment's rows and the row places (int64) kept. Expert parallelism adds the int64 orders that sort what
+    alignment's rows and the row places (int64) kept; the shared experts' gate and up (a dense MLP's). Expert
+    parallelism adds the int64 orders that sort what
     a rank receives by local expert and put its outputs back (the rows it receives: M on average)."""
     n = s.n_mlp
     m = n * s.top_k
@@ -82,7 +90,7 @@ def moe_block_none(s: Sizes) -> int:
         ends = 4 * (s.experts // s.ep)
         places = I64 * m if s.align > 1 else 0
         experts = s.rows(m) * s.d * (s.h + 4 * s.expert_inter) + 2 * m * s.d * s.h + ends + places
-    return router + dispatch + experts + n * 4 * s.d * s.shared_inter
+    return router + dispatch + experts + n * 2 * s.d * s.shared_inter
 
 
 def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
@@ -104,17 +112,19 @@ def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
 
 def layer_weight_inputs(s: Sizes, moe: bool = False) -> int:
     """What W reads of a layer that B rebuilt (zbh1, zbv with recomputation: recompute.py keeps only
-    this from B to W): each RMSNorm's normalized input, each matmul's input (the norm outputs as the
-    column-parallel matmuls see them, attention's output, the MLP's product; an MoE layer's permuted
-    tokens and each assignment's product, the shared experts' product; Qwen3's per-head norms')."""
-    # under sp each column-parallel linear keeps its own gathered input; a whole mlp reads the norm's output
-    attention = 3 if s.sp else 1
-    reads = 1 if s.mlp_whole or not s.sp else 2
+    this from B to W): each RMSNorm's input and 1/rms, each matmul's input (the norm outputs as the
+    column-parallel matmuls see them, attention's output, the MLP's gate and up, from which its node
+    recomputes the product; an MoE layer's permuted tokens and each assignment's product, the shared
+    experts' gate and up; Qwen3's per-head norms')."""
+    # under sp each column-parallel linear keeps its own gathered input (with regather: the block's one shard); a
+    # whole mlp reads the norm's output
+    attention = s.n_res * s.h if s.regather else s.n * s.h * (3 if s.sp else 1)
+    reads = 1 if s.mlp_whole or not s.sp or s.regather else 2
     m = s.n_mlp * s.top_k
-    mlp = (s.n_mlp * s.d * (reads * s.h + s.shared_inter) + s.rows(m) * s.d * (s.h + s.expert_inter) if moe
-           else s.n_mlp * s.d * (reads * s.h + s.inter))
-    heads = (s.hq + s.hkv) * s.qk_norm  # the per-head norms' normalized inputs
-    return 2 * s.n_res * s.d * s.h + s.n * s.d * (attention * s.h + s.hq + heads) + mlp
+    mlp_in = _mlp_input(s) * reads * s.h
+    mlp = (s.d * (mlp_in + s.n_mlp * 2 * s.shared_inter) + s.rows(m) * s.d * (s.h + s.expert_inter) if moe
+           else s.d * (mlp_in + s.n_mlp * 2 * s.inter))
+    return 2 * norm_bytes(s, s.n_res) + s.d * (attention + s.n * s.hq) + _head_norms(s) + mlp
 
 
 def layer_activations(s: Sizes, mode: str, moe: bool = False) -> int:
@@ -144,8 +154,6 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
     acts = chunk_layers(s, chunk, mode) + 2 * s.rope_rows * s.seq * s.hd * s.d + s.doc_mask
     if chunk.first and s.tp > 1:
         acts += s.n * (I64 + 1)
-    if not chunk.first and cfg.train.dtype == "bfloat16" and mode == "none":
-        acts += s.n_res * s.d * s.h  # the received bf16 input, besides the first norm's fp32 copy of it
     loss = 0
     if chunk.last:
         acts += norm_bytes(s, s.n_res)
@@ -180,7 +188,7 @@ def moe_backward(s: Sizes, *, split: bool = False) -> tuple[int, int]:
         exchange = a if s.ep > 1 else 0
         both = exchange + 2 * s.d * local * 3 * s.h * s.expert_inter
         return both, both
-    shared = s.n_mlp * s.d * (s.h - 4 * s.shared_inter) if s.shared_inter else 0  # once its backward is done
+    shared = s.n_mlp * s.d * (s.h - 2 * s.shared_inter) if s.shared_inter else 0  # once its backward is done
     combine = m * s.h * (2 * F32 + (F32 if s.d < F32 else 0)) + (m * F32 if s.d == F32 else 0)
     down = local * s.h * s.expert_inter * s.d + b - a
     gate_up = local * 2 * s.expert_inter * s.h * s.d + s.rows(m) * s.h * s.d - 2 * a - 2 * b

@@ -11,9 +11,9 @@ Models" (activations per layer, sequence parallelism, selective recomputation); 
 `theoretical_memory_usage.py` (weights and optimizer bytes per parameter, pipeline in-flight
 micro-batches, the first stage's worst case); the Ultra-Scale Playbook (Hugging Face, 2025: ZeRO
 stages, logits and the vocabulary-parallel loss, context parallelism's 1/cp). Where tetron differs from
-those (RMSNorm in fp32, no dropout, fused attention that keeps no [s, s] scores, GQA keys/values
-repeated before attention, fp32 gradient buckets even at dp 1), the term follows tetron, and the
-constants that describe short-lived tensors were fitted to tetron's measurements (noted where used).
+those (no dropout, fused norms and gated MLPs that keep their inputs only, fused attention that keeps no
+[s, s] scores and takes GQA's kv heads as they are, fp32 gradient buckets even at dp 1), the term follows
+tetron, and the constants that describe short-lived tensors were fitted to tetron's measurements (noted where used).
 
 The peak is the largest of a few moments, each = what persists (parameters, gradients, optimizer
 state) + the activations of the micro-batches in flight + what that moment adds: the head and the loss
@@ -57,8 +57,9 @@ from tetron.plan.state import (
 )
 
 # Fitted constants for short-lived tensors (bytes are these times the named size; see each use).
-LAYER_BWD_I = 2.0  # a layer's backward: MLP-width activation gradients alive at once (grad of the product,
-# of silu's output and of up; the layer's own saved tensors are being released meanwhile)
+LAYER_BWD_I = 4.0  # a layer's backward: MLP-width tensors alive at once (fused.gated_linear's: silu(gate)
+# recomputed, the gradients of the product, of silu's output and of up; the layer's own saved tensors are being
+# released meanwhile)
 LAYER_BWD_H = 1.0  # ... and residual-width ones (the incoming gradient)
 
 
@@ -142,6 +143,7 @@ def _layer_backward_of(s: Sizes, chunk: Chunk, mode: str, split: bool) -> tuple[
             continue
         width = s.top_k * s.expert_inter + s.shared_inter if moe else s.inter
         grads = int(LAYER_BWD_I * s.n_mlp * width * s.d + LAYER_BWD_H * s.n * s.h * s.d)
+        grads += s.n * s.h * s.d if s.regather else 0  # sp_regather: the block's input all-gathered again
         if moe:
             grads += moe_backward(s)[0]
         ring = s.n * (F32 * s.hq + 2 * F32 * s.hkv + 2 * s.d * s.hkv) if s.cp > 1 else 0  # dq, dk, dv in fp32;

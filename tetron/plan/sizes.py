@@ -35,6 +35,7 @@ class Sizes:
     tp: int
     cp: int
     sp: bool  # sequence parallelism (with tp > 1)
+    regather: bool = False  # sp's blocks keep their input's shard and gather it again in the backward (sp_regather)
     ulysses_kv: int = 0  # Ulysses attention (parallel.cp_impl): key/value width on this rank after the heads are
     # repeated for cp (hkv, or more); 0 under ring attention or without cp
     ulysses_views: bool = False  # Ulysses, contiguous layout: q, k, v stay views of the all-to-all's buffer
@@ -65,7 +66,7 @@ class Sizes:
         dense = _sizes(m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.intermediate_size,
                       m.vocab_size, p.tp, p.cp, p.sp, p.vocab_pad_multiple, cfg.data.seq_len, t.micro_batch,
                       t.dtype == "bfloat16", p.cp_impl, p.cp_layout, cfg.data.mask_documents,
-                      cfg.data.reset_positions, m.qk_norm)
+                      cfg.data.reset_positions, m.qk_norm, p.sp_regather)
         if not is_moe(m):
             return dense
         cuda = p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available())
@@ -127,7 +128,7 @@ def _grouped(hidden: int, inter: int, d: int, cuda: bool) -> bool:
 def _sizes(h: int, heads: int, kv_heads: int, hd: int, inter: int, vocab: int, tp: int, cp: int, sp: bool,
            pad: int, seq_len: int, micro_batch: int, bf16: bool, cp_impl: str = "ring",
            cp_layout: str = "zigzag", mask_documents: bool = False, reset_positions: bool = False,
-           qk_norm: bool = False) -> Sizes:
+           qk_norm: bool = False, regather: bool = True) -> Sizes:
     seq = seq_len // cp
     n = micro_batch * seq
     ulysses = cp_impl == "ulysses" and cp > 1 and (heads // tp) % cp == 0
@@ -136,6 +137,7 @@ def _sizes(h: int, heads: int, kv_heads: int, hd: int, inter: int, vocab: int, t
     return Sizes(d=2 if bf16 else 4, h=h, hq=heads // tp * hd, hkv=kv_heads // tp * hd, heads=heads // tp,
                  inter=inter // tp, vocab=padded_vocab_size(vocab, tp, pad) // tp if tp > 1 else vocab, hd=hd,
                  n=n, n_res=n // tp if sp else n, seq=seq, tp=tp, cp=cp, sp=sp and tp > 1,
+                 regather=sp and tp > 1 and regather,
                  ulysses_kv=kv if ulysses else 0, ulysses_views=ulysses and cp_layout == "contiguous",
                  doc_mask=micro_batch * seq_len * seq_len * (2 if bf16 else 4) if whole_mask else 0,
                  rope_rows=micro_batch if reset_positions else 1, qk_norm=qk_norm, n_mlp=n)

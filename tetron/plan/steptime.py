@@ -90,6 +90,7 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     act = s.n * s.h * s.d  # one residual-stream tensor
     # tp: two all-reduces (sp: all-gather + reduce-scatter, the same volume) per layer forward, two backward
     tp_layer = 2 * _ring(hw, act, p.tp, 2.0, tp_bw)
+    regather = 2 * _ring(hw, act, p.tp, 1.0, tp_bw) if s.regather else 0.0  # sp_regather: each block's input again
     cp_bw = _bandwidth(hw, p.tp * p.cp, gpus_per_node)
     kv = 2 * s.n * s.hkv * s.d
     attention = s.n * attention_per_token / rate
@@ -103,7 +104,7 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     p2p = hw.latency_s + act / _bandwidth(hw, p.dp * p.cp * p.tp * 2, gpus_per_node) if p.pp > 1 else 0.0
     recompute = cfg.train.recompute == "full"
     # selective recomputation redoes only element-wise work: memory-bound, its tensors written and read once
-    elementwise = [2 * (layer_none(s, moe) - layer_kept(s, "selective", moe)) / (hw.hbm_gbs * 1e9)
+    elementwise = [2 * max(0, layer_none(s, moe) - layer_kept(s, "selective", moe)) / (hw.hbm_gbs * 1e9)
                    for moe in (False, True)]
     fwd, bwd = [], []
     for chunk in [c for r in range(p.pp) for c in rank_chunks(cfg, r)]:
@@ -112,8 +113,8 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
         flops = layers_flops + (2 * s.n * s.vocab * s.h if chunk.last else 0)
         compute = flops / rate + chunk.layers * hw.overhead_s / 3
         f = compute + chunk.layers * (tp_layer + cp_fwd) + chunk.moe * ep_fwd + p2p
-        b = (2 * compute + chunk.layers * (tp_layer * (2 if recompute else 1) + cp_bwd) + chunk.moe * ep_bwd
-             + p2p)
+        b = (2 * compute + chunk.layers * (tp_layer * (2 if recompute else 1) + regather + cp_bwd)
+             + chunk.moe * ep_bwd + p2p)
         if recompute:
             b += layers_flops / rate
         elif cfg.train.recompute == "selective":

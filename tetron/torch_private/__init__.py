@@ -16,6 +16,7 @@ its caller's (StoragePool(reuse=False) resizes), and queue_after_backward has no
                    CUDA's _scaled_dot_product_flash/efficient_attention (and each one's backward)
     autograd.py    Variable._execution_engine.run_backward,             -> torch.autograd.backward / grad
                    .queue_callback, torch._C._current_graph_task_id,      over gradient edges
+                   torch._C._will_engine_execute_node,
                    UntypedStorage._swap_data_ptr_, torch._foreach_*,     (see each function for the rest)
                    torch._subclasses' is_fake, torch.utils._pytree's tree_leaves,
                    OpOverload._opname, Tensor._base and _version, torch.utils._python_dispatch
@@ -38,6 +39,7 @@ from tetron.torch_private.attention import (
 )
 from tetron.torch_private.autograd import (
     TorchDispatchMode,
+    engine_runs,
     foreach_norm,
     foreach_scale_,
     in_backward,
@@ -58,9 +60,9 @@ from tetron.torch_private.version import TORCH_VERSION, torch_at_least
 
 __all__ = [
     "LSE_ALIGN", "TORCH_VERSION", "cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention",
-    "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "foreach_norm",
-    "foreach_scale_", "grouped_mm", "grouped_mm_available", "in_backward", "is_fake", "is_view", "math_attention",
-    "math_attention_backward", "op_name", "queue_after_backward", "run_backward", "storage_swap_available",
-    "swap_storages", "torch_at_least", "tree_leaves", "TorchDispatchMode", "version", "view_base",
-    "wrapped_tensors",
+    "cuda_efficient_attention_backward", "cuda_flash_attention", "cuda_flash_attention_backward", "engine_runs",
+    "foreach_norm", "foreach_scale_", "grouped_mm", "grouped_mm_available", "in_backward", "is_fake", "is_view",
+    "math_attention", "math_attention_backward", "op_name", "queue_after_backward", "run_backward",
+    "storage_swap_available", "swap_storages", "torch_at_least", "tree_leaves", "TorchDispatchMode", "version",
+    "view_base", "wrapped_tensors",
 ]

@@ -9,6 +9,9 @@
   (DDP's way to wait for its last bucket). No public equivalent: without it, an error that says so.
 - in_backward: `torch._C._current_graph_task_id`, whether the engine is running a backward (where activation
   recomputation replays a forward). No public equivalent: without it, False (outside every backward).
+- engine_runs: `torch._C._will_engine_execute_node`, whether the running backward executes a node (a custom
+  Function then computes only the gradients this run wants: B or W of a split backward). Public path: True
+  (every gradient computed, as a plain backward wants).
 - swap_storages: `UntypedStorage._swap_data_ptr_`, moving memory from one storage to another while tensors
   keep referring to theirs. Public path: the caller resizes its storage instead (storage_swap_available).
 - foreach_norm, foreach_scale_: `torch._foreach_norm`, `torch._foreach_mul_`, one kernel for many tensors.
@@ -68,6 +71,15 @@ def in_backward(*, fallback: bool = False) -> bool:
     if fallback or current is None:
         return False
     return current() != -1
+
+
+def engine_runs(node: Any, *, fallback: bool = False) -> bool:
+    """Inside a backward: whether the engine executes `node` in this run. A leaf's (AccumulateGrad) cannot be
+    asked while the engine runs for chosen inputs (torch raises): True for it, as on the public path."""
+    ask = getattr(torch._C, "_will_engine_execute_node", None)
+    if fallback or ask is None or type(node).__name__ == "AccumulateGrad":
+        return True
+    return ask(node)
 
 
 def storage_swap_available(device: torch.device) -> bool:
