@@ -335,11 +335,14 @@ def test_toy_family_layout_matches_single_process(toy_family, corpus, cache_dir,
 
 def test_toy_counts_its_parameters_and_flops():
     """num_params counts v's own width, the sinks and the projection norms; flops_per_token the scores over
-    head_dim and the weighted values over v_head_dim."""
+    head_dim and the weighted values over v_head_dim, over the keys each layer reaches (its window where
+    shorter than the sequence)."""
     cfg = _ToyConfig(**_TOY_MODEL, vocab_size=64, intermediate_size=64)
     assert cfg.num_params() == sum(p.numel() for p in LLAMA.model_class(cfg).parameters())
     n = cfg.num_params(include_embedding=False) + 64 * 32
-    assert cfg.flops_per_token(16) == 6 * n + 2 * 2 * 16 * H * (3 * 8 + 3 * 4)  # 2 layers, fwd + 2x bwd
+    # fwd + 2x bwd: 6 FLOPs a score and weighted value, a sliding layer's 5 keys and the full layer's 16
+    assert cfg.sliding_window == 5 and cfg.flops_per_token(16) == 6 * n + 6 * H * (8 + 4) * (5 + 16)
+    assert cfg.flops_per_token(4) == 6 * n + 6 * H * (8 + 4) * (4 + 4)  # a window longer than the sequence
 
 
 def test_kv_cache_takes_the_toy_familys_options():
