@@ -240,7 +240,8 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
         for block in plan.blocks:
             part = layer.get_submodule(block.path)
             for name in block.column:
-                setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none"))
+                if getattr(part, name, None) is not None:  # a layer may lack one (MLA: q_proj or q_b_proj)
+                    setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none"))
             setattr(part, block.row, RowParallelLinear(getattr(part, block.row), group, sequence_parallel=sp))
             part.register_forward_pre_hook(enter(group))
         _split_heads(layer, plan, group)
