@@ -107,6 +107,9 @@ class DeepseekV3Config(MoeConfig):
         return dataclasses.replace(self, num_hidden_layers=1,
                                    first_k_dense_replace=0 if self.is_moe_layer(index) else 1)
 
+    def layer_of_kind(self, moe: bool) -> DeepseekV3Config:
+        return dataclasses.replace(self, num_hidden_layers=1, first_k_dense_replace=0 if moe else 1)
+
     def attention_scale(self) -> float:
         """The scores' scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (transformers'
         yarn_apply_mscale: the same temperature on q and k as DeepSeek's reference applies to the softmax)."""
