@@ -191,3 +191,47 @@ def test_layout_matches_single_process(corpus, cache_dir, tmp_path, name):
     assert state["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (32, 16)  # one by one, as the hub
     assert state["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() > 0  # moved by load
     assert state["model.layers.0.self_attn.kv_b_proj.weight"].shape == (4 * (16 + 16), 16)
+
+
+# ----------------------------------------------------------------------------- the published shapes and the planner
+
+def test_configs_count_the_published_parameters():
+    """configs/deepseek-v3.yaml: 671B total (the published figure, which leaves out the MTP layer) and 37.55B active
+    (published: 37B); configs/kimi-k2.yaml: 1.026T, 32.9B active (published: 1.04T, 32.6B): the family's count on
+    the meta model, equal to num_params."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    for name, total, active in (("deepseek-v3", 671_026_404_352, 37_552_282_624),
+                                ("kimi-k2", 1_026_408_209_408, 32_861_477_888)):
+        cfg = DeepseekV3Config(**yaml.safe_load((root / f"{name}.yaml").read_text())["model"])
+        with torch.device("meta"):
+            model = DeepseekV3ForCausalLM(cfg)
+        assert sum(p.numel() for p in model.parameters()) == cfg.num_params() == total, name
+        assert cfg.num_params(active=True) == active, name
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_planner_reads_mla_layers(corpus, cache_dir, tmp_path, tp):
+    """The planner's per-layer parameters (plan/state.py, from the family's module on the meta device) are a dense
+    layer's and an MoE layer's, split as the plan says (latents whole, up-projections by heads); its attention
+    width is q/k's (nope + rope), not the RoPE tables' head_dim."""
+    from tetron.plan.sizes import Sizes
+    from tetron.plan.state import layer_numels
+
+    raw = tiny_config(corpus, cache_dir, tmp_path, model={**MODEL, "num_hidden_layers": 2},
+                      parallel={"tp": tp, "dp": 2, "ep": 2})
+    cfg = from_dict(raw)
+    model = DeepseekV3ForCausalLM(cfg.model)
+    layers = [layer for layer in model.model.layers.values()]
+    split = {"q_b_proj", "kv_b_proj", "o_proj"}
+
+    def on_rank(layer, experts: int = 1) -> int:
+        return sum(p.numel() // (tp if name.split(".")[1] in split else 1) // (experts if ".experts." in name else 1)
+                   for name, p in layer.named_parameters())
+
+    assert sum(layer_numels(cfg)) == on_rank(layers[0])
+    assert sum(layer_numels(cfg, moe=True)) == on_rank(layers[1], experts=2)
+    assert Sizes.of(cfg).hd == 16 + 8 and Sizes.of(cfg).hq == 4 // tp * 24
