@@ -179,18 +179,66 @@ LAYOUTS = {  # (parallel, micro_batch, model fields beyond MODEL)
     "ep2": ({"dp": 2, "ep": 2}, 1),
     "dp2-ep2-zero3": ({"dp": 2, "ep": 2, "zero": 3}, 1),
     "tp2-cp2-ep2": ({"tp": 2, "cp": 2, "ep": 2}, 2),
+    # beyond issue 34's list: packed documents masked in ring attention's blocks (q/k and v of their own widths)
+    # and in Ulysses' local attention
+    "cp2-ring-documents": ({"cp": 2}, 2, {}, {"mask_documents": True}),
+    "cp2-ulysses-documents": ({"cp": 2, "cp_impl": "ulysses"}, 2, {}, {"mask_documents": True}),
 }
 
 
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    """A .jsonl of documents of 3 to 60 characters (a 32-byte window packs several) and a token cache for it."""
+    from test_documents import write_documents
+
+    folder = tmp_path_factory.mktemp("deepseek_documents")
+    write_documents(folder / "docs.jsonl", count=1500)
+    return folder / "docs.jsonl", folder / "cache"
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(corpus, cache_dir, tmp_path, name):
-    parallel, micro_batch, fields = (*LAYOUTS[name], {})[:3]
+def test_layout_matches_single_process(corpus, cache_dir, tmp_path, name, request):
+    parallel, micro_batch, fields, data = (*LAYOUTS[name], {}, {})[:4]
+    if data.get("mask_documents"):
+        corpus, cache_dir = request.getfixturevalue("short_documents")
     _, written = check_layout(corpus, cache_dir, tmp_path, model={**MODEL, **fields}, micro_batch=micro_batch,
-                              parallel={**parallel, "bucket_mb": 0.01})
+                              data=data, parallel={**parallel, "bucket_mb": 0.01})
     state = written["model"]
     assert state["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (32, 16)  # one by one, as the hub
     assert state["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() > 0  # moved by load
     assert state["model.layers.0.self_attn.kv_b_proj.weight"].shape == (4 * (16 + 16), 16)
+
+
+def test_dp2_ep2_zero3_checkpoint_resumes_in_one_process(corpus, cache_dir, tmp_path):
+    """dp2 ep2 ZeRO-3's checkpoint of step 2 (experts from their ep shards, the routing bias as moved by load, the
+    rest from ZeRO's pieces) resumed by the single process: its remaining losses and final weights are the single
+    process's own."""
+    from conftest import LOSS_RTOL, WEIGHT_ATOL, layout_configs, reference_run, run_parallel
+
+    layout = dict(model=MODEL, micro_batch=1, parallel={"dp": 2, "ep": 2, "zero": 3, "bucket_mb": 0.01})
+    check_layout(corpus, cache_dir, tmp_path, checkpoint={"save_every": 2}, **layout)
+    ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)[1]
+    ref, ref_written = reference_run(ref_raw)
+    resumed = {**ref_raw, "out": str(tmp_path / "resumed"),
+               "checkpoint": {"resume": str(tmp_path / "run" / "checkpoints" / "step_2")}}
+    (got,), written = run_parallel(resumed)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), rtol=LOSS_RTOL, atol=0)
+    for name, value in written["model"].items():
+        torch.testing.assert_close(value, ref_written["model"][name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+def test_dp2_ep2_in_bf16_tracks_the_fp32_single_process(corpus, cache_dir, tmp_path):
+    """dp2 ep2 in bf16 (MLA's q/k and v of their own widths padded for the CPU's fused kernel) against the fp32
+    single process: within 1% a step, as test_moe.py's bf16 ep layout."""
+    from conftest import layout_configs, reference_run, run_parallel
+
+    layout = dict(model=MODEL, micro_batch=1, parallel={"dp": 2, "ep": 2, "bucket_mb": 0.01})
+    fp32, _ = reference_run(layout_configs(corpus, cache_dir, tmp_path, **layout)[1])
+    results, _ = run_parallel(layout_configs(corpus, cache_dir, tmp_path, **layout, train={"dtype": "bfloat16"})[0])
+    for result in results:
+        losses = torch.tensor(result["losses"])
+        torch.testing.assert_close(losses, torch.tensor(fp32["losses"]), rtol=0.01, atol=0)
+        assert not torch.equal(losses, torch.tensor(fp32["losses"]))  # bf16 really ran
 
 
 # ----------------------------------------------------------------------------- the published shapes and the planner
