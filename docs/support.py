@@ -34,6 +34,10 @@ from tetron.parallel.pipeline_schedules import SCHEDULES  # noqa: E402
 from tetron.validate import validate  # noqa: E402
 
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# a family's fields beyond BASE's (and MOE's) where its own rules need them: MLA has as many key/value heads as query
+# heads, DeepSeek-V3's default 8 expert groups need more experts than MOE's, its default latents are the 671B's
+FAMILY_FIELDS = {"deepseek_v3": {"num_key_value_heads": 8, "n_group": 1, "topk_group": 1, "q_lora_rank": 16,
+                                 "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}}
 BASE = {  # 8 layers (every schedule's stages at pp 4), 8 query heads over 4 kv heads (tp 4, Ulysses at cp 4), 32 tokens
     "model": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 8,
               "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 64},
@@ -61,7 +65,8 @@ def features() -> list[Feature]:
     """Every feature of the matrix, from tetron's registries where there is one (families, schedules, optimizers)."""
     out = []
     for name in sorted(FAMILIES):
-        out.append(Feature("family", name, {"model": {"model_type": name, **(MOE if _is_moe(name) else {})}},
+        model = {"model_type": name, **(MOE if _is_moe(name) else {}), **FAMILY_FIELDS.get(name, {})}
+        out.append(Feature("family", name, {"model": model},
                            lambda c, n=name: c.model.model_type == n))
     for stage in (1, 2, 3):
         out.append(Feature("ZeRO", f"zero={stage}", {"parallel": {"zero": stage}},
@@ -175,6 +180,8 @@ TESTED: dict[str, dict[str, list[str]]] = {
     "qwen3": {"dp": ["test_families.py::test_family_layout_matches_single_process"],
               "tp": ["test_families.py::test_family_layout_matches_single_process"]},
     "mixtral": {"ep": ["test_moe.py::test_dp2_cp2_ep4_mixtral_trains_like_one_process"]},
+    "deepseek_v3": {axis: ["test_deepseek_v3.py::test_layout_matches_single_process"]
+                    for axis in ("dp", "tp", "pp", "cp", "ep")},
     "qwen3_moe": {"ep": ["test_moe.py::test_ep2_trains_like_one_process_and_resumes_in_one"],
                   "dp": ["test_moe.py::test_dp2_zero3_trains_like_one_process"]},
     "llama": {axis: ["test_layouts.py::test_three_dimensions_on_8_ranks"] for axis in ("dp", "tp", "pp", "cp")},

@@ -59,6 +59,8 @@ def _model(rng: random.Random, family: str, *, tp: int, cp: int, ulysses: bool, 
     heads_ok = [h for h in (2, 4, 8) if wild or (h % tp == 0 and (not ulysses or (h // tp) % cp == 0))]
     heads = rng.choice(heads_ok or [8])
     kv = rng.choice([k for k in _divisors(heads) if wild or k % tp == 0] or [heads])
+    if not wild and not _accepts(family, num_attention_heads=heads, num_key_value_heads=kv):
+        kv = heads  # MLA (DeepSeek-V3) expands its latent to every head
     model: dict[str, Any] = {
         "model_type": family, "hidden_size": rng.choice([32, 48, 64]), "intermediate_size": rng.choice([48, 64]),
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
@@ -95,6 +97,15 @@ def _model(rng: random.Random, family: str, *, tp: int, cp: int, ulysses: bool, 
                          num_experts_per_tok=min(model["num_experts_per_tok"], topk_group * experts // 2))
         if rng.random() < 0.15:
             model["mlp_only_layers"] = [0]
+        for name in ("scoring_func", "decoder_sparse_step", "mlp_only_layers"):  # what the family decides itself
+            if name in model and not wild and not _accepts(family, **{name: model[name]}):
+                del model[name]
+        if "n_group" not in model and not _accepts(family, num_experts=experts):
+            model.update(n_group=1, topk_group=1)  # the family's default groups (DeepSeek-V3's 8) need more experts
+    if "kv_lora_rank" in fields:  # multi-head latent attention: tiny latents, q/k heads wider than v heads
+        model.update(q_lora_rank=rng.choice([None, 16]), kv_lora_rank=rng.choice([8, 16]), qk_nope_head_dim=8,
+                     qk_rope_head_dim=rng.choice([4, 8]), v_head_dim=rng.choice([8, 12]),
+                     first_k_dense_replace=rng.choice([0, 1]))
     return model
 
 

@@ -12,6 +12,8 @@ init and registration):
                   RoPE base, per-head q/k norms, query_pre_attn_scalar, scaled embeddings
     olmo3.py      OLMo 3: Llama's modules with post-norms, q/k norms over the whole projection, 3 sliding : 1 full
     gpt_oss.py    gpt-oss: Qwen3-MoE's model with sinks, alternating windows, YaRN, biased routers and experts
+    deepseek_v3.py  DeepSeek-V3 (and Kimi-K2's shapes): Qwen3-MoE's model with multi-head latent attention, dense
+                  first layers, DeepSeek's routing
 
 The shared pieces they compose:
     spec.py       ModelSpec and ParallelPlan; the registry of families by Hugging Face model_type
@@ -26,7 +28,7 @@ The shared pieces they compose:
 Imports only the ground floor (tetron/__init__.py's layers). Importing the package registers its families.
 """
 
-from tetron.models import gemma3, gpt_oss, llama, mistral, mixtral, olmo3, qwen, qwen3_moe  # noqa: F401  (registers the families)
+from tetron.models import deepseek_v3, gemma3, gpt_oss, llama, mistral, mixtral, olmo3, qwen, qwen3_moe  # noqa: F401  (registers the families)
 from tetron.models.spec import FAMILIES, ModelSpec, ParallelPlan, config_from_hf, family, register, spec_of
 
 __all__ = ["FAMILIES", "ModelSpec", "ParallelPlan", "config_from_hf", "family", "register", "spec_of"]

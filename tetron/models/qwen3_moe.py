@@ -80,6 +80,11 @@ class MoeConfig(LlamaConfig):
     def is_moe_layer(self, i: int) -> bool:
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
+    def layer_of_kind(self, moe: bool) -> MoeConfig:
+        """This config with one decoder layer, an MoE layer or a dense one (what the planner builds to read each
+        kind's shapes)."""
+        return replace(self.one_layer(0), decoder_sparse_step=1, mlp_only_layers=[] if moe else [0])
+
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> MoeConfig:
         hf = cls._family_fields(dict(read_hf_config(path_or_dict)))

@@ -251,8 +251,9 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
             part = layer.get_submodule(block.path)
             gathered = SequenceGather(group) if sp and regather else None  # the pre-hook and its linears' record
             for name in block.column:
-                setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none",
-                                                         gathered=gathered))
+                if getattr(part, name, None) is not None:  # a layer may lack one (MLA: q_proj or q_b_proj)
+                    setattr(part, name, ColumnParallelLinear(getattr(part, name), group, input_mode="none",
+                                                             gathered=gathered))
             setattr(part, block.row, RowParallelLinear(getattr(part, block.row), group, sequence_parallel=sp))
             part.register_forward_pre_hook(gathered or enter(group))
         _split_heads(layer, plan, group)

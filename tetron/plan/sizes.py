@@ -63,7 +63,10 @@ class Sizes:
     @classmethod
     def of(cls, cfg: Config) -> Sizes:
         m, p, t = cfg.model, cfg.parallel, cfg.train
-        dense = _sizes(m.hidden_size, m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.intermediate_size,
+        # a head's width as attention sees it: q/k's (MLA's nope + rope, 192, not its RoPE tables' head_dim of 64;
+        # its v heads, 128, counted as wide: an overestimate of a third of v's share)
+        head = m.attention_options(0).head_dim
+        dense = _sizes(m.hidden_size, m.num_attention_heads, m.num_key_value_heads, head, m.intermediate_size,
                       m.vocab_size, p.tp, p.cp, p.sp, p.vocab_pad_multiple, cfg.data.seq_len, t.micro_batch,
                       t.dtype == "bfloat16", p.cp_impl, p.cp_layout, cfg.data.mask_documents,
                       cfg.data.reset_positions, m.qk_norm, p.sp_regather)

@@ -96,9 +96,8 @@ def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str, bool,
     if key not in _LAYER_PARAMS:
         spec = family(cfg.model.model_type)
         # one layer and a one-token vocabulary: a layer's shapes do not depend on the vocabulary's size
-        one = dataclasses.replace(cfg.model.one_layer(0), vocab_size=1)
-        if is_moe(one):  # layer 0 as the kind asked for
-            one = dataclasses.replace(one, decoder_sparse_step=1, mlp_only_layers=[] if moe else [0])
+        one = cfg.model.layer_of_kind(moe) if is_moe(cfg.model) else cfg.model.one_layer(0)  # the kind asked for
+        one = dataclasses.replace(one, vocab_size=1)
         with torch.device("meta"):
             layer = spec.plan.layers_of(spec.model_class(one))["0"]
         experts = {id(t) for block in moe_blocks(layer) for t in block.experts.parameters()}
