@@ -183,6 +183,10 @@ LAYOUTS = {  # (parallel, micro_batch, model fields beyond MODEL)
     # and in Ulysses' local attention
     "cp2-ring-documents": ({"cp": 2}, 2, {}, {"mask_documents": True}),
     "cp2-ulysses-documents": ({"cp": 2, "cp_impl": "ulysses"}, 2, {}, {"mask_documents": True}),
+    # DualPipeV (its 2*pp micro-batches), alone and with dp and ep
+    "pp2-dualpipev": ({"pp": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {}, {}, {"grad_acc": 4}),
+    "dp2-pp2-ep2-dualpipev": ({"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {}, {},
+                              {"grad_acc": 4}),
 }
 
 
@@ -198,11 +202,11 @@ def short_documents(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(corpus, cache_dir, tmp_path, name, request):
-    parallel, micro_batch, fields, data = (*LAYOUTS[name], {}, {})[:4]
+    parallel, micro_batch, fields, data, train = (*LAYOUTS[name], {}, {}, {})[:5]
     if data.get("mask_documents"):
         corpus, cache_dir = request.getfixturevalue("short_documents")
     _, written = check_layout(corpus, cache_dir, tmp_path, model={**MODEL, **fields}, micro_batch=micro_batch,
-                              data=data, parallel={**parallel, "bucket_mb": 0.01})
+                              data=data, train=train, parallel={**parallel, "bucket_mb": 0.01})
     state = written["model"]
     assert state["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (32, 16)  # one by one, as the hub
     assert state["model.layers.1.mlp.gate.e_score_correction_bias"].abs().max() > 0  # moved by load
