@@ -192,7 +192,7 @@ def test_fuzz_bad_input_through_the_cli(folder, capsys):
     (["--parallel.timeout_s=inf"], "parallel.timeout_s=inf must be a finite number"),
     (["--data.sources=[&a [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], *a, *a, *a, *a, *a, *a, *a, *a, *a, *a]"],
      "data.sources[0]=[1, 2, 3, ...]"),
-    (["--pp", "2", "--pp-virtual", "2"], "needs pp_schedule=interleaved (or zbv, with 2)"),
+    (["--pp", "2", "--pp-virtual", "2"], "needs pp_schedule=interleaved (or zbv, with 2; or dualpipev, with 2)"),
     (["--dp", "4", "--zero", "2", "--parallel.dp_shard=3"], "parallel.dp_shard=3 must divide dp*cp=4"),
     (["--dp", "4", "--parallel.dp_shard=2"], "parallel.dp_shard=2 needs parallel.zero >= 1"),
     (["--pp", "4", "--pp-schedule", "zbv", "--pp-virtual", "2"], "num_hidden_layers=4 must fill them; use pp=2"),
