@@ -16,11 +16,12 @@
 
     python bench/moe.py [--part both|one|ep] [--device cpu|cuda] [--dtype float32|bfloat16] [--hidden 256]
                         [--layers 4] [--experts 16] [--top-k 2] [--seq 256] [--batch 4] [--rounds 5]
-                        [--family qwen3_moe|gpt_oss]
+                        [--family qwen3_moe|gpt_oss|deepseek_v3]
 
 `--family gpt_oss` runs the same against transformers' GptOssForCausalLM (sinks, alternating windows of
 128, biased routers and experts, the clamped SwiGLU); its attention is transformers' eager one (gpt-oss takes
-no SDPA there).
+no SDPA there). `--family deepseek_v3` against DeepseekV3ForCausalLM (multi-head latent attention, sigmoid
+group-limited routing, a shared expert; every layer MoE).
 
 About a minute on 2 CPU cores; `--device cuda` has larger defaults (GPU_SIZES). Speeds are printed, not
 asserted. The balancing loss coefficient is 0: both models compute the cross entropy only. bench/gpu_check.py
@@ -53,6 +54,7 @@ from tetron.data.batch import MicroBatch
 from tetron.device import synchronize
 from tetron.launch import setup_rank
 from tetron.mesh import Mesh
+from tetron.models.deepseek_v3 import DeepseekV3Config
 from tetron.models.gpt_oss import GptOssConfig
 from tetron.models.moe import moe_blocks
 from tetron.models.qwen3_moe import MoeConfig
@@ -69,13 +71,19 @@ HF_IMPLS = (None, "eager")  # transformers' default (None) first: the ratio's pe
 
 
 def moe_config(s: dict) -> MoeConfig:
-    """A Qwen3-MoE (or, with s["family"] "gpt_oss", a gpt-oss) of the sizes `s` (CPU_SIZES' keys): GQA 8/4
-    heads, every layer MoE, no balancing loss."""
+    """A Qwen3-MoE (or, with s["family"] "gpt_oss", a gpt-oss; "deepseek_v3", a DeepSeek-V3) of the sizes `s`
+    (CPU_SIZES' keys): GQA 8/4 heads (DeepSeek-V3: 8 heads of latent attention, q/k 32 + 16 wide, v 32, latents of
+    hidden/2 and hidden/4, one shared expert, sigmoid routing in 4 groups), every layer MoE, no balancing loss."""
+    sizes = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["expert_width"],
+                 moe_intermediate_size=s["expert_width"], num_hidden_layers=s["layers"], num_attention_heads=8,
+                 max_position_embeddings=s["seq"], num_experts=s["experts"], num_experts_per_tok=s["top_k"],
+                 router_aux_loss_coef=0.0)
+    if s.get("family") == "deepseek_v3":
+        return DeepseekV3Config(**sizes, num_key_value_heads=8, q_lora_rank=s["hidden"] // 2,
+                                kv_lora_rank=s["hidden"] // 4, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                v_head_dim=32, first_k_dense_replace=0, n_shared_experts=1, n_group=4, topk_group=2)
     config_class = GptOssConfig if s.get("family") == "gpt_oss" else MoeConfig
-    return config_class(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["expert_width"],
-                        moe_intermediate_size=s["expert_width"], num_hidden_layers=s["layers"],
-                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=s["seq"],
-                        num_experts=s["experts"], num_experts_per_tok=s["top_k"], router_aux_loss_coef=0.0)
+    return config_class(**sizes, num_key_value_heads=4)
 
 
 # ------------------------------------------------------------------------------------------ 1. one process
@@ -368,7 +376,7 @@ def main() -> None:
                             help=f"default {CPU_SIZES[name]} (CPU), {GPU_SIZES[name]} (CUDA)")
     parser.add_argument("--ranks", type=int, default=2, help="expert parallelism: ranks = dp = ep")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--family", choices=("qwen3_moe", "gpt_oss"), default="qwen3_moe")
+    parser.add_argument("--family", choices=("qwen3_moe", "gpt_oss", "deepseek_v3"), default="qwen3_moe")
     parser.add_argument("--per-round", type=int, default=2, help="consecutive steps of each per round")
     args = parser.parse_args()
     defaults = GPU_SIZES if args.device == "cuda" else CPU_SIZES
