@@ -34,7 +34,7 @@ from tetron.models.attention import AttentionOptions, Documents, sdpa_attention
 from tetron.models.blocks import RMSNorm
 from tetron.models.llama import LLAMA_PLAN, apply_rope
 from tetron.models.qwen3_moe import MOE_PLAN, MoeConfig, MoeForCausalLM, experts_one_by_one
-from tetron.models.spec import Block, ModelSpec, read_hf_config, register
+from tetron.models.spec import Block, ModelSpec, read_hf_config, refuse_quantized, register
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps
 
@@ -152,12 +152,7 @@ class DeepseekV3Config(MoeConfig):
 
     @classmethod
     def _family_fields(cls, hf: dict) -> dict:
-        quant = hf.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(f"quantization_config: this folder's weights are quantized (quant_method={method!r}; "
-                             f"the hub's DeepSeek-V3 keeps them in FP8) and tetron reads bf16/fp32 weights: "
-                             f"dequantize it first")
+        refuse_quantized(hf, "the hub's DeepSeek-V3 keeps them in FP8")
         return hf
 
     def _hf_family_fields(self) -> dict:

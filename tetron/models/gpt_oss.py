@@ -31,7 +31,7 @@ from tetron.models.attention import AttentionOptions, layer_windows
 from tetron.models.blocks import ZEROS, ClampedSwiGLU, standard_init
 from tetron.models.moe import Experts, Router
 from tetron.models.qwen3_moe import MOE_PLAN, MoeConfig, MoeForCausalLM
-from tetron.models.spec import Init, ModelSpec, register
+from tetron.models.spec import Init, ModelSpec, refuse_quantized, register
 
 # transformers' GptOssConfig's rope when a config gives none (gpt-oss-20b's and -120b's)
 GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -90,13 +90,8 @@ class GptOssConfig(MoeConfig):
 
     @classmethod
     def _family_fields(cls, hf: dict) -> dict:
-        quant = hf.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(f"quantization_config: this folder's weights are quantized (quant_method={method!r}; "
-                             f"the hub's gpt-oss keeps its experts in MXFP4) and tetron reads bf16/fp32 weights: "
-                             f"dequantize it first (transformers: from_pretrained(..., quantization_config="
-                             f"Mxfp4Config(dequantize=True)), then save_pretrained)")
+        refuse_quantized(hf, "the hub's gpt-oss keeps its experts in MXFP4", how=" (transformers: from_pretrained(..., "
+                         "quantization_config=Mxfp4Config(dequantize=True)), then save_pretrained)")
         if "rope_parameters" not in hf and "rope_scaling" not in hf:
             hf = {**hf, "rope_parameters": {**GPT_OSS_YARN, "rope_theta": hf.get("rope_theta", cls.rope_theta)}}
         return {**hf, "moe_intermediate_size": hf.get("intermediate_size")}  # its experts' width

@@ -267,6 +267,16 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
     return hf
 
 
+def refuse_quantized(hf: dict, kept: str, *, how: str = "") -> None:
+    """One line for a config.json whose weights are quantized (`quantization_config`): tetron reads bf16/fp32.
+    `kept`: how the hub keeps this family's weights; `how`: a way to dequantize them, where there is one."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"quantization_config: this folder's weights are quantized (quant_method={method!r}; "
+                         f"{kept}) and tetron reads bf16/fp32 weights: dequantize it first{how}")
+
+
 def config_from_hf(path_or_dict: str | os.PathLike | dict) -> Any:
     """A family's config from a transformers config.json (its path, its folder, or the dict); its model_type
     picks the family (a file without one is read as Llama, as older Llama files are)."""
