@@ -18,6 +18,7 @@ from tetron.checkpoint.convert import convert
 from tetron.checkpoint.load import TensorReader, load_model, read_header
 from tetron.checkpoint.safetensors_stream import SafetensorsWriter
 from tetron.checkpoint.save import optimizer_specs
+from tetron.checkpoint.shards import assign_writers, nbytes
 from tetron.config import from_dict
 from tetron.data.loader import prepare_data
 from tetron.fs import find_latest
@@ -304,3 +305,18 @@ def test_weights_come_with_their_tokenizer(corpus, cache_dir, tmp_path):
     resumed = from_dict(tiny_config(corpus, cache_dir, tmp_path / "a", model=model, data={"tokenizer": "bpe:300"},
                                     checkpoint={"resume": "auto"}))
     assert _fit_tokenizer(resumed, []) == (resumed, [])
+
+
+def test_writers_are_where_the_pieces_are():
+    """Under ZeRO each tensor is written by the rank holding most of it (nothing to receive for a tensor a rank
+    holds whole, the smaller part for one a slice boundary cuts), however unbalanced; without ZeRO (held=None)
+    by bytes alone, largest first to the least loaded rank of the tensor's stage."""
+    specs = [(f"t{i}", f"t{i}", torch.float32, (n,)) for i, n in enumerate([100, 60, 50, 40, 10])]
+    holder = {0: {0: 400, 1: 0}, 1: {0: 0, 1: 240}, 2: {0: 120, 1: 80}, 3: {0: 160, 1: 0}, 4: {0: 0, 1: 40}}
+    assert assign_writers(specs, [0] * 5, [[0, 1]], lambda i, r: holder[i][r]) == [0, 1, 0, 0, 1]
+    owners = assign_writers(specs, [0] * 5, [[0, 1]])
+    assert owners == [0, 1, 1, 0, 1]  # 100 -> 0; 60 -> 1; 50 -> 1 (110 after); 40 -> 0 (140); 10 -> 1
+    loads = [sum(nbytes(s) for s, o in zip(specs, owners) if o == r) for r in (0, 1)]
+    assert max(loads) - min(loads) <= max(nbytes(s) for s in specs)
+    # two stages: each tensor stays on its stage's ranks
+    assert assign_writers(specs, [0, 1, 0, 1, 0], [[0, 1], [2, 3]]) == [0, 2, 1, 3, 1]

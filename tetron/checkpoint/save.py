@@ -45,7 +45,7 @@ from tetron.checkpoint.shards import (
     Shard,
     ShardWriter,
     Spec,
-    assign_writers,
+    choose_writers,
     file_keys,
     full_tensor,
     gather_rng,
@@ -283,7 +283,7 @@ class CheckpointWrite:
         self.keys: list[str] = []  # every tensor of the files (an MoE layer's experts one by one)
         self.parts: list[tuple[str, list[Spec], list[int], list[Shard], Layout | None]] = []
 
-    def _plan(self) -> None:
+    def _plan(self, comm: Comm, pieces: Pieces) -> None:
         """Every tensor's writer and file, the same on every rank (shards.py). The model's files are a model
         folder as the hub has it (experts one by one); the optimizer's keep the parameters' names."""
         cfg, mesh = self.cfg, self.mesh
@@ -293,7 +293,7 @@ class CheckpointWrite:
                          if optimizer["present"] else [])
         plan = spec_of(cfg.model).plan
         stages = [stage_of(name, self.layer_ranks, plan) for _, name, _, _ in specs]
-        owners = assign_writers(specs, stages, [mesh.grid[s].flatten().tolist() for s in range(mesh.size("pp"))])
+        owners = choose_writers(specs, stages, mesh, self.chunks, pieces, comm.world, comm.device)
         n, shard_bytes = len(model), cfg.checkpoint.shard_mb << 20
         for prefix, part, layout in (("model", slice(0, n), stored_as_of(cfg.model)),
                                      ("optimizer", slice(n, None), None)):
@@ -338,7 +338,7 @@ class CheckpointWrite:
     def run(self, comm: Comm, pieces: Pieces) -> None:
         """Gather, write this rank's shards; agree; rank 0 writes the rest and renames. Every rank calls this."""
         mesh = self.mesh
-        self._plan()
+        self._plan(comm, pieces)
         rng = gather_rng(self.rng, comm.world, comm.device, mesh.world_size)
         tmp, error = self._tmp(comm)
         crc32: dict[str, int] = {}

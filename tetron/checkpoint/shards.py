@@ -2,17 +2,20 @@
 
 Each tensor lives on one pipeline stage. It is gathered whole there (over dp*cp under ZeRO, over tp; an
 expert-parallel shard over edp under ZeRO, then over ep) and written by one rank of that stage, its writer.
-Writers are chosen by bytes: the largest tensor first, each to the least loaded rank of its stage (longest
-processing time first), so that no rank writes more than its stage's share plus one tensor. Every rank
-computes the same plan from the config and the layout alone: no message says who writes what, and rank 0
-knows every file name before any is written. A writer streams its tensors, in the model's order, into shards
-of its own (`{prefix}-XXXXX-of-YYYYY.safetensors`, numbered over all writers); the index that maps each
-tensor to its file is written by rank 0 once all are done.
+Under ZeRO a bucket's slices hold most tensors whole on one rank: that rank writes them and nothing crosses
+the network for them (a tensor a slice boundary cuts goes to the rank holding most of it). Without ZeRO every
+rank holds every tensor, and writers are chosen by bytes: the largest tensor first, each to the least loaded
+rank of its stage (longest processing time first), the same plan on every rank from the config and layout.
+Under ZeRO each stage's first rank plans its stage (the pieces' places, which its ranks share) and one
+all-reduce of the writers tells every rank, so that rank 0 knows every file name before any is written. A
+writer streams its tensors, in the model's order, into shards of its own (`{prefix}-XXXXX-of-YYYYY.safetensors`,
+numbered over all writers); the index that maps each tensor to its file is written by rank 0 once all are done.
 
 Why whole tensors and not DCP's HuggingFaceStorageWriter: that writer saves each rank's local pieces into
 files of its own, which transformers cannot load until a consolidation pass reads every byte back and
-writes it again. Gathering each tensor to its writer costs the same traffic as the pieces' first write and
-leaves files transformers loads as they are, with no second pass.
+writes it again. Gathering each tensor to its writer costs at most the traffic of the pieces' first write
+(under ZeRO, with writers where the pieces are, far less) and leaves files transformers loads as they are,
+with no second pass.
 
 Each tensor's crc32 is computed from the bytes in memory as they are written (the file is never read back)
 and listed in trainer_state.json; every rank that reads a tensor, whole or a slice, checks it
@@ -69,14 +72,20 @@ def stage_of(name: str, layer_ranks: list[int], plan: ParallelPlan) -> int:
     return layer_ranks[0] if part == "embedding" else layer_ranks[-1]
 
 
-def assign_writers(specs: list[Spec], stages: list[int], stage_ranks: list[list[int]]) -> list[int]:
+def assign_writers(specs: list[Spec], stages: list[int], stage_ranks: list[list[int]],
+                   held: Callable[[int, int], int] | None = None) -> list[int]:
     """The writer (global rank) of each spec: `stages[i]` is the pipeline rank holding spec i, and
-    `stage_ranks[s]` the global ranks of stage s. Largest first to the least loaded rank of the stage
-    (ties: the lowest rank), so the most any rank writes is its stage's share plus one tensor."""
+    `stage_ranks[s]` the global ranks of stage s; `held(i, rank)`: the bytes of spec i that `rank` holds
+    already (ZeRO's pieces; None: every rank alike). Each to the rank of its stage holding the most of it, and
+    among those (all, without ZeRO) largest first to the least loaded (ties: the lowest rank): without ZeRO no
+    rank writes more than its stage's share plus one tensor; under ZeRO, whose slices give each rank of a shard
+    group an equal share of every bucket, a rank writes about its share, and receives only the smaller parts
+    of the few tensors a slice boundary cuts."""
     load = {r: 0 for ranks in stage_ranks for r in ranks}
     owners = [0] * len(specs)
     for i in sorted(range(len(specs)), key=lambda i: (-nbytes(specs[i]), i)):
-        owners[i] = min(stage_ranks[stages[i]], key=lambda r: (load[r], r))
+        have = {r: held(i, r) if held is not None else 0 for r in stage_ranks[stages[i]]}
+        owners[i] = min(have, key=lambda r: (-have[r], load[r], r))
         load[owners[i]] += nbytes(specs[i])
     return owners
 
@@ -189,6 +198,32 @@ def dp_cp_rank(mesh: Mesh, rank: int) -> int:
     return (rank // (cp * tp)) % mesh.size("dp") * cp + (rank // tp) % cp
 
 
+def choose_writers(specs: list[Spec], stages: list[int], mesh: Mesh, chunks: list[nn.Module], pieces: Pieces,
+                   world: dist.ProcessGroup | None, device: torch.device) -> list[int]:
+    """assign_writers for a save: under ZeRO (`pieces.sharded`) by where the pieces are, planned by each stage's
+    first rank for its stage and all-reduced (MAX over `world`) to every rank; else by bytes alone, on every
+    rank alike. An expert shard's pieces are counted as nowhere (its writer gathers over ep anyway)."""
+    stage_ranks = [mesh.grid[s].flatten().tolist() for s in range(mesh.size("pp"))]
+    if not pieces.sharded:
+        return assign_writers(specs, stages, stage_ranks)
+    pp_rank = mesh.local_rank("pp")
+    mine = {name: p for chunk in chunks for name, p in chunk.named_parameters(remove_duplicate=False)}
+
+    def held(i: int, rank: int) -> int:
+        param = mine.get(specs[i][1])
+        if stages[i] != pp_rank or param is None or layout_of(param).ep is not None or not param.numel():
+            return 0
+        q = dp_cp_rank(mesh, rank) % pieces.shard  # its rank in its shard group
+        return nbytes(specs[i]) * sum(n for r, _, n in pieces.ranges(param) if r == q) // param.numel()
+
+    planned = assign_writers(specs, stages, stage_ranks, held)
+    first = mesh.rank == stage_ranks[pp_rank][0]
+    owners = torch.tensor([o if first and s == pp_rank else -1 for o, s in zip(planned, stages)], dtype=torch.int64)
+    owners = owners.to(device)
+    dist.all_reduce(owners, op=dist.ReduceOp.MAX, group=world)
+    return owners.cpu().tolist()
+
+
 @torch.no_grad()
 def gather_to_writers(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], owners: list[int], *,
                       layer_ranks: list[int], local: Callable[[nn.Parameter, str, int, int], Tensor | None],
@@ -228,8 +263,9 @@ def gather_to_writers(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], ow
 
 class ShardWriter:
     """This rank's shards of one prefix, filled tensor by tensor from a stream in spec order. Each tensor is
-    summed and written on a thread of its own while the stream gathers the next one (at most one waits), so
-    the disk and the network work at once. A failed write (a full disk) is kept and the rest of the stream
+    summed (crc32) where the stream hands it over, then written on a thread of its own while the stream sums and
+    gathers the next one (at most one waits), so the disk, the sums and the network work at once (zlib and
+    file writes let go of the GIL). A failed write (a full disk) is kept and the rest of the stream
     still consumed, so that this rank goes on taking part in the gathers of the others; `error` is read once
     the stream ends. With a `layout`, a tensor kept in pieces is written as its pieces (`crc32` by piece)."""
 
@@ -247,11 +283,15 @@ class ShardWriter:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tetron-write") as pool:
             writing: Future | None = None
             for key, tensor in stream:
+                stored = self.layout(key) if self.layout is not None else None
+                pieces = [(name, piece, tensor_crc32(piece)) for name, piece in split_stored(stored or key, tensor)
+                          ] if self.error is None else []
                 if writing is not None:
                     writing.result()  # one tensor in flight at most
-                writing = pool.submit(self._write, key, tensor) if self.error is None else None
+                writing = pool.submit(self._write, pieces) if self.error is None else None
 
-    def _write(self, key: str, tensor: Tensor) -> None:
+    def _write(self, pieces: list[tuple[str, Tensor, int]]) -> None:
+        """Write one tensor: its pieces (one, unless the layout keeps it in pieces) with their crc32."""
         if self.error is not None:
             return
         try:
@@ -263,9 +303,8 @@ class ShardWriter:
                                                     [entry for spec in self.current.specs
                                                      for entry in file_entries(spec, self.layout)],
                                                     metadata={"format": "pt"})
-            stored = self.layout(key) if self.layout is not None else None
-            for name, piece in split_stored(stored or key, tensor):
-                self.crc32[name] = tensor_crc32(piece)
+            for name, piece, crc32 in pieces:
+                self.crc32[name] = crc32
                 if self.writer is not None:
                     self.writer.write(name, piece)
             self.left -= 1
