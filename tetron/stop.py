@@ -18,6 +18,7 @@ own launcher passes requests on as FORWARDED, which never aborts.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import termios
@@ -36,11 +37,17 @@ def parse_signal(name: str) -> signal.Signals:
     cannot ask a run to stop (unknown, uncatchable, or tetron's own FORWARDED)."""
     key = name.upper()  # not stripped: the name lands in job.sh as given to Slurm, where a newline ends a line
     key = key if key.startswith("SIG") else f"SIG{key}"
-    usable = sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE and s != FORWARDED
-                    and not s.name.startswith("SIGRT") and s.name not in ("SIGIOT", "SIGCLD", "SIGPOLL"))
+    usable = _usable_signals()
     if key not in usable:
         raise ValueError(f"use one of {', '.join(usable)} ({FORWARDED.name} is tetron's own)")
     return signal.Signals[key]
+
+
+@functools.cache
+def _usable_signals() -> list[str]:
+    """The names of the signals that can ask a run to stop, sorted."""
+    return sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE and s != FORWARDED
+                  and not s.name.startswith("SIGRT") and s.name not in ("SIGIOT", "SIGCLD", "SIGPOLL"))
 
 
 def stop_signals(extra: str | None) -> list[signal.Signals]:
