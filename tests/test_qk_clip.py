@@ -71,6 +71,7 @@ def test_scale_rows_of_a_piece(start, n):
     torch.testing.assert_close(piece, (whole * factor[:, None]).reshape(-1)[start:start + n], rtol=0, atol=0)
 
 
+MIXTRAL = {"model_type": "mixtral", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 MLA = {"model_type": "deepseek_v3", "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 2}
 
@@ -190,6 +191,8 @@ CLIP_LAYOUTS = {  # (parallel, data, optim name, train): each equal to the singl
     # MLA's own rule (qk_clip_rule), kv_b_proj split by heads; its logits are smaller (MLA_TAU), and at 3e-2 the
     # unclipped tp2 run's lm_head (AdamW) already strays 6e-5 from one process (conftest.LAYOUT_LR's rounding)
     "tp2-mla-muon": ({"tp": 2}, {}, "muon", {"lr": 3e-3}, MLA),
+    "dp2-zero3-muon": ({"dp": 2, "zero": 3}, {}, "muon", {}),  # the rows clipped in each rank's flat slice
+    "dp2-ep2-mixtral-muon": ({"dp": 2, "ep": 2}, {}, "muon", {}, MIXTRAL),  # attention clipped, experts by ep
 }
 MLA_TAU = 0.03  # under MLA's largest logits here (0.032-0.039 at every step)
 
