@@ -14,11 +14,12 @@ from tetron.config import from_dict
 from tetron.data.loader import DataLoader, load_tokens, prepare_data
 from tetron.errors import ConfigError
 from tetron.models.attention import Documents, causal_mask, document_mask, sdpa_attention
+from tetron.models.llama import rope_cos_sin
 from tetron.observe.evaluate import training_tokens
 from tetron.optim import Param, optimizer_class
 from tetron.parallel.init import seeded_model
 from tetron.parallel.parallelize import param_roles
-from tetron.parallel.qk_clip import LogitMax, scale_rows_
+from tetron.parallel.qk_clip import LogitMax, clip_rows, scale_rows_
 from tetron.schedule import lr_at
 from tetron.validate import validate
 
@@ -68,6 +69,43 @@ def test_scale_rows_of_a_piece(start, n):
     piece = whole.reshape(-1)[start:start + n].clone()
     scale_rows_(piece, start, 4, factor)
     torch.testing.assert_close(piece, (whole * factor[:, None]).reshape(-1)[start:start + n], rtol=0, atol=0)
+
+
+MIXTRAL = {"model_type": "mixtral", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+MLA = {"model_type": "deepseek_v3", "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+       "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 2}
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q-latent", "q-proj"])
+def test_mla_rule_scales_each_heads_logits_by_eta(corpus, cache_dir, tmp_path, q_lora_rank):
+    """MLA's qk_clip_rule (Kimi-K2's: q and k nope rows by sqrt(eta), q rotary rows by eta, the shared rotary key
+    and the values untouched): after its rows are scaled, every logit of head h is eta_h times what it was; the
+    attention's values are untouched."""
+    raw = tiny_config(corpus, cache_dir, tmp_path, model={**MLA, "q_lora_rank": q_lora_rank})
+    cfg = from_dict(raw)
+    model = seeded_model(cfg.model, seed=1, device=torch.device("cpu"))
+    attn = model.model.layers["0"].self_attn
+    seen = {}
+
+    def recording(q, k, v, docs=None, window=None, **options):
+        seen.update(scores=q @ k.transpose(-1, -2), v=v)
+        return sdpa_attention(q, k, v, docs, window, **options)
+
+    attn.attn_fn = recording
+    x = torch.randn(2, 12, cfg.model.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_cos_sin(cfg.model, torch.arange(12)[None], dtype=x.dtype)
+    attn(x, cos, sin)
+    before = seen["scores"].detach()
+    heads, kv_heads, rules = attn.qk_clip_rule()
+    assert heads == kv_heads == 4
+    eta = torch.tensor([0.3, 1.0, 0.7, 0.05])
+    with torch.no_grad():
+        for param, groups, parts in rules:
+            group, power = clip_rows(groups, parts)
+            param.mul_((eta[group] ** power)[:, None])
+    attn(x, cos, sin)
+    torch.testing.assert_close(seen["scores"], before * eta[None, :, None, None], rtol=1e-5, atol=1e-6)
+    assert before.abs().max() > 1e-3
 
 
 def _single_process(raw: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -150,21 +188,29 @@ CLIP_LAYOUTS = {  # (parallel, data, optim name, train): each equal to the singl
     "cp2-documents-muon": ({"cp": 2}, {"mask_documents": True}, "muon", {}),  # keys gathered, zigzag positions
     "cp2-ulysses-window-muon": ({"cp": 2, "cp_impl": "ulysses"}, {}, "muon", {}),
     "pp2-recompute-muon": ({"pp": 2}, {}, "muon", {"recompute": "full"}),  # each stage its layers; recomputed
+    # MLA's own rule (qk_clip_rule), kv_b_proj split by heads; its logits are smaller (MLA_TAU), and at 3e-2 the
+    # unclipped tp2 run's lm_head (AdamW) already strays 6e-5 from one process (conftest.LAYOUT_LR's rounding)
+    "tp2-mla-muon": ({"tp": 2}, {}, "muon", {"lr": 3e-3}, MLA),
+    "dp2-zero3-muon": ({"dp": 2, "zero": 3}, {}, "muon", {}),  # the rows clipped in each rank's flat slice
+    "dp2-ep2-mixtral-muon": ({"dp": 2, "ep": 2}, {}, "muon", {}, MIXTRAL),  # attention clipped, experts by ep
 }
+MLA_TAU = 0.03  # under MLA's largest logits here (0.032-0.039 at every step)
 
 
 @pytest.mark.parametrize("name", sorted(CLIP_LAYOUTS))
 def test_clip_in_layouts(corpus, cache_dir, tmp_path, name):
     """max_attn_logit (the maximum over dp's rows, cp's positions, tp's heads) equals the single process's at
     every step, and so do the losses and the clipped weights (check_layout's tolerances)."""
-    parallel, data, optim, train = CLIP_LAYOUTS[name]
-    settings = {"name": optim, "qk_clip_tau": TAU, **({"muon_ns_dtype": "float32"} if optim == "muon" else {})}
-    model = {"num_hidden_layers": 2, **({"model_type": "mistral", "sliding_window": 8} if "window" in name else {})}
+    parallel, data, optim, train, *family = CLIP_LAYOUTS[name]
+    tau = MLA_TAU if "mla" in name else TAU
+    settings = {"name": optim, "qk_clip_tau": tau, **({"muon_ns_dtype": "float32"} if optim == "muon" else {})}
+    model = {"num_hidden_layers": 2, **({"model_type": "mistral", "sliding_window": 8} if "window" in name else {}),
+             **(family[0] if family else {})}
     layout = dict(parallel=parallel, model=model, data=data, optim=settings, train={"lr": 3e-2, **train})
     _, written = check_layout(corpus, cache_dir, tmp_path, **layout)
     _, ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)
     ref = [m["max_attn_logit"] for m in reference_run(ref_raw)[1]["metrics"]]
-    assert sum(m > TAU for m in ref) >= 3
+    assert sum(m > tau for m in ref) >= 3
     torch.testing.assert_close(torch.tensor([m["max_attn_logit"] for m in written["metrics"]]), torch.tensor(ref),
                                rtol=RTOL, atol=0)
 

@@ -195,6 +195,16 @@ class MLAttention(nn.Module):
         self.attn_options = opts.extras()  # the scale
         self.attn_fn = sdpa_attention  # context parallelism swaps in ring or Ulysses attention here
 
+    def qk_clip_rule(self) -> tuple[int, int, list]:
+        """QK-clip's rows (as parallel/qk_clip.py's clip_rows(groups, parts) reads them), Kimi-K2's MLA rule:
+        per head, the q and k nope rows (k's out of kv_b_proj) times sqrt(eta), the q rotary rows times eta (the
+        rotary key is shared by every head: untouched, as are the value rows), so each head's logits scale by eta.
+        Heads counted from kv_b_proj: this rank's."""
+        heads = self.kv_b_proj.weight.shape[0] // (self.nope + self.v_head_dim)
+        q = self.q_proj if self.q_proj is not None else self.q_b_proj
+        return heads, heads, [(q.weight, heads, [(self.nope, 0.5), (self.rope, 1.0)]),
+                              (self.kv_b_proj.weight, heads, [(self.nope, 0.5), (self.v_head_dim, 0.0)])]
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, docs: Documents | None = None) -> Tensor:
         B, T = x.shape[:2]
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

@@ -16,7 +16,10 @@ largest of them) that the step logs.
 The clip. For a group of query heads sharing a key head (grouped-query attention), the group's maximum m (as
 Megatron-LM does: a shared key cannot be scaled for one head alone); where m > tau, eta = tau / m, and the group's
 query rows and its key rows (weights and biases: both scale q and k) are multiplied by sqrt(eta) each, so every logit
-of the group scales by eta (RoPE is linear). With one query head per key head this is Kimi-K2's rule per head. The
+of the group scales by eta (RoPE is linear). With one query head per key head this is Kimi-K2's rule per head. An
+attention module of another shape says which rows scale by which power of eta (`qk_clip_rule`, built with
+`clip_rows`): MLA's (Kimi-K2's rule) scales a head's q and k "nope" rows by sqrt(eta), its q rotary rows by eta, and
+leaves the rotary key shared by all heads and the values alone. The
 rows are scaled where the optimizer's fp32 masters are (zero.py's pieces: whole, a ZeRO slice's piece, tp's heads),
 before the parameters are refreshed from them, so every layout clips the same weights. A step the optimizer skips
 (found_inf) clips nothing.
@@ -106,14 +109,37 @@ def scale_rows_(flat: Tensor, start: int, cols: int, factor: Tensor) -> None:
         flat[at:].mul_(factor[row + whole])
 
 
+def clip_rows(groups: int, parts: list[tuple[int, float]]) -> tuple[Tensor, Tensor]:
+    """The rows of a projection laid out as `groups` consecutive blocks, each block the `parts` (width, power) in
+    order: each row's group and the power of the group's eta it scales by (0.5: one side of q.k, 1: all of it,
+    0: untouched). Returns ([rows] group index, [rows] power)."""
+    width = sum(w for w, _ in parts)
+    power = torch.cat([torch.full((w,), float(p)) for w, p in parts]).repeat(groups)
+    return torch.arange(groups).repeat_interleave(width), power
+
+
+def default_clip_rule(module: nn.Module, q_proj: nn.Linear, k_proj: nn.Linear) -> tuple[int, int, list]:
+    """Separate q and k projections of head_dim rows a head (grouped-query attention): every query row of a kv-head
+    group and the group's key rows scale by sqrt(eta). Returns (heads, kv heads, [(param, groups, parts)]): each
+    parameter's rows as clip_rows(groups, parts) reads them."""
+    heads = q_proj.weight.shape[0] // module.head_dim  # this rank's
+    kv_heads = k_proj.weight.shape[0] // module.head_dim
+    rules = [(p, kv_heads, [(rows, 0.5)])
+             for proj, rows in ((q_proj, heads // kv_heads * module.head_dim), (k_proj, module.head_dim))
+             for p in (proj.weight, proj.bias) if p is not None]
+    return heads, kv_heads, rules
+
+
 class QKClip:
     """The clip of one rank's attention layers (every chunk's), after each optimizer step (zero.py calls `apply`
-    on its pieces). `max_logit`: the last step's largest logit over the model and the global batch, on the device."""
+    on its pieces). `max_logit`: the last step's largest logit over the model and the global batch, on the device.
+    An attention module whose q and k are not two head_dim-wide projections gives its own rule: a method
+    `qk_clip_rule()` returning what default_clip_rule does (MLA's: models/deepseek_v3.py)."""
 
     def __init__(self, chunks: list[nn.Module], mesh: Mesh, *, tau: float, num_layers: int, num_heads: int) -> None:
         self.tau, self.world = tau, mesh.world_size
         self.shape = (num_layers, num_heads)
-        self.layers = []  # (layer index, first head's index, heads, kv heads, LogitMax, {id(param): rows per group})
+        self.layers = []  # (layer index, first head's index, heads, kv heads, LogitMax, {id(param): (group, power)})
         tp_rank = mesh.local_rank("tp")
         self.device = next((p.device for c in chunks for p in c.parameters()), torch.device("cpu"))
         for chunk in chunks:
@@ -123,13 +149,13 @@ class QKClip:
                     module = plan.part(layer, block.path)
                     if not isinstance(getattr(module, "attn_fn", None), LogitMax):
                         continue
-                    # the attention block's first two input linears: its query and key projections
-                    q_proj, k_proj = (getattr(module, name) for name in block.column[:2])
-                    heads = q_proj.weight.shape[0] // module.head_dim  # this rank's
-                    kv_heads = k_proj.weight.shape[0] // module.head_dim
-                    params = {id(p): rows * module.head_dim  # rows per kv-head group
-                              for proj, rows in ((q_proj, heads // kv_heads), (k_proj, 1))
-                              for p in (proj.weight, proj.bias) if p is not None}
+                    if hasattr(module, "qk_clip_rule"):
+                        heads, kv_heads, rules = module.qk_clip_rule()
+                    else:  # the attention block's first two input linears: its query and key projections
+                        heads, kv_heads, rules = default_clip_rule(
+                            module, *(getattr(module, name) for name in block.column[:2]))
+                    params = {id(p): tuple(t.to(self.device) for t in clip_rows(groups, parts))
+                              for p, groups, parts in rules}
                     self.layers.append((int(index), tp_rank * heads, heads, kv_heads, module.attn_fn, params))
         self.max_logit = torch.full((), float("nan"))
 
@@ -151,9 +177,8 @@ class QKClip:
             eta = torch.where(group_max > self.tau, self.tau / group_max, torch.ones_like(group_max))
             if found_inf is not None:
                 eta = torch.where(found_inf > 0, torch.ones_like(eta), eta)
-            root = eta.sqrt()
-            for pid, rows in params.items():
-                factors[pid] = root.repeat_interleave(rows)
+            for pid, (group, power) in params.items():
+                factors[pid] = eta[group] ** power
         for piece in pieces:
             factor = factors.get(id(piece.param))
             if factor is not None:
