@@ -95,7 +95,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = Non
     if sinks is None and core_recompute.active() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # recompute: selective keeps q, k, v only and runs the kernel again in the backward (core_recompute.py)
         core = functools.partial(sdpa_attention, docs=docs, window=window, scale=scale, softcap=softcap)
-        return core_recompute.recomputed_core(core, q, k, v)
+        return core_recompute.recomputed(core, q, k, v)
     if window is not None and window >= q.shape[2]:
         window = None  # no query is further than T-1 from a key: the window masks nothing
     grouped = k.shape[1] != q.shape[1]

@@ -5,7 +5,9 @@ Under `recompute: selective` (parallel/recompute.py) a layer runs as under `none
 attention kernel's own saved tensors: `_Core` keeps q, k and v, which `none` keeps too, and no output or
 log-sum-exp; its backward runs the kernel's forward again (deterministic: the same bits) and differentiates that.
 The output itself survives when o_proj keeps it as its weight gradient's input (the same storage), so what this
-saves is the kernel's log-sum-exp, and whatever else a kernel saves besides its output. Never while compiling
+saves is the kernel's log-sum-exp, and whatever else a kernel saves besides its output. An MoE layer's experts
+(experts.py, not fused.gated_linear's dense MLP) run their gated activation the same way: gate and up kept,
+act(gate) recomputed (the product stays, the down projection's input). Never while compiling
 (AOTAutograd's partitioner chooses what to save itself, and Dynamo does not trace the backward's autograd.grad).
 """
 
@@ -41,22 +43,23 @@ def within(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
 
 
-def recomputed_core(core: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """core(q, k, v), keeping only q, k and v for the backward, which runs core again. `core` takes no tensor
-    that needs a gradient besides q, k and v (a mask, yes; attention sinks, a parameter, no)."""
-    return _Core.apply(core, q, k, v)
+def recomputed(core: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
+    """core(*inputs), keeping only the inputs for the backward, which runs core again: attention's q, k and v,
+    an MoE expert's gate and up (its act(gate) then not kept). `core` takes no other tensor that needs a
+    gradient (a mask, yes; attention sinks, a parameter, no)."""
+    return _Core.apply(core, *inputs)
 
 
 class _Core(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, core: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(ctx: Any, core: Callable[..., Tensor], *inputs: Tensor) -> Tensor:
         ctx.core = core
-        ctx.save_for_backward(q, k, v)
-        return core(q, k, v)  # grad mode is off inside a Function's forward: the kernel saves nothing
+        ctx.save_for_backward(*inputs)
+        return core(*inputs)  # grad mode is off inside a Function's forward: the kernel saves nothing
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple:
-        want = ctx.needs_input_grad[1:4]
+        want = ctx.needs_input_grad[1:]
         leaves = [t.detach().requires_grad_(w) for t, w in zip(ctx.saved_tensors, want)]
         with torch.enable_grad():
             out = ctx.core(*leaves)

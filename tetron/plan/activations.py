@@ -96,9 +96,12 @@ def moe_block_none(s: Sizes) -> int:
 def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
     """What a layer keeps between its forward and backward under recomputation (recompute.py): `full` its
     input (on the residual stream); `selective` (Korthikanti's) what `none` keeps but what the attention kernel
-    saves for itself alone (kernel_only), which its backward recomputes from q, k and v."""
+    saves for itself alone (kernel_only), which its backward recomputes from q, k and v, and in an MoE layer the
+    experts' act(gate) per assignment (Sizes.rows of them with torch._grouped_mm), recomputed from gate and up."""
     if mode == "selective":
-        return layer_none(s, moe) - kernel_only(s)
+        m = s.n_mlp * s.top_k
+        act = (s.rows(m) if s.grouped else m) * s.d * s.expert_inter if moe else 0
+        return layer_none(s, moe) - kernel_only(s) - act
     return s.n_res * s.d * s.h
 
 
