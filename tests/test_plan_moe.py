@@ -23,7 +23,8 @@ from tetron.config import CONFIGS_DIR, from_dict, load_config
 from tetron.data.loader import prepare_data
 from tetron.models import family
 from tetron.models.moe import moe_blocks
-from tetron.plan.activations import layer_none
+from tetron.parallel.recompute import apply_recompute
+from tetron.plan.activations import layer_activations
 from tetron.plan.hardware import GiB, gpu
 from tetron.plan.measure import measure_rank
 from tetron.plan.memory import floor, predict, predict_rank
@@ -80,13 +81,13 @@ def test_parameters_total_active_and_per_rank(model):
         assert layers + 2 * m.vocab_size * h + h == m.num_params() - experts + experts // ep
 
 
-def _layer_saved_bytes(cfg) -> int:
+def _layer_saved_bytes(cfg, mode: str = "none") -> int:
     """Bytes of the distinct storages autograd saves inside decoder layer 0 during the model's forward, the
     parameters' storages left out (an expert's weight is a view of its layer's fused tensor)."""
     net = family(cfg.model.model_type).model_class(cfg.model)
     for t in net.parameters():
         torch.nn.init.normal_(t, std=0.02)
-    net = net.to(getattr(torch, cfg.train.dtype))
+    net = apply_recompute(net.to(getattr(torch, cfg.train.dtype)), mode)
     layer, found = net.model.layers["0"], {}
     forward = layer.forward
 
@@ -104,17 +105,19 @@ def _layer_saved_bytes(cfg) -> int:
 
 @pytest.mark.parametrize("model_type, dtype", [("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"),
                                                ("mixtral", "float32"), ("qwen3", "bfloat16")])
-def test_a_layer_saves_what_the_model_says(model_type, dtype):
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_a_layer_saves_what_the_model_says(model_type, dtype, mode):
     """An MoE layer's saved tensors (router, dispatch, the experts' [M, H] inputs and [M, I] intermediates, the
     outputs the combine keeps) and Qwen3's per-head q/k norms, byte for byte, beside the RoPE tables the
-    layers share (counted once per chunk)."""
+    layers share (counted once per chunk); under selective recomputation less the attention kernel's
+    log-sum-exp and the experts' act(gate)."""
     moe = model_type != "qwen3"
     model = {k: v for k, v in MOE.items() if moe or ("expert" not in k and k != "moe_intermediate_size")}
     model = {**model, "model_type": model_type, "num_hidden_layers": 1}
     cfg = _model(model, data={"seq_len": 64}, train={"micro_batch": 2, "dtype": dtype})
     s = Sizes.of(cfg)
     rope = 2 * s.seq * s.hd * s.d
-    assert _layer_saved_bytes(cfg) == layer_none(s, moe=moe) + rope
+    assert _layer_saved_bytes(cfg, mode) == layer_activations(s, mode, moe=moe) + rope
 
 
 def test_flops_and_mfu_count_the_active_parameters():
@@ -219,7 +222,7 @@ def test_moe_memory_and_exchange_match_the_ranks(corpus, cache_dir, tmp_path):
             if cfg.parallel.ep > 1 and layers:
                 s = Sizes.of(cfg)
                 micro_batches = 3 * cfg.train.grad_acc * layers  # 3 steps, this stage's MoE layers
-                exchanges = 4 + 2 * (cfg.train.recompute != "none")
+                exchanges = 4 + 2 * (cfg.train.recompute == "full")  # full replays the all-to-alls
                 assert rows["all"] == exchanges * s.n_mlp * s.top_k * micro_batches, name
                 away = rows["away"] * s.h * s.d / micro_batches
                 assert away == all_to_all_bytes(cfg), name

@@ -180,15 +180,18 @@ def test_sp_blocks_keep_their_input_shard():
 @pytest.mark.parametrize("family, dtype, kv_heads", [("llama", "float32", 2), ("llama", "bfloat16", 2),
                                                      ("llama", "float32", 4), ("qwen3", "float32", 2)],
                          ids=["gqa-fp32", "gqa-bf16", "mha-fp32", "qwen3-qk-norm"])
-def test_a_layer_saves_the_planners_formula_to_the_byte(family, dtype, kv_heads):
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_a_layer_saves_the_planners_formula_to_the_byte(family, dtype, kv_heads, mode):
     """docs/memory.md's per-layer formula (plan/activations.py layer_none), term by term, against what the meter
     counts for one decoder layer's forward, exactly: the norms' inputs and 1/rms, their outputs (q/k/v's and
     gate/up's input), q, k and v as the kernel takes them, its output and log-sum-exp, gate and up (and Qwen3's
-    per-head norms' inputs and 1/rms)."""
+    per-head norms' inputs and 1/rms); under selective recomputation all that but the kernel's log-sum-exp
+    (layer_kept), under full the layer's input."""
     from tetron.config import from_dict
     from tetron.models import family as family_of
     from tetron.models.llama import rope_cos_sin
-    from tetron.plan.activations import layer_none
+    from tetron.parallel.recompute import apply_recompute
+    from tetron.plan.activations import layer_activations
     from tetron.plan.sizes import Sizes
 
     model = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
@@ -197,7 +200,7 @@ def test_a_layer_saves_the_planners_formula_to_the_byte(family, dtype, kv_heads)
                                                                                             "dtype": dtype}})
     torch.manual_seed(0)
     compute = getattr(torch, dtype)
-    llama = family_of(family).model_class(cfg.model).to(compute)
+    llama = apply_recompute(family_of(family).model_class(cfg.model).to(compute), mode)
     layer = llama.model.layers["0"]
     x = torch.randn(2, 16, 32, dtype=compute, requires_grad=True)
     cos, sin = rope_cos_sin(cfg.model, torch.arange(16)[None], dtype=compute)
@@ -205,4 +208,4 @@ def test_a_layer_saves_the_planners_formula_to_the_byte(family, dtype, kv_heads)
     with meter:
         out = layer(x * 1, cos, sin)  # x * 1: the layer's input made inside, as the previous layer's output is
     rope = 2 * 16 * cfg.model.head_dim * compute.itemsize  # cos and sin, which the chunk counts once for all layers
-    assert meter.live_bytes - rope == layer_none(Sizes.of(cfg)), out.shape
+    assert meter.live_bytes - rope == layer_activations(Sizes.of(cfg), mode), out.shape

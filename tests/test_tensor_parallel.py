@@ -18,7 +18,7 @@ from tetron.parallel.tensor_parallel import (
     padded_vocab_size,
     vocab_parallel_cross_entropy,
 )
-from tetron.plan.activations import layer_none
+from tetron.plan.activations import layer_activations
 from tetron.plan.sizes import Sizes
 
 from conftest import STEPS, reference_run, run_parallel, tiny_config
@@ -156,7 +156,9 @@ LAYERS_MODEL = {"vocab_size": 101, "hidden_size": 32, "intermediate_size": 64, "
                 "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
 
 
-def _layers_match_rank(sp: bool) -> dict:
+def _layers_match_rank(sp: bool, mode: str = "none") -> dict:
+    from tetron.parallel.recompute import apply_recompute
+
     torch.manual_seed(0)
     config = LlamaConfig(**LAYERS_MODEL)
     plain = Llama(config)
@@ -164,6 +166,7 @@ def _layers_match_rank(sp: bool) -> dict:
         sharded = Llama(config)
     tp = dist.group.WORLD
     apply_tensor_parallel(sharded, tp, sequence_parallel=sp)
+    apply_recompute(sharded, mode)
     from tetron.parallel.init import materialize_
     from tetron.parallel.layout import local_slice
 
@@ -187,14 +190,17 @@ def _layers_match_rank(sp: bool) -> dict:
             "layer_saved": [after - before for before, after in zip(marks[::2], marks[1::2])]}
 
 
+@pytest.mark.parametrize("mode", ["none", "selective"])
 @pytest.mark.parametrize("sp", [False, True])
-def test_sharded_forward_equals_plain_model(sp):
+def test_sharded_forward_equals_plain_model(sp, mode):
     cfg = from_dict({"model": LAYERS_MODEL, "parallel": {"tp": 2, "sp": sp}, "data": {"seq_len": 16},
-                     "train": {"micro_batch": 2}})
+                     "train": {"micro_batch": 2, "recompute": mode}})
     rope = 2 * 16 * cfg.model.head_dim * 4  # cos and sin, saved by the first layer that uses them (fp32)
-    for r in run_ranks(2, _layers_match_rank, sp):
+    for r in run_ranks(2, _layers_match_rank, sp, mode):
         width = r["ref"].shape[-1]
         torch.testing.assert_close(r["local"][..., :width], r["ref"], rtol=1e-5, atol=1e-5)
         # The planner's figure, to the byte. Under sp it holds one all-gathered norm output per block, shared
         # by q/k/v and by gate/up (micro-batch 2: a strided gather would be copied and saved by each of them).
-        assert r["layer_saved"] == [layer_none(Sizes.of(cfg)) + rope, layer_none(Sizes.of(cfg))]
+        # Selective: all but the attention kernel's log-sum-exp for this rank's heads.
+        layer = layer_activations(Sizes.of(cfg), mode)
+        assert r["layer_saved"] == [layer + rope, layer]

@@ -94,20 +94,26 @@ def moe_block_none(s: Sizes) -> int:
 
 
 def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
-    """What a layer keeps between its forward and backward under recomputation (recompute.py): its input
-    always (on the residual stream); `selective` also every matmul output and attention's outputs: q, k,
-    v, attention output (+ log-sum-exp), o and down (whole width: row-parallel partial sums), gate, up; in
-    an MoE layer the router's logits, the shared experts' and the experts' gate_up and down outputs (one matmul
-    per expert, or torch._grouped_mm's buffers: Sizes.rows of the assignments)."""
-    kept = s.n_res * s.d * s.h
+    """What a layer keeps between its forward and backward under recomputation (recompute.py): `full` its
+    input (on the residual stream); `selective` (Korthikanti's) what `none` keeps but what the attention kernel
+    saves for itself alone (kernel_only), which its backward recomputes from q, k and v, and in an MoE layer the
+    experts' act(gate) per assignment (Sizes.rows of them with torch._grouped_mm), recomputed from gate and up."""
     if mode == "selective":
-        attention = s.d * (2 * s.hq + 2 * s.hkv) + F32 * s.heads
-        shared = 2 * s.shared_inter + s.h * bool(s.shared_inter)
-        mlp = s.experts + shared if moe else s.h + 2 * s.inter
         m = s.n_mlp * s.top_k
-        experts = (s.rows(m) if s.grouped else m) * s.d * (2 * s.expert_inter + s.h) if moe else 0
-        kept += s.n * (attention + s.d * s.h) + s.n_mlp * s.d * mlp + experts
-    return kept
+        act = (s.rows(m) if s.grouped else m) * s.d * s.expert_inter if moe else 0
+        return layer_none(s, moe) - kernel_only(s) - act
+    return s.n_res * s.d * s.h
+
+
+def kernel_only(s: Sizes) -> int:
+    """What the attention kernel saves that nothing else in a layer keeps: its fp32 log-sum-exp (its output is
+    o_proj's input, kept anyway), and under Ulysses its output too (o_proj reads the all-to-all's copy). Ring
+    attention's Function is left as it is (models/core_recompute.py): nothing."""
+    if s.cp == 1:
+        return s.n * F32 * s.heads
+    if s.ulysses_kv:
+        return s.n * (s.d * s.hq + F32 * s.heads)
+    return 0
 
 
 def layer_weight_inputs(s: Sizes, moe: bool = False) -> int:

@@ -250,12 +250,13 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     acts = loss = 0
     buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
     split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule)
-    # zbh1, zbv with recompute: from B to W a layer holds its input and what W reads of the graph B rebuilt,
-    # in place of what recompute kept (recompute.py; the first stage, without a B, rebuilds it within W)
+    # zbh1, zbv with full recompute: from B to W a layer holds its input and what W reads of the graph B
+    # rebuilt, in place of what recompute kept (recompute.py; the first stage, without a B, rebuilds it within W);
+    # selective splits as none does
     mode = cfg.train.recompute
     rebuilt = [sum(n * (s.n_res * s.d * s.h + layer_weight_inputs(s, moe) - layer_kept(s, mode, moe))
                    for n, moe in ((c.layers - c.moe, False), (c.moe, True)))
-               if split and mode != "none" and not c.first else 0 for c in chunks]
+               if split and mode == "full" and not c.first else 0 for c in chunks]
     # ... and an MoE layer's B keeps the gradients its W multiplies by (the first stage's W runs B's work too)
     rebuilt = [r + (c.moe * moe_retained(s) if split and not c.first else 0) for r, c in zip(rebuilt, chunks)]
     done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-2/3, full accumulation)

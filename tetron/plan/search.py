@@ -39,8 +39,8 @@ legend: dpN tpN ppN cpN epN: ranks along data, tensor, pipeline, context and exp
           model's experts split over that many of the dp*cp ranks); sp: sequence parallelism
         ppN(S): the pipeline schedule S (afab, 1f1b, zbh1, zbv, dualpipev, interleaved; xV: V virtual stages per rank)
         z0..z3: the ZeRO stage; z2f, z3f: ZeRO-2/3 accumulating gradients in full buffers (z2, z3: in slices)
-        -, sel, full: activation recomputation none, selective (keeps the matmuls' and attention's outputs,
-          redoes the element-wise work) or full (keeps each layer's input only)
+        -, sel, full: activation recomputation none, selective (keeps what none keeps but the attention
+          kernel's own, reruns the kernel) or full (keeps each layer's input only)
         mbMxA: micro-batches of M sequences, A of them accumulated a step, per dp rank
         bubble: the pipeline's idle share of a step; MFU: model FLOPs over the devices' peak\
 """

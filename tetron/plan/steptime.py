@@ -7,16 +7,17 @@
            checkpoint.save_every steps
 
 Compute is FLOPs at a device's efficiency figure (hardware.py): per token and layer 2 FLOPs per weight forward (4
-backward), and causal attention's 2*s*hq forward (the usual 4*s*hq halved by the mask; s the keys a query reaches,
-a sliding-window layer's window where shorter than the sequence), the head's 2*V*h; full recomputation adds one
-forward of the layers, selective recomputation the element-wise tensors it recomputes, written and read once at
-the device's memory bandwidth. Communication is the ring algorithms' volume per rank (the Ultra-Scale Playbook's
-table: all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n of the tensor) at the bandwidth of the slowest
-link the group spans (inside a node when all its ranks are: tp innermost, then cp, dp, pp, as mesh.py lays them
-out), plus a latency per message. Overlap: the bucketed gradient reduction runs during the backward pass (only
-what exceeds the last micro-batch's backward, or at least the last bucket, is exposed), ring attention's key/value
-transfer during the block computations, ZeRO-3's prefetched gathers during compute. Ulysses attention's four
-all-to-alls per layer (each rank sends (cp-1)/cp of its q, k, v or output, or their gradients) block.
+backward), and causal attention's 2*s*hq forward (the usual 4*s*hq halved by the mask; s the keys a query reaches, a
+sliding-window layer's window where shorter than the sequence), the head's 2*V*h; full recomputation adds one
+forward of the layers, selective recomputation (Korthikanti's) one more attention core forward per layer (none under
+ring attention, whose Function keeps what it keeps). Communication is the ring algorithms' volume per rank (the
+Ultra-Scale Playbook's table: all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n of the tensor) at the
+bandwidth of the slowest link the group spans (inside a node when all its ranks are: tp innermost, then cp, dp, pp,
+as mesh.py lays them out), plus a latency per message. Overlap: the bucketed gradient reduction runs during the
+backward pass (only what exceeds the last micro-batch's backward, or at least the last bucket, is exposed), ring
+attention's key/value transfer during the block computations, ZeRO-3's prefetched gathers during compute. Ulysses
+attention's four all-to-alls per layer (each rank sends (cp-1)/cp of its q, k, v or output, or their gradients)
+block.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from tetron.config import Config
 from tetron.optim import optimizer_class
 from tetron.parallel.pipeline_schedules import simulate, splits_backward
-from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import Hardware
 from tetron.plan.muon import muon_work
 from tetron.plan.sizes import Sizes
@@ -103,9 +103,8 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     ep_fwd, ep_bwd = expert_exchange(cfg, hw, gpus_per_node)
     p2p = hw.latency_s + act / _bandwidth(hw, p.dp * p.cp * p.tp * 2, gpus_per_node) if p.pp > 1 else 0.0
     recompute = cfg.train.recompute == "full"
-    # selective recomputation redoes only element-wise work: memory-bound, its tensors written and read once
-    elementwise = [2 * max(0, layer_none(s, moe) - layer_kept(s, "selective", moe)) / (hw.hbm_gbs * 1e9)
-                   for moe in (False, True)]
+    # selective recomputation runs each layer's attention kernel again (models/core_recompute.py), not ring's
+    core_again = attention if p.cp == 1 or s.ulysses_kv else 0.0
     fwd, bwd = [], []
     for chunk in [c for r in range(p.pp) for c in rank_chunks(cfg, r)]:
         dense = chunk.layers - chunk.moe
@@ -118,7 +117,7 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
         if recompute:
             b += layers_flops / rate
         elif cfg.train.recompute == "selective":
-            b += dense * elementwise[0] + chunk.moe * elementwise[1]
+            b += chunk.layers * core_again
         fwd.append(f)
         bwd.append(b)
     return {"forward": fwd, "backward": bwd, "tp": [tp_layer], "cp": [cp_fwd + cp_bwd], "p2p": [p2p],
