@@ -92,6 +92,8 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
         apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
         apply_compile(chunk, cfg.train.compile)
         chunk.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # the head and the loss, chunked (models/loss.py)
+        if hasattr(chunk, "mtp_loss_weight"):  # multi-token prediction's weight in the objective (models/mtp.py)
+            chunk.mtp_loss_weight = cfg.train.mtp_loss_weight
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas; expert

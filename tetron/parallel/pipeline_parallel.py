@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.config import Config
-from tetron.data.batch import MicroBatch
+from tetron.data.batch import MicroBatch, mtp_kwargs
 from tetron.mesh import Mesh
 from tetron.models.spec import ParallelPlan, spec_of
 from tetron.parallel.layout import set_layout
@@ -285,7 +285,8 @@ class Pipeline:
             x = received.requires_grad_()  # [B, T', hidden], a leaf: its gradient is what goes back
         positions = self.positions if mb.positions is None else mb.positions
         if s == self.stages - 1:  # the head and the loss, chunked: the logits never exist whole
-            loss = loss_fn(self.chunks[action.chunk](x, positions, mb.docs, targets=mb.targets.to(self.device)))
+            loss = loss_fn(self.chunks[action.chunk](x, positions, mb.docs, targets=mb.targets.to(self.device),
+                                                     **mtp_kwargs(mb)))
             self.loss += loss.detach()
             if keep:
                 self.stored[(action.chunk, action.micro)] = (x, loss)
