@@ -20,7 +20,7 @@ from tetron.models.mtp import take_mtp_sum
 from tetron.parallel.init import seeded_model
 from tetron.validate import validate
 
-from conftest import run_training, tiny_config
+from conftest import check_layout, layout_configs, reference_run, run_training, tiny_config
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -103,3 +103,63 @@ def test_config_errors(corpus, cache_dir, tmp_path):
     fails("num_nextn_predict_layers", model={"num_nextn_predict_layers": 1})  # a Llama has no MTP
     fails("mtp_loss_weight", model=MODEL, train={"mtp_loss_weight": -1.0})
     fails("num_nextn_predict_layers", model={**MODEL, "num_nextn_predict_layers": -1})
+
+
+def test_folder_round_trip_at_deepseeks_names(tmp_path):
+    """Saved as the layer past the last (DeepSeek's layout), read back equal; transformers loads the folder."""
+    import transformers
+    from safetensors import safe_open
+
+    from tetron.checkpoint.load import load_model
+    from tetron.checkpoint.save import save_model
+
+    cfg = DeepseekV3Config(**{**TINY, "num_nextn_predict_layers": 1})
+    model = seeded_model(cfg, seed=5, device=torch.device("cpu"))
+    save_model(model, tmp_path / "m")
+    names = set()
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            names |= set(st.keys())
+    assert "model.layers.2.eh_proj.weight" in names and "model.layers.2.shared_head.norm.weight" in names
+    assert "model.layers.2.mlp.experts.3.down_proj.weight" in names and not any(n.startswith("mtp.") for n in names)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    back = load_model(tmp_path / "m")
+    for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert hf.config.num_nextn_predict_layers == 1
+
+
+LAYOUT_MODEL = {**MODEL, "num_hidden_layers": 2, "rope_scaling": None, "router_aux_loss_coef": 0.01,
+                "moe_bias_update_rate": 1e-3}
+LAYOUTS = {  # (parallel, micro_batch, data): issue 34's layouts with MTP on, packed documents in cp's ring
+    "dp2": ({"dp": 2}, 1, {}),
+    "cp2-ring-documents": ({"cp": 2}, 2, {"mask_documents": True}),
+    "cp2-ulysses": ({"cp": 2, "cp_impl": "ulysses"}, 2, {}),
+    "cp2-contiguous-documents": ({"cp": 2, "cp_layout": "contiguous"}, 2, {"mask_documents": True}),
+    "ep2": ({"dp": 2, "ep": 2}, 1, {}),
+    "dp2-ep2-zero3": ({"dp": 2, "ep": 2, "zero": 3}, 1, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory):
+    from test_documents import write_documents
+
+    folder = tmp_path_factory.mktemp("mtp_documents")
+    write_documents(folder / "docs.jsonl", count=1500)
+    return folder / "docs.jsonl", folder / "cache"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layouts_equal_the_single_process(corpus, cache_dir, tmp_path, request, name):
+    parallel, micro_batch, data = LAYOUTS[name]
+    if data.get("mask_documents"):
+        corpus, cache_dir = request.getfixturevalue("short_documents")
+    _, written = check_layout(corpus, cache_dir, tmp_path, model=LAYOUT_MODEL, micro_batch=micro_batch, data=data,
+                              parallel={**parallel, "bucket_mb": 0.01})
+    ref_written = reference_run(layout_configs(corpus, cache_dir, tmp_path, model=LAYOUT_MODEL, micro_batch=micro_batch,
+                                               data=data, parallel={**parallel, "bucket_mb": 0.01})[1])[1]
+    got, want = ([m["mtp_loss"] for m in w["metrics"]] for w in (written, ref_written))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)  # reduced over the ranks
+    assert min(want) > 0 and "model.layers.2.eh_proj.weight" in written["model"]

@@ -269,6 +269,18 @@ DEEPSEEK_V3_PLAN = dataclasses.replace(
     kept_whole=("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.kv_a_proj_with_mqa",
                 "self_attn.kv_a_layernorm"))
 
+
+
+def stored_as(name: str, config: DeepseekV3Config) -> str | list[list[str]] | None:
+    """Where DeepSeek's folders keep a tensor: the experts one by one, and MTP module k's parts (`mtp.{k}.`) as the
+    layer past the last, `model.layers.{num_hidden_layers + k}.` (transformers skips those, as for DeepSeek's own)."""
+    if name.startswith("mtp."):
+        k, _, rest = name[len("mtp."):].partition(".")
+        name = f"model.layers.{config.num_hidden_layers + int(k)}.{rest}"
+        return experts_one_by_one(name, config) or name
+    return experts_one_by_one(name, config)
+
+
 DEEPSEEK_V3 = register(ModelSpec(name="deepseek_v3", model_types=("deepseek_v3",),
                                  config_class=DeepseekV3Config, model_class=DeepseekV3ForCausalLM,
-                                 plan=DEEPSEEK_V3_PLAN, stored_as=experts_one_by_one))
+                                 plan=DEEPSEEK_V3_PLAN, stored_as=stored_as))
