@@ -134,6 +134,8 @@ LAYOUT_MODEL = {**MODEL, "num_hidden_layers": 2, "rope_scaling": None, "router_a
                 "moe_bias_update_rate": 1e-3}
 LAYOUTS = {  # (parallel, micro_batch, data): issue 34's layouts with MTP on, packed documents in cp's ring
     "dp2": ({"dp": 2}, 1, {}),
+    "tp2-sp": ({"tp": 2, "sp": True}, 2, {}),
+    "tp2": ({"tp": 2}, 2, {"mask_documents": True}),
     "cp2-ring-documents": ({"cp": 2}, 2, {"mask_documents": True}),
     "cp2-ulysses": ({"cp": 2, "cp_impl": "ulysses"}, 2, {}),
     "cp2-contiguous-documents": ({"cp": 2, "cp_layout": "contiguous"}, 2, {"mask_documents": True}),

@@ -402,8 +402,6 @@ def _validate_mtp(cfg: Config) -> None:
     p = cfg.parallel
     _check(p.pp == 1, f"model.num_nextn_predict_layers={depth} with parallel.pp={p.pp}: multi-token prediction "
                       f"runs without pipeline parallelism so far; use pp=1 or num_nextn_predict_layers=0")
-    _check(p.tp == 1, f"model.num_nextn_predict_layers={depth} with parallel.tp={p.tp}: multi-token prediction "
-                      f"runs without tensor parallelism so far; use tp=1 or num_nextn_predict_layers=0")
 
 
 def _validate_experts(cfg: Config) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from tetron.models.attention import Documents
 from tetron.models.blocks import RMSNorm
 from tetron.models.llama.rope import rope_cos_sin
-from tetron.models.loss import head_cross_entropy
+from tetron.models.loss import head_cross_entropy_rows
 from tetron.torch_private import in_backward
 
 
@@ -76,9 +76,9 @@ def mtp_loss(model: nn.Module, h: Tensor, main: Tensor, position_ids: Tensor, do
         x = module.eh_proj(torch.cat([e, module.hnorm(h)], dim=-1))  # [B, T', H]
         cos, sin = rope_cos_sin(cfg, position_ids, dtype=x.dtype, layer=cfg.num_hidden_layers + k - 1)
         h = module(x, cos, sin, documents)
-        rows = valid.bool()
-        out = module.shared_head.norm(h)[rows]  # [n, H]: only the positions whose target is in the window
-        total = total + head_cross_entropy(head, out[None], targets[rows][None], chunk_tokens=model.loss_chunk_tokens)
+        # only the positions whose target is in the window (and document): [n, H] through the head
+        total = total + head_cross_entropy_rows(head, module.shared_head.norm(h), valid.bool(), targets,
+                                                chunk_tokens=model.loss_chunk_tokens)
     per_depth = total / len(modules)
     if torch.is_grad_enabled() and not in_backward():
         model.mtp_sum = per_depth.detach() if model.mtp_sum is None else model.mtp_sum + per_depth.detach()
