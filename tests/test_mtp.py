@@ -132,7 +132,7 @@ def test_folder_round_trip_at_deepseeks_names(tmp_path):
 
 LAYOUT_MODEL = {**MODEL, "num_hidden_layers": 2, "rope_scaling": None, "router_aux_loss_coef": 0.01,
                 "moe_bias_update_rate": 1e-3}
-LAYOUTS = {  # (parallel, micro_batch, data): issue 34's layouts with MTP on, packed documents in cp's ring
+LAYOUTS = {  # (parallel, micro_batch, data, train, model fields): issue 34's layouts with MTP on
     "dp2": ({"dp": 2}, 1, {}),
     "tp2-sp": ({"tp": 2, "sp": True}, 2, {}),
     "tp2": ({"tp": 2}, 2, {"mask_documents": True}),
@@ -140,6 +140,10 @@ LAYOUTS = {  # (parallel, micro_batch, data): issue 34's layouts with MTP on, pa
     "cp2-ulysses": ({"cp": 2, "cp_impl": "ulysses"}, 2, {}),
     "cp2-contiguous-documents": ({"cp": 2, "cp_layout": "contiguous"}, 2, {"mask_documents": True}),
     "ep2": ({"dp": 2, "ep": 2}, 1, {}),
+    "pp2-1f1b": ({"pp": 2}, 2, {}),
+    "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, 2, {}, {}, {"num_hidden_layers": 4}),
+    "pp2-dualpipev": ({"pp": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {}, {"grad_acc": 4},
+                      {"num_hidden_layers": 4}),
     "dp2-ep2-zero3": ({"dp": 2, "ep": 2, "zero": 3}, 1, {}),
 }
 
@@ -155,13 +159,14 @@ def short_documents(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layouts_equal_the_single_process(corpus, cache_dir, tmp_path, request, name):
-    parallel, micro_batch, data = LAYOUTS[name]
+    parallel, micro_batch, data, train, fields = (*LAYOUTS[name], {}, {})[:5]
+    model = {**LAYOUT_MODEL, **fields}
     if data.get("mask_documents"):
         corpus, cache_dir = request.getfixturevalue("short_documents")
-    _, written = check_layout(corpus, cache_dir, tmp_path, model=LAYOUT_MODEL, micro_batch=micro_batch, data=data,
-                              parallel={**parallel, "bucket_mb": 0.01})
-    ref_written = reference_run(layout_configs(corpus, cache_dir, tmp_path, model=LAYOUT_MODEL, micro_batch=micro_batch,
-                                               data=data, parallel={**parallel, "bucket_mb": 0.01})[1])[1]
+    _, written = check_layout(corpus, cache_dir, tmp_path, model=model, micro_batch=micro_batch, data=data,
+                              train=train, parallel={**parallel, "bucket_mb": 0.01})
+    ref_written = reference_run(layout_configs(corpus, cache_dir, tmp_path, model=model, micro_batch=micro_batch,
+                                               data=data, train=train, parallel={**parallel, "bucket_mb": 0.01})[1])[1]
     got, want = ([m["mtp_loss"] for m in w["metrics"]] for w in (written, ref_written))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)  # reduced over the ranks
-    assert min(want) > 0 and "model.layers.2.eh_proj.weight" in written["model"]
+    assert min(want) > 0 and f"model.layers.{model['num_hidden_layers']}.eh_proj.weight" in written["model"]

@@ -400,8 +400,8 @@ def _validate_mtp(cfg: Config) -> None:
     if not depth:
         return
     p = cfg.parallel
-    _check(p.pp == 1, f"model.num_nextn_predict_layers={depth} with parallel.pp={p.pp}: multi-token prediction "
-                      f"runs without pipeline parallelism so far; use pp=1 or num_nextn_predict_layers=0")
+    _check(p.pp == 1 or p.tp == 1, f"model.num_nextn_predict_layers={depth} with parallel.pp={p.pp} and tp={p.tp}: "
+           f"the last stage's copy of the embedding is not split over tp yet; use pp=1 or tp=1")
 
 
 def _validate_experts(cfg: Config) -> None:
