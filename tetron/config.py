@@ -125,6 +125,8 @@ class TrainConfig:
     on_nonfinite: OnNonfinite = "stop"  # a NaN/inf loss: "stop" the run naming the step, or "skip" the step's update
     eval_every: int = 0  # validation loss (val_loss, val_ppl) every this many steps and at the last; 0: never
     eval_batches: int = 4  # global batches of held-out windows per validation (the same windows every time)
+    mtp_loss_weight: float = 0.1  # weight w of multi-token prediction's loss (model.num_nextn_predict_layers > 0) in
+    # the objective loss + w * mtp_loss (DeepSeek-V3 used 0.3, then 0.1)
 
 
 @dataclass

@@ -33,7 +33,7 @@ from tetron.checkpoint.background import BackgroundSaver
 from tetron.checkpoint.load import load_checkpoint, load_weights, resolve_init_from
 from tetron.checkpoint.save import clean_stale, save_checkpoint, write_model_folder
 from tetron.config import Config
-from tetron.data.batch import MicroBatch, rank_micro_batch
+from tetron.data.batch import MicroBatch, mtp_kwargs, rank_micro_batch
 from tetron.data.hf_source import share_hub_commits
 from tetron.data.loader import DataLoader, check_token_ids, load_tokens, prepare_data, tokenizer_spec
 from tetron.data.mixture import MixtureLoader, mixture_sources
@@ -42,6 +42,7 @@ from tetron.errors import ConfigError
 from tetron.fs import find_latest
 from tetron.mesh import Mesh
 from tetron.models.llama import Llama
+from tetron.models.mtp import take_mtp_sum
 from tetron.observe.evaluate import build_evaluator, training_tokens
 from tetron.observe.memory import ActivationMeter, memory_figures
 from tetron.observe.metrics import say
@@ -193,29 +194,33 @@ def forward_backward(run: Run, micro_batches: list[MicroBatch]) -> Tensor:
     for k, mb in enumerate(micro_batches):  # on the device already (next_batch)
         last = k == len(micro_batches) - 1
         with contextlib.nullcontext() if last else wrapped.no_sync():
-            loss = run.loss_fn(wrapped(mb.inputs, mb.positions, mb.docs, targets=mb.targets))  # head and loss, chunked
+            loss = run.loss_fn(wrapped(mb.inputs, mb.positions, mb.docs, targets=mb.targets,
+                                       **mtp_kwargs(mb)))  # head and loss, chunked
             loss.backward()
         loss_sum += loss.detach()
     return loss_sum
 
 
-def global_loss(run: Run, loss_sum: Tensor) -> tuple[Tensor, Tensor]:
+def global_loss(run: Run, loss_sum: Tensor, mtp_sum: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """(the step's mean loss over the global batch, whether any rank has been asked to stop: 1/0), the
-    same on every rank, on the device (nothing waits for them). Both travel in one all-reduce of two floats
-    over the world, which replaces the loss's own over dp*cp and pp: the stop request costs one float
-    more (under tp alone, this is the one tiny collective a step gains)."""
+    same on every rank, on the device (nothing waits for them), and with multi-token prediction its mean loss
+    likewise (`mtp_sum`: this rank's, per token as loss_sum is). They travel in one all-reduce over the world,
+    which replaces the loss's own over dp*cp and pp: the stop request costs one float more (under tp alone,
+    this is the one tiny collective a step gains)."""
     mesh = run.mesh
     stop = float(run.stop is not None and run.stop.requested)
+    extra = [] if mtp_sum is None else [mtp_sum.float()]
     if mesh.world_size == 1:
-        both = torch.stack([loss_sum.float(), torch.full((), stop, device=loss_sum.device)])
-        return both[0], both[1]
+        both = torch.stack([loss_sum.float(), torch.full((), stop, device=loss_sum.device), *extra])
+        return both[0], both[1], both[2] if extra else None
     # Each rank adds loss / (dp*cp*tp): the tp ranks of a stage hold the same loss, every stage but the last
     # holds zero, so the sum is the mean over dp*cp of the last stage's loss, on every rank.
-    share = loss_sum.float() / (mesh.size("dp_cp") * mesh.size("tp"))
+    ranks = mesh.size("dp_cp") * mesh.size("tp")
+    share = loss_sum.float() / ranks
     # torch.full writes the flag by a kernel: a host-to-device copy would wait for the queued work
-    both = torch.stack([share, torch.full((), stop, device=share.device)])
+    both = torch.stack([share, torch.full((), stop, device=share.device), *(e / ranks for e in extra)])
     dist.all_reduce(both)
-    return both[0], both[1]
+    return both[0], both[1], both[2] if extra else None
 
 
 def next_batch(run: Run) -> list[MicroBatch]:
@@ -223,7 +228,9 @@ def next_batch(run: Run) -> list[MicroBatch]:
     asynchronously, so that the batch of step s+1 travels while step s computes)."""
     batch = run.loader.next_batch()
     check_token_ids(batch, run.cfg, step=run.loader.step)
-    return [rank_micro_batch(mb, run.positions, run.device_positions, run.cfg.data, run.device) for mb in batch]
+    depth = getattr(run.cfg.model, "num_nextn_predict_layers", 0)
+    return [rank_micro_batch(mb, run.positions, run.device_positions, run.cfg.data, run.device, mtp_depth=depth)
+            for mb in batch]
 
 
 def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
@@ -243,7 +250,8 @@ def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
     moe = finish_moe_step(run.model.chunks, run.mesh.group("dp_cp"), sequences=run.cfg.global_batch,
                           moe_layers=run.model.moe_layers or None, stages=run.mesh.group("pp"),
                           tp=run.mesh.group("tp") if run.cfg.parallel.sp else None)
-    loss, stop = global_loss(run, loss_sum)  # the same on every rank, as is the norm: every rank skips alike
+    mtp = take_mtp_sum(run.model.chunks, run.device)  # MTP modules' loss: logged apart (models/mtp.py)
+    loss, stop, mtp = global_loss(run, loss_sum, None if mtp is None else run.loss_fn(mtp))
     grad_norm = clip_grads_(run.optimizer.grads(), t.grad_clip, run.mesh, sharded_over_dp=run.cfg.parallel.zero >= 1)
     bad = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
     found_inf = bad
@@ -254,7 +262,7 @@ def dispatch_step(run: Run, step: int, batch: list[MicroBatch], *,
     memory = memory_figures(run.model, run.optimizer.tensors(), meter) if meter is not None else None
     run.model.zero_grad()
     clip = run.optimizer.qk_clip  # optim.qk_clip_tau: the step's largest attention logit, clipped after the step
-    values = StepValues(loss=loss, grad_norm=grad_norm, nonfinite=bad, stop=stop, moe=moe,
+    values = StepValues(loss=loss, grad_norm=grad_norm, nonfinite=bad, stop=stop, moe=moe, mtp_loss=mtp,
                         max_attn_logit=clip.max_logit if clip is not None else None)
     return PendingStep(step, values, lr, start, memory)
 

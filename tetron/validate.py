@@ -392,6 +392,19 @@ def _validate_moe(cfg: Config) -> None:
     _check(m.moe_intermediate_size >= 1, f"model.moe_intermediate_size={m.moe_intermediate_size} must be >= 1")
 
 
+def _validate_mtp(cfg: Config) -> None:
+    """Multi-token prediction (models/mtp.py): its weight, and the layouts it has been made to work in."""
+    w = cfg.train.mtp_loss_weight
+    _check(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0,
+           f"train.mtp_loss_weight={w} must be a finite number >= 0")
+    depth = getattr(cfg.model, "num_nextn_predict_layers", 0)
+    if not depth:
+        return
+    p = cfg.parallel
+    _check(p.pp == 1 or p.tp == 1, f"model.num_nextn_predict_layers={depth} with parallel.pp={p.pp} and tp={p.tp}: "
+           f"the last stage's copy of the embedding is not split over tp yet; use pp=1 or tp=1")
+
+
 def _validate_experts(cfg: Config) -> None:
     """Expert parallelism: ep ranks carved out of dp*cp, each holding num_experts/ep experts of every MoE layer;
     what it has not been made to compose with is refused."""
@@ -494,6 +507,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _validate_numbers(cfg)
     _validate_model(cfg)
     _validate_moe(cfg)
+    _validate_mtp(cfg)
     _validate_experts(cfg)
     _validate_layout(cfg, world_size)
     _validate_data(cfg)

@@ -33,7 +33,11 @@ from torch import Tensor, nn
 from tetron.models.attention import AttentionOptions, Documents, sdpa_attention
 from tetron.models.blocks import RMSNorm
 from tetron.models.llama import LLAMA_PLAN, apply_rope
-from tetron.models.qwen3_moe import MOE_PLAN, MoeConfig, MoeForCausalLM, experts_one_by_one
+from tetron.models.llama.model import DecoderLayer
+from tetron.models.loss import head_cross_entropy
+from tetron.models.moe import add_batch_balance_loss, moe_blocks
+from tetron.models.mtp import add_mtp_parts, mtp_loss
+from tetron.models.qwen3_moe import MOE_PLAN, MoeConfig, MoeForCausalLM, experts_one_by_one, moe_block
 from tetron.models.spec import Block, ModelSpec, read_hf_config, refuse_quantized, register
 
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps
@@ -68,6 +72,7 @@ class DeepseekV3Config(MoeConfig):
     topk_group: int = 4  # groups each token may use
     scoring_func: Literal["softmax", "sigmoid"] = "sigmoid"  # router scores; sigmoid is DeepSeek-V3's
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the objective; 0 disables it
+    num_nextn_predict_layers: int = 0  # multi-token prediction modules after the last layer (models/mtp.py); 0: none
 
     hf_architecture: ClassVar[str] = "DeepseekV3ForCausalLM"
     qk_norm: ClassVar[bool] = False
@@ -97,6 +102,8 @@ class DeepseekV3Config(MoeConfig):
         if self.mlp_only_layers or self.decoder_sparse_step != 1:
             raise ValueError("mlp_only_layers, decoder_sparse_step: DeepSeek-V3 places its dense layers by "
                              "first_k_dense_replace; leave these out")
+        if type(self.num_nextn_predict_layers) is not int or self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers={self.num_nextn_predict_layers!r} must be an integer >= 0")
         if type(self.rope_interleave) is not bool:
             raise ValueError(f"rope_interleave={self.rope_interleave!r}: expected true or false")
 
@@ -223,9 +230,45 @@ class MLAttention(nn.Module):
 
 class DeepseekV3ForCausalLM(MoeForCausalLM):
     """DeepseekV3ForCausalLM: Llama's body with MLA as its attention, dense MLPs in the first
-    first_k_dense_replace layers and MoE blocks after; `state_dict()` has exactly transformers' keys."""
+    first_k_dense_replace layers and MoE blocks after; `state_dict()` has exactly transformers' keys, and with
+    num_nextn_predict_layers the MTP modules' under `mtp.` (stored where DeepSeek keeps them: `stored_as`)."""
 
     attention_class: ClassVar[type[nn.Module]] = MLAttention
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__(config)
+        L = config.num_hidden_layers
+        self.mtp: nn.ModuleDict | None = None
+        self.mtp_embed_tokens: nn.Module | None = None  # a pipeline's last stage: its copy of the embedding
+        self.mtp_loss_weight = 0.1  # train.mtp_loss_weight, set by the trainer
+        self.mtp_sum: Tensor | None = None  # the step's summed MTP loss so far (models/mtp.py), for the logs
+        if config.num_nextn_predict_layers:
+            self.mtp = nn.ModuleDict()
+            for k in range(config.num_nextn_predict_layers):
+                layer = DecoderLayer(config, L + k, attention=MLAttention)
+                if config.is_moe_layer(L + k):
+                    layer.mlp = moe_block(config)
+                self.mtp[str(k)] = add_mtp_parts(layer, config.hidden_size, config.rms_norm_eps)
+            blocks = moe_blocks(self)
+            for block in blocks:
+                block.loss_scale = 1.0 / len(blocks)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, docs: Tensor | None = None,
+                targets: Tensor | None = None, mtp: Tensor | None = None) -> Tensor:
+        """As Llama's; with `mtp` [B, D, 3, T] (data/batch.py's mtp_shifted) and targets, the MTP objective's
+        gradient is added to the summed loss (its value stays the main loss's)."""
+        if self.mtp is None or mtp is None or targets is None or self.lm_head is None:
+            return super().forward(input_ids, position_ids, docs, targets)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        h = self.model(input_ids, position_ids, docs)  # [B, T, hidden], after the final norm
+        out = head_cross_entropy(self.lm_head, h, targets, chunk_tokens=self.loss_chunk_tokens)
+        out = mtp_loss(self, h, out, position_ids, docs, mtp)
+        if self.config.moe_aux_loss == "batch":
+            out = add_batch_balance_loss(out, moe_blocks(self))
+        return out
 
 
 # MLA under tp: the latent projections and norms whole on every rank, the up-projections column-parallel by heads
@@ -236,6 +279,18 @@ DEEPSEEK_V3_PLAN = dataclasses.replace(
     kept_whole=("self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.kv_a_proj_with_mqa",
                 "self_attn.kv_a_layernorm"))
 
+
+
+def stored_as(name: str, config: DeepseekV3Config) -> str | list[list[str]] | None:
+    """Where DeepSeek's folders keep a tensor: the experts one by one, and MTP module k's parts (`mtp.{k}.`) as the
+    layer past the last, `model.layers.{num_hidden_layers + k}.` (transformers skips those, as for DeepSeek's own)."""
+    if name.startswith("mtp."):
+        k, _, rest = name[len("mtp."):].partition(".")
+        name = f"model.layers.{config.num_hidden_layers + int(k)}.{rest}"
+        return experts_one_by_one(name, config) or name
+    return experts_one_by_one(name, config)
+
+
 DEEPSEEK_V3 = register(ModelSpec(name="deepseek_v3", model_types=("deepseek_v3",),
                                  config_class=DeepseekV3Config, model_class=DeepseekV3ForCausalLM,
-                                 plan=DEEPSEEK_V3_PLAN, stored_as=experts_one_by_one))
+                                 plan=DEEPSEEK_V3_PLAN, stored_as=stored_as))

@@ -102,6 +102,15 @@ def head_cross_entropy(head: nn.Module, hidden: Tensor, targets: Tensor, *, chun
     return head.cross_entropy(hidden, targets, chunk_tokens=chunk_tokens)
 
 
+def head_cross_entropy_rows(head: nn.Module, hidden: Tensor, rows: Tensor, targets: Tensor, *,
+                            chunk_tokens: int) -> Tensor:
+    """head_cross_entropy over only the positions `rows` [B, T] (bool) selects, so that logits exist for those
+    alone; a parallel head brings its own `cross_entropy_rows` (under sp its hidden states are a shard)."""
+    if isinstance(head, nn.Linear):
+        return linear_cross_entropy(hidden[rows], head.weight, targets[rows], chunk_tokens=chunk_tokens)
+    return head.cross_entropy_rows(hidden, rows, targets, chunk_tokens=chunk_tokens)
+
+
 class _CrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:  # logits [N, vocab] fp32, targets [N]

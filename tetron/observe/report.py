@@ -32,7 +32,7 @@ from tetron.parallel.timers import CATEGORIES
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file
 
 # (panel title, y label, metrics drawn, log scale)
-PANELS = [("loss", "loss", ("loss", "val_loss"), False),
+PANELS = [("loss", "loss", ("loss", "val_loss", "mtp_loss"), False),
           ("learning rate", "lr", ("lr",), False),
           ("gradient norm (before clipping)", "grad norm", ("grad_norm",), True),
           ("throughput", "tokens/s", ("tokens_per_s",), False),
@@ -225,8 +225,10 @@ def figure(runs: list[RunData], *, x: str = "step") -> Any:
                 if not xs:
                     continue
                 val = key.startswith("val_")
-                suffix = " val" if val else f" {key[4:]}" if key.startswith("moe_") else ""
-                ax.plot(xs, ys, color=color, linestyle="--" if val or key == "moe_load_imbalance" else "-",
+                suffix = " val" if val else f" {key[4:]}" if key.startswith("moe_") else " mtp" if key == "mtp_loss" \
+                    else ""
+                dashed = val or key in ("moe_load_imbalance", "mtp_loss")
+                ax.plot(xs, ys, color=color, linestyle="--" if dashed else "-",
                         marker="o" if val else None, markersize=3, linewidth=1.2, label=f"{run.label}{suffix}")
             _mark_resumes(ax, run, color, x=x)
         ax.set_title(title)

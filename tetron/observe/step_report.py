@@ -35,6 +35,7 @@ class StepFigures:
     stop: bool = False  # some rank was asked to stop: every rank saves after this step and returns
     moe: dict[str, float] | None = None  # an MoE model's balancing figures (parallel/moe_balance.py)
     max_attn_logit: float | None = None  # with optim.qk_clip_tau: the step's largest attention logit (qk_clip.py)
+    mtp_loss: float | None = None  # with multi-token prediction: its mean loss, (1/D) sum over depths (models/mtp.py)
 
 
 @dataclass
@@ -47,12 +48,15 @@ class StepValues:
     stop: Tensor  # 1 when some rank was asked to stop, else 0
     moe: Tensor | None = None  # [len(moe_balance.FIGURES)] an MoE model's balancing figures
     max_attn_logit: Tensor | None = None  # with optim.qk_clip_tau: the largest logit over layers, heads, batch
+    mtp_loss: Tensor | None = None  # with multi-token prediction: its global mean loss
 
     def packed(self) -> Tensor:
         """The fields in one tensor, in their order (read_back unpacks them): one copy to the host."""
         values = [self.loss, self.grad_norm, self.nonfinite, self.stop]
         if self.max_attn_logit is not None:
             values.append(self.max_attn_logit.to(self.loss.device, torch.float32))
+        if self.mtp_loss is not None:
+            values.append(self.mtp_loss.to(self.loss.device, torch.float32))
         values = torch.stack(values)
         return values if self.moe is None else torch.cat([values, self.moe])
 
@@ -80,9 +84,11 @@ def read_back(pending: list[PendingStep]) -> list[StepFigures]:
     figures = []
     for p, (loss, norm, bad, stop, *rest) in zip(pending, rows):  # StepValues.packed's order
         logit = rest.pop(0) if p.values.max_attn_logit is not None else None
+        mtp = rest.pop(0) if p.values.mtp_loss is not None else None
         figures.append(StepFigures(loss=loss, grad_norm=float("nan") if bad else norm, lr=p.lr, skipped=bool(bad),
                                    time_s=each, memory=p.memory, stop=stop > 0,
-                                   moe=dict(zip(MOE_FIGURES, rest)) if rest else None, max_attn_logit=logit))
+                                   moe=dict(zip(MOE_FIGURES, rest)) if rest else None, max_attn_logit=logit,
+                                   mtp_loss=mtp))
     return figures
 
 
@@ -140,6 +146,8 @@ class Reporter:
             record["skipped"] = True
         if f.max_attn_logit is not None:
             record["max_attn_logit"] = f.max_attn_logit
+        if f.mtp_loss is not None:
+            record["mtp_loss"] = f.mtp_loss
         if f.memory is not None:
             record.update(f.memory)
         record.update(f.moe or {})

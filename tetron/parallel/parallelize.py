@@ -92,6 +92,8 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
         apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
         apply_compile(chunk, cfg.train.compile)
         chunk.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # the head and the loss, chunked (models/loss.py)
+        if hasattr(chunk, "mtp_loss_weight"):  # multi-token prediction's weight in the objective (models/mtp.py)
+            chunk.mtp_loss_weight = cfg.train.mtp_loss_weight
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas; expert
@@ -122,7 +124,9 @@ def param_roles(chunks: list[nn.Module]) -> dict[int, Role]:
         stacked = {id(p) for m in chunk.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)}
         for name, p in chunk.named_parameters():
             dims = p.ndim - (id(p) in stacked)  # of one expert's tensor
-            roles[id(p)] = ("embedding" if name == plan.embedding_weight else "head" if name == plan.head_weight
+            # a pipeline's MTP copy of the embedding steps as the embedding does (it must stay equal to it)
+            embedding = name in (plan.embedding_weight, "mtp_embed_tokens.weight")
+            roles[id(p)] = ("embedding" if embedding else "head" if name == plan.head_weight
                             else "router" if id(p) in routers else "matrix" if dims >= 2 else "vector")
     return roles
 
@@ -149,11 +153,12 @@ def finish_gradients(model: ParallelModel, mesh: Mesh, optimizer: ShardedOptimiz
     copies = tied_embeddings(model.chunks, mesh)
     if copies:
         grad = optimizer.full_grad(copies[0])
-        if len(copies) == 1:  # the other copy is on the pipeline's other end
+        for copy in copies[1:]:  # the last stage's head and MTP embedding; zbv, dualpipev: both ends here
+            grad = grad + optimizer.full_grad(copy)
+        ends = sum(not layout_of(c).tied_copy for c in copies) + any(layout_of(c).tied_copy for c in copies)
+        if ends == 1:  # the other copies are on the pipeline's other end
             with timer("pp"):
                 dist.all_reduce(grad, group=mesh.group("embed"))
-        else:  # zbv: both ends on this rank
-            grad = grad + optimizer.full_grad(copies[1])
         for copy in copies:
             optimizer.set_full_grad(copy, grad)
     sync_sequence_parallel_grads([g for g, p in optimizer.grads() if layout_of(p).summed_over_tp],

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from tetron.config import Config
-from tetron.data.batch import MicroBatch
+from tetron.data.batch import MicroBatch, mtp_kwargs
 from tetron.mesh import Mesh
 from tetron.models.spec import ParallelPlan, spec_of
 from tetron.parallel.layout import set_layout
@@ -96,11 +96,20 @@ def apply_pipeline_stage(model: nn.Module, layers: range, *, first: bool, last: 
     if not last:
         plan.set_part(model, plan.final_norm, None)
         plan.set_part(model, plan.head, None)
+        if getattr(model, "mtp", None) is not None:  # multi-token prediction runs after the head, on the last stage
+            model.mtp = None
     elif not first and model.config.tie_word_embeddings:
         # The head's weight is the embedding's Parameter (tied). This stage keeps it as its own copy:
         # started from the embedding's tensor (init by that name), kept equal to the first stage's by
         # summing the two gradients before each step, and counted once in the gradient norm.
         set_layout(plan.part(model, plan.head).weight, tied_copy=True, source=plan.embedding_weight)
+    if last and not first and getattr(model, "mtp", None) is not None:
+        # MTP embeds the tokens ahead with the shared embedding: the last stage holds its own copy, kept equal to
+        # the first stage's as a tied head is (its gradient summed with the embedding's; counted once in the norm)
+        embedding = nn.Embedding(model.config.vocab_size, model.config.hidden_size,
+                                 device=next(model.parameters()).device)  # meta, as the rest, where built so
+        set_layout(embedding.weight, tied_copy=True, source=plan.embedding_weight)
+        model.mtp_embed_tokens = embedding
     return model
 
 
@@ -123,15 +132,19 @@ def activation_shape(cfg: Config) -> tuple[int, int, int]:
 
 
 def tied_embeddings(chunks: list[nn.Module], mesh: Mesh) -> list[nn.Parameter]:
-    """With tied embeddings under pp, this rank's copies of the shared tensor: the first stage's embedding,
-    the last stage's head, or both where one rank holds both ends (zbv's V). Their gradients are summed
-    (over the "embed" group when the copies are on two ranks) before each step, so all take the same
-    step. Empty elsewhere."""
-    if mesh.size("pp") == 1 or not chunks[0].config.tie_word_embeddings:
+    """With tied embeddings or multi-token prediction under pp, this rank's copies of the embedding's tensor: the
+    first stage's embedding, the last stage's head (tied) and its MTP embedding, or all where one rank holds both
+    ends (zbv's and dualpipev's V). Their gradients are summed (over the "embed" group when the copies are on two
+    ranks) before each step, so all take the same step. Empty elsewhere."""
+    config = chunks[0].config
+    mtp = getattr(config, "num_nextn_predict_layers", 0) > 0
+    if mesh.size("pp") == 1 or not (config.tie_word_embeddings or mtp):
         return []
-    plan = spec_of(chunks[0].config).plan
-    return ([e.weight for c in chunks if (e := plan.part(c, plan.embedding)) is not None]
-            + [h.weight for c in chunks if (h := plan.part(c, plan.head)) is not None])
+    plan = spec_of(config).plan
+    heads = [h.weight for c in chunks if (h := plan.part(c, plan.head)) is not None] \
+        if config.tie_word_embeddings else []
+    return ([e.weight for c in chunks if (e := plan.part(c, plan.embedding)) is not None] + heads
+            + [c.mtp_embed_tokens.weight for c in chunks if getattr(c, "mtp_embed_tokens", None) is not None])
 
 
 # ---------------------------------------------------------------------------------- the schedule
@@ -285,7 +298,8 @@ class Pipeline:
             x = received.requires_grad_()  # [B, T', hidden], a leaf: its gradient is what goes back
         positions = self.positions if mb.positions is None else mb.positions
         if s == self.stages - 1:  # the head and the loss, chunked: the logits never exist whole
-            loss = loss_fn(self.chunks[action.chunk](x, positions, mb.docs, targets=mb.targets.to(self.device)))
+            loss = loss_fn(self.chunks[action.chunk](x, positions, mb.docs, targets=mb.targets.to(self.device),
+                                                     **mtp_kwargs(mb)))
             self.loss += loss.detach()
             if keep:
                 self.stored[(action.chunk, action.micro)] = (x, loss)

@@ -221,6 +221,16 @@ class VocabParallelHead(ColumnParallelLinear):
                                        group=self.group)
         return linear_cross_entropy(x, self.weight, targets, chunk_tokens=chunk_tokens, chunk_loss=chunk_loss)
 
+    def cross_entropy_rows(self, x: Tensor, rows: Tensor, targets: Tensor, *, chunk_tokens: int) -> Tensor:
+        """As cross_entropy over only the positions `rows` [B, T] (bool, whole) selects. Under sp the shards are
+        gathered first (ranks may select different counts of their own rows), and the selection's gradient
+        reaches each rank's shard through the gather's reduce-scatter, which sums the vocabulary shards' parts."""
+        x = gather_from_sequence(x, self.group) if self.input_mode == "gather" else copy_to_group(x, self.group)
+        chunk_loss = functools.partial(_vocab_parallel_chunk, start=self.vocab_start, vocab_size=self.vocab_size,
+                                       group=self.group)
+        return linear_cross_entropy(x[rows], self.weight, targets[rows], chunk_tokens=chunk_tokens,
+                                    chunk_loss=chunk_loss)
+
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 1) -> int:
     """The vocabulary rounded up to a multiple of tp * multiple."""
@@ -246,7 +256,9 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
     padded = padded_vocab_size(model.config.vocab_size, world, vocab_pad_multiple)
     # f once at each block's input, shared by its column-parallel linears: one all-reduce, not three.
     enter = _gather_input if sp else _copy_input
-    for layer in plan.layers_of(model).values():
+    # multi-token prediction's layers (models/mtp.py) split as the decoder layers do
+    mtp = getattr(model, "mtp", None)
+    for layer in [*plan.layers_of(model).values(), *(mtp.values() if mtp is not None else ())]:
         for block in plan.blocks:
             part = layer.get_submodule(block.path)
             gathered = SequenceGather(group) if sp and regather else None  # the pre-hook and its linears' record
@@ -260,6 +272,11 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
         # whole weights whose gradient on each rank is a share (of the heads always, of the tokens under sp)
         for name, param in layer.named_parameters():
             if plan.tp_partial(name, sequence_parallel=sp):
+                set_layout(param, summed_over_tp=True)
+    for layer in mtp.values() if mtp is not None and sp else ():
+        # their own parts see one rank's share of the tokens under sp, as the residual norms do
+        for part in (layer.enorm, layer.hnorm, layer.eh_proj, layer.shared_head):
+            for param in part.parameters():
                 set_layout(param, summed_over_tp=True)
     embedding, final_norm, head = (plan.part(model, path) for path in (plan.embedding, plan.final_norm, plan.head))
     if embedding is not None:
