@@ -16,8 +16,9 @@ from tetron.mesh import Mesh
 from tetron.overrides import SHORT_FLAGS
 from tetron.parallel.context_parallel import apply_context_parallel, ring_attention, shard_indices
 from tetron.parallel.init import seeded_model
+from tetron.parallel.recompute import apply_recompute
 from tetron.parallel.ulysses import all_to_all, kv_repeats, ulysses_attention
-from tetron.plan.activations import layer_none
+from tetron.plan.activations import layer_activations
 from tetron.plan.hardware import gpu
 from tetron.plan.sizes import Sizes
 from tetron.plan.steptime import estimate
@@ -188,6 +189,7 @@ def _layer_saved_bytes(cases: list[dict]) -> list[int]:
         for layers in (1, 2):
             model = seeded_model(replace(cfg.model, num_hidden_layers=layers), seed=0, device=torch.device("cpu"))
             apply_context_parallel(model, mesh, layout=cfg.parallel.cp_layout, impl=cfg.parallel.cp_impl)
+            apply_recompute(model, cfg.train.recompute)
             saved.append(_saved_storage_bytes(model, ids[:, mine], mine))
         results.append(saved[1] - saved[0])
     return results
@@ -196,16 +198,21 @@ def _layer_saved_bytes(cases: list[dict]) -> list[int]:
 def test_planner_knows_what_ulysses_keeps(corpus, cache_dir, tmp_path):
     """What a layer keeps under Ulysses differs from ring attention (k and v repeated to the query heads for
     the kernel; under the contiguous layout the kernel's q is a view that keeps the all-to-all's k and v
-    too): the memory model's layer_none, to the byte, for grouped and ungrouped heads in both layouts."""
+    too): the memory model's layer_none, to the byte, for grouped and ungrouped heads in both layouts; under
+    selective recomputation layer_kept (the kernel's output and log-sum-exp not kept: o_proj keeps the
+    all-to-all's copy)."""
     cases = []
-    for layout, kv_heads in (("zigzag", 2), ("contiguous", 2), ("contiguous", 4), ("zigzag", 1)):
+    for layout, kv_heads, mode in (("zigzag", 2, "none"), ("contiguous", 2, "none"), ("contiguous", 4, "none"),
+                                   ("zigzag", 1, "none"), ("zigzag", 2, "selective"), ("contiguous", 2, "selective")):
         cases.append(tiny_config(corpus, cache_dir, tmp_path / "run", data={"seq_len": 64},
                                  model={"num_key_value_heads": kv_heads, "max_position_embeddings": 64},
-                                 parallel={"cp": 2, "cp_impl": "ulysses", "cp_layout": layout}))
+                                 parallel={"cp": 2, "cp_impl": "ulysses", "cp_layout": layout},
+                                 train={"recompute": mode}))
     for per_rank in run_ranks(2, _layer_saved_bytes, cases):
         for raw, measured in zip(cases, per_rank):
             cfg = from_dict(raw)
-            assert measured == layer_none(Sizes.of(cfg)), (cfg.parallel.cp_layout, cfg.model.num_key_value_heads)
+            assert measured == layer_activations(Sizes.of(cfg), cfg.train.recompute), (
+                cfg.parallel.cp_layout, cfg.model.num_key_value_heads, cfg.train.recompute)
 
 
 def test_planner_counts_ulysses_all_to_all_bytes():

@@ -136,7 +136,7 @@ def _layer_backward_of(s: Sizes, chunk: Chunk, mode: str, split: bool) -> tuple[
         extra = 0 if mode == "none" else layer_none(s, moe) - layer_kept(s, mode, moe)
         if moe and s.grouped:
             incoming = extra + s.n_res * s.h * s.d
-            replay = moe_forward(s) - 2 * s.n_mlp * s.top_k * s.h * s.d if mode != "none" else 0
+            replay = moe_forward(s) - 2 * s.n_mlp * s.top_k * s.h * s.d if mode == "full" else 0
             before, after = moe_backward(s, split=split)
             early = max(early, incoming + max(before, replay))
             late = None if split else max(late, incoming + after)  # split: the expert gradients come in W

@@ -129,17 +129,17 @@ def all_to_all_bytes(cfg: Config) -> int:
     micro-batch, forward and backward: its n tokens' (under sp n/tp: Sizes.n_mlp) n*top_k rows of [H] go to
     their experts' ranks (dispatch) and come back (combine), and the backward sends their gradients the
     reverse ways: 4 exchanges of n*top_k*H elements, of which (ep-1)/ep leave the rank when the router
-    spreads the tokens evenly. Recomputation (full or selective) replays the forward's two. 0 without
+    spreads the tokens evenly. Full recomputation replays the forward's two. 0 without
     expert parallelism."""
     s, ep = Sizes.of(cfg), cfg.parallel.ep
-    exchanges = 4 + (2 if cfg.train.recompute != "none" else 0)
+    exchanges = 4 + (2 if cfg.train.recompute == "full" else 0)
     return exchanges * s.n_mlp * s.top_k * s.h * s.d * (ep - 1) // ep if ep > 1 else 0
 
 
 def expert_exchange(cfg: Config, hw: Hardware, gpus_per_node: int) -> tuple[float, float]:
     """Seconds of one MoE layer's all-to-alls for one micro-batch (expert_parallel.ExpertExchange), forward and
     backward: the forward exchanges the counts per expert, then dispatches the rows and combines them (each
-    sending (ep-1)/ep of n*top_k rows of [H]); the backward sends both gradients back, and under recomputation
+    sending (ep-1)/ep of n*top_k rows of [H]); the backward sends both gradients back, and under full recomputation
     replays the forward's three. The ep group is ep ranks of dp*cp, tp apart (mesh.py): it spans tp*ep ranks."""
     s, p = Sizes.of(cfg), cfg.parallel
     if p.ep == 1:
@@ -147,7 +147,7 @@ def expert_exchange(cfg: Config, hw: Hardware, gpus_per_node: int) -> tuple[floa
     bw = _bandwidth(hw, p.tp * p.ep, gpus_per_node)
     rows = _ring(hw, s.n_mlp * s.top_k * s.h * s.d, p.ep, 1.0, bw)
     forward = hw.latency_s + 2 * rows
-    return forward, 2 * rows + (forward if cfg.train.recompute != "none" else 0.0)
+    return forward, 2 * rows + (forward if cfg.train.recompute == "full" else 0.0)
 
 
 def _pipeline_span(cfg: Config, costs: dict[str, list[float]]) -> tuple[float, float, float]:
