@@ -2,7 +2,8 @@
 at dp2 ZeRO-1; and what keeping matrices whole costs ZeRO on the wire at dp8 (the 135M shape's bucket layouts,
 computed).
 
-    python bench/optimizer.py [--layers 30] [--steps 3] [--ns-dtype float32|bfloat16] [--config CONFIG] [--tiny]
+    python bench/optimizer.py [--layers 30] [--steps 3] [--rounds 5] [--peer-layers 2] [--ns-dtype float32|bfloat16]
+                              [--config CONFIG] [--tiny]
 
 `--tiny` runs every part on a tiny model of the config's family (hidden 72, 2 layers, vocabulary 512, sequences
 of 64): a check that the benchmark runs, not a measurement.
@@ -10,8 +11,8 @@ of 64): a check that the benchmark runs, not a measurement.
 Step time. The model of the config (SmolLM-135M: hidden 576, 30 layers, 9/3 heads, tied embeddings), fp32, with
 fixed random gradients; each optimizer (tetron's AdamW, the fused kernel; tetron's Muon; torch.optim.Muon on the
 matrices plus torch's fused AdamW on the rest: the peer) steps in turn, round after round, and the medians are
-compared. Newton-Schulz runs in `--ns-dtype` (torch's Muon always in bf16, which this CPU has no matmuls for:
-~100x slower than fp32; compare tetron's bf16 with torch's on a GPU, or with --ns-dtype bfloat16 on few layers).
+compared. Newton-Schulz runs in `--ns-dtype`. The row against torch.optim.Muon always runs, both sides in bf16
+(torch's only dtype, which this CPU has slow matmuls for), on `--peer-layers` layers, the median of `--rounds`.
 `--layers` shrinks the model (every layer has the same matrices, so the ratio per layer stays); `--hidden` and
 `--intermediate` shrink its matrices, for a quick bf16 comparison with torch's on a CPU. The overhead on a training
 step: Muon's optimizer step less AdamW's, over AdamW's step plus one forward and backward of the config's
@@ -87,10 +88,7 @@ def step_times(cfg, args) -> None:
     roles = param_roles([model])
     optim = OptimConfig(name="muon", muon_ns_dtype=args.ns_dtype)
     runs = {}
-    for name, make in (("adamw", lambda ps: AdamW(ps, cfg.train)), ("muon", lambda ps: Muon(ps, cfg.train, optim)),
-                       ("torch.optim.Muon", lambda ps: TorchPeer(ps, cfg.train, optim))):
-        if name == "torch.optim.Muon" and args.ns_dtype != "bfloat16":
-            continue  # torch's iterates in bf16 only: compare like with like
+    for name, make in (("adamw", lambda ps: AdamW(ps, cfg.train)), ("muon", lambda ps: Muon(ps, cfg.train, optim))):
         params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
@@ -104,15 +102,41 @@ def step_times(cfg, args) -> None:
     for name, t in median.items():
         print(f"  {name:18s} step {t * 1e3:9.1f} ms (median of {args.steps})")
     print(f"  muon / adamw: {median['muon'] / median['adamw']:.2f}x the optimizer step")
-    if "torch.optim.Muon" in median:
-        print(f"  torch.optim.Muon / tetron muon: {median['torch.optim.Muon'] / median['muon']:.2f} (>= 1: as fast)")
-    else:
-        print("  torch.optim.Muon: not compared (it iterates in bf16 only; run with --ns-dtype bfloat16)")
     train_s = forward_backward_s(cfg, model)
     extra = median["muon"] - median["adamw"]
     print(f"  a training step's forward and backward ({cfg.train.grad_acc} x {cfg.train.micro_batch} x "
           f"{cfg.data.seq_len} tokens): {train_s * 1e3:,.1f} ms -> Muon adds {extra * 1e3:,.1f} ms, "
           f"{extra / (train_s + median['adamw']):+.1%} of the step (goal <= 10%)")
+
+
+def torch_peer_row(cfg, args) -> None:
+    """tetron's Muon against torch.optim.Muon (plus fused AdamW on the rest) in one process, both iterating in
+    bf16 (torch's only dtype), on --peer-layers layers of the config's shape (every layer has the same matrices);
+    the median of --rounds interleaved rounds after one untimed step each. Always printed."""
+    import dataclasses
+
+    model_cfg = dataclasses.replace(cfg.model, num_hidden_layers=min(args.peer_layers, cfg.model.num_hidden_layers))
+    torch.manual_seed(0)
+    model = spec_of(model_cfg).model_class(model_cfg)
+    roles = param_roles([model])
+    optim = OptimConfig(name="muon", muon_ns_dtype="bfloat16")
+    runs = {}
+    for name, make in (("muon", lambda ps: Muon(ps, cfg.train, optim)),
+                       ("torch.optim.Muon", lambda ps: TorchPeer(ps, cfg.train, optim))):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        runs[name] = (make([Param(q, roles[id(p)], q.shape) for q, p in zip(params, model.parameters())]), [])
+    for _ in range(args.rounds + 1):
+        for opt, times in runs.values():
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+    median = {name: statistics.median(times[1:]) for name, (_, times) in runs.items()}
+    print(f"  against torch.optim.Muon, one process, Newton-Schulz in bf16 on both sides, "
+          f"{model_cfg.num_hidden_layers} layers, median of {args.rounds} rounds: tetron {median['muon'] * 1e3:,.1f} "
+          f"ms, torch {median['torch.optim.Muon'] * 1e3:,.1f} ms -> torch / tetron "
+          f"{median['torch.optim.Muon'] / median['muon']:.2f} (>= 1: tetron as fast)")
 
 
 def forward_backward_s(cfg, model: torch.nn.Module) -> float:
@@ -182,12 +206,22 @@ def wire_bytes(cfg, shards: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="rows printed, in order: the one-process step (adamw, muon, muon / adamw, the overhead on a training "
+               "step); against torch.optim.Muon (bf16 on both sides, --peer-layers, median of --rounds); dp2 ZeRO-1; "
+               "Newton-Schulz FLOPs; bytes on the wire at dp --shards.\nexamples:\n"
+               "  python bench/optimizer.py --tiny                      # a check that every row runs\n"
+               "  python bench/optimizer.py                             # the SmolLM-135M shape, every row\n"
+               "  python bench/optimizer.py --layers 4 --peer-layers 2 --rounds 5   # quicker, same ratios per layer")
     parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "smollm-135m.yaml"))
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's)")
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: the config's)")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default: the config's)")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of the one-process and dp2 rows")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds of the torch.optim.Muon row (median)")
+    parser.add_argument("--peer-layers", type=int, default=2,
+                        help="layers of the torch.optim.Muon row (bf16 matmuls are slow on a CPU; default 2)")
     parser.add_argument("--ns-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--tiny", action="store_true", help="a tiny model: check that it runs (no measurement)")
@@ -207,6 +241,7 @@ def main() -> None:
           f"Newton-Schulz in {args.ns_dtype}" + (" (--tiny: a check that it runs, not a measurement)"
                                                  if args.tiny else ""))
     step_times(cfg, args)
+    torch_peer_row(cfg, args)
     args.ranks = 2
     launch(zero1_rank, args)
     full = load_config(args.config, overrides if args.tiny else [])

@@ -115,6 +115,8 @@ def features() -> list[Feature]:
     for name in sorted(OPTIMIZERS):
         out.append(Feature("optimizer", f"optim.name={name}", {"optim": {"name": name}},
                            lambda c, n=name: c.optim.name == n))
+    out.append(Feature("optimizer", "QK-clip (optim.qk_clip_tau=50)", {"optim": {"qk_clip_tau": 50.0}},
+                       lambda c: c.optim.qk_clip_tau is not None))
     out.append(Feature("checkpoint", "async_save", {"checkpoint": {"async_save": True, "save_every": 1}},
                        lambda c: c.checkpoint.async_save))
     return out
@@ -123,6 +125,10 @@ def features() -> list[Feature]:
 # The tests that train a feature in a layout and compare it with the single process (or, where marked, with a
 # reference of its own): feature name -> axis -> test ids. tests/test_docs.py checks that each exists.
 TESTED: dict[str, dict[str, list[str]]] = {
+    # test_clip_in_layouts: dp2 ZeRO-1/2/3, tp2 sp, tp2 MLA, cp2 ring and Ulysses, pp2, dp2 ep2 (Mixtral)
+    "QK-clip (optim.qk_clip_tau=50)": {
+        "one process": ["test_qk_clip.py::test_clipped_run_equals_a_loop_written_here"],
+        **{axis: ["test_qk_clip.py::test_clip_in_layouts"] for axis in ("dp", "tp", "pp", "cp")}},
     "zero=1": {"dp": ["test_zero.py::test_zero_matches_single_process"]},
     "zero=2": {"dp": ["test_zero.py::test_zero_matches_single_process"]},
     "zero=3": {"dp": ["test_zero.py::test_zero_matches_single_process"],

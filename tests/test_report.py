@@ -18,7 +18,7 @@ import yaml
 
 from tetron.errors import ConfigError
 from tetron.observe.metrics import ProgressBar, say
-from tetron.observe.report import PANELS, TIME_PANEL, figure, read_run, report, table
+from tetron.observe.report import PANELS, TIME_PANEL, figure, mark_differences, read_run, report, table
 
 from conftest import cli_in_process
 
@@ -27,7 +27,7 @@ LAUNCH_TIMEOUT = 300  # s: one real launch of 2 ranks, tokenizing included
 
 
 def fake_run(folder: Path, *, parallel: dict, steps: int, timers: bool, torn: bool = False,
-             skipped: int | None = None) -> list[dict]:
+             skipped: int | None = None, config: dict | None = None) -> list[dict]:
     """A run folder as tetron writes it: metrics.jsonl (step `skipped` with a NaN loss, as
     train.on_nonfinite=skip logs it) and a latest checkpoint's trainer state."""
     records = []
@@ -47,7 +47,8 @@ def fake_run(folder: Path, *, parallel: dict, steps: int, timers: bool, torn: bo
     (folder / "metrics.jsonl").write_text(text)
     step = folder / "checkpoints" / f"step_{steps}"
     step.mkdir(parents=True)
-    (step / "trainer_state.json").write_text(json.dumps({"step": steps, "config": {"parallel": parallel}}))
+    state = {"step": steps, "config": {"parallel": parallel, **(config or {})}}
+    (step / "trainer_state.json").write_text(json.dumps(state))
     (folder / "checkpoints" / "latest").write_text(f"step_{steps}")
     return records
 
@@ -109,6 +110,27 @@ def test_report_writes_the_png_and_prints_the_summary(tmp_path, runs):
     assert timing[0].split() == ["run", "compute", "dp", "pp"] and timing[1].startswith("a (") and timing[2] == ""
     assert text.endswith(f"tetron: wrote {out}")
     assert "loss" in table([read_run(tmp_path / "b")]) and "median seconds" not in table([read_run(tmp_path / "b")])
+
+
+def test_runs_of_one_layout_are_labelled_by_the_fields_that_differ(tmp_path):
+    """Muon against AdamW, both dp2: each label names the layout and the config fields that differ between the
+    runs (not those all share, not where each wrote, not the layout's fields again), in the table and the legend;
+    one run alone keeps its plain label."""
+    common = {"train": {"lr": 3e-3, "steps": 6}, "out": "ignored"}
+    for name, optim in (("adamw", {"name": "adamw"}), ("muon", {"name": "muon", "muon_ns_dtype": "float32"})):
+        fake_run(tmp_path / name, parallel={"dp": 2, "bucket_mb": 25 if name == "adamw" else 5}, steps=6,
+                 timers=False, config={**common, "optim": optim, "out": str(tmp_path / name)})
+    text = report([str(tmp_path / "adamw"), str(tmp_path / "muon"), "--out", str(tmp_path / "both.png")])
+    rows = text.splitlines()[1:3]
+    assert rows[0].startswith("adamw (dp2; optim.muon_ns_dtype=None, optim.name=adamw) ")
+    assert rows[1].startswith("muon (dp2; optim.muon_ns_dtype=float32, optim.name=muon) ")
+    runs = [read_run(tmp_path / "adamw"), read_run(tmp_path / "muon")]
+    mark_differences(runs)
+    assert set(lines_by_label(figure(runs).axes[0])) >= {"adamw (dp2; optim.muon_ns_dtype=None, optim.name=adamw)",
+                                                         "muon (dp2; optim.muon_ns_dtype=float32, optim.name=muon)"}
+    alone = [read_run(tmp_path / "muon")]
+    mark_differences(alone)
+    assert alone[0].label == "muon (dp2)"
 
 
 def write_log(folder: Path, records: list[dict]) -> None:

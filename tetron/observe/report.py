@@ -1,7 +1,9 @@
 """`tetron report RUN [RUN ...] [--out FILE.png] [--x step|tokens]`: the curves of one or more runs, and a
 summary table.
 
-The picture has a panel per figure, every run overlaid and labelled with its layout: loss (training, and the
+The picture has a panel per figure, every run overlaid and labelled with its layout (and, given several runs, the
+config fields whose values differ between them: "muon (dp2; optim.name=muon)" against "adamw (dp2; optim.name=adamw)"):
+loss (training, and the
 validation loss where measured, dashed), learning rate, gradient norm, tokens/s, peak memory; where a step's
 time goes (the median seconds per category), only when some run had logging.timers on; for MoE models their
 balance (the auxiliary loss, the max/mean expert load). Each launch of a run (its start, a resume) writes its
@@ -61,10 +63,11 @@ class RunData:
     layout: str  # "dp2 tp2", "pp2 -> dp2" (resumed in another layout), "1 process", or "layout unknown"
     records: list[dict[str, Any]]
     launches: list[Launch] = field(default_factory=list)  # in step order; the first starts the run
+    differs: str = ""  # among several runs, the config fields where this run's differ ("optim.name=muon")
 
     @property
     def label(self) -> str:
-        return f"{self.folder.name} ({self.layout})"
+        return f"{self.folder.name} ({self.layout}{'; ' + self.differs if self.differs else ''})"
 
     @property
     def resumes(self) -> list[Launch]:
@@ -88,17 +91,53 @@ def describe_layout(parallel: dict[str, Any]) -> str:
     return " ".join(parts) or "1 process"
 
 
-def _layout(folder: Path) -> str:
-    """The layout of a run, from its latest checkpoint's trainer state, else its Slurm config."""
+def run_config(folder: Path) -> dict[str, Any] | None:
+    """A run's config, from its latest checkpoint's trainer state, else its Slurm config; None if neither."""
     latest = find_latest(folder)
     state = read_json(latest / STATE_FILE) if latest is not None else None
     if isinstance(state, dict) and isinstance(state.get("config"), dict):
-        return describe_layout(state["config"].get("parallel") or {})
+        return state["config"]
     slurm = folder / "slurm" / "config.yaml"
     if slurm.is_file():
         raw = yaml.safe_load(read_bounded(slurm, 16 << 20)) or {}
-        return describe_layout(raw.get("parallel") or {})
-    return "layout unknown"
+        return raw if isinstance(raw, dict) else None
+    return None
+
+
+def _layout(folder: Path) -> str:
+    """The layout of a run, from its config (run_config's)."""
+    cfg = run_config(folder)
+    return describe_layout(cfg.get("parallel") or {}) if cfg is not None else "layout unknown"
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+SAME_RUN_FIELDS = ("out", "parallel.")  # where each run writes, and the layout its label already names
+MAX_DIFFERENCES = 4  # fields named in a label: the picture's legend stays readable
+
+
+def mark_differences(runs: list[RunData]) -> None:
+    """With several runs, set each one's `differs`: the config fields (up to MAX_DIFFERENCES, sorted) whose
+    values are not the same in every run whose config is known, so two curves of the same layout say what
+    sets them apart ("optim.name=adamw" against "optim.name=muon")."""
+    configs = [run_config(run.folder) for run in runs]
+    flats = [_flat(c) for c in configs if c is not None]
+    if len(runs) < 2 or len(flats) < 2:
+        return
+    keys = sorted({k for f in flats for k in f if not k.startswith(SAME_RUN_FIELDS)})
+    differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+    for run, cfg in zip(runs, configs):
+        if cfg is not None:
+            flat = _flat(cfg)
+            run.differs = ", ".join(f"{k}={flat.get(k)}" for k in differing[:MAX_DIFFERENCES])
 
 
 def launches(records: list[dict[str, Any]]) -> list[Launch]:
@@ -309,6 +348,7 @@ def report(args: list[str]) -> str:
     parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the x axis (default: step)")
     ns = parser.parse_args(args)
     runs = [read_run(folder) for folder in ns.runs]
+    mark_differences(runs)
     out = Path(ns.out).expanduser() if ns.out else runs[0].folder / "report.png"
     fig = figure(runs, x=ns.x)
     try:
