@@ -134,10 +134,14 @@ def mark_differences(runs: list[RunData]) -> None:
         return
     keys = sorted({k for f in flats for k in f if not k.startswith(SAME_RUN_FIELDS)})
     differing = [k for k in keys if len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+    optimizers = {f.get("optim.name") for f in flats}
     for run, cfg in zip(runs, configs):
         if cfg is not None:
             flat = _flat(cfg)
-            run.differs = ", ".join(f"{k}={flat.get(k)}" for k in differing[:MAX_DIFFERENCES])
+            # another optimizer's settings (an AdamW run's optim.muon_*) set nothing apart in this run
+            own = [k for k in differing if not (k.startswith("optim.") and k[6:].split("_")[0] in optimizers
+                                                 and k[6:].split("_")[0] != flat.get("optim.name") and "_" in k[6:])]
+            run.differs = ", ".join(f"{k}={flat.get(k)}" for k in own[:MAX_DIFFERENCES])
 
 
 def launches(records: list[dict[str, Any]]) -> list[Launch]:
