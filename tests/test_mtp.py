@@ -141,6 +141,7 @@ LAYOUTS = {  # (parallel, micro_batch, data, train, model fields): issue 34's la
     "cp2-contiguous-documents": ({"cp": 2, "cp_layout": "contiguous"}, 2, {"mask_documents": True}),
     "ep2": ({"dp": 2, "ep": 2}, 1, {}),
     "pp2-1f1b": ({"pp": 2}, 2, {}),
+    "pp2-tp2-sp": ({"pp": 2, "tp": 2, "sp": True}, 2, {}),
     "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, 2, {}, {}, {"num_hidden_layers": 4}),
     "pp2-dualpipev": ({"pp": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {}, {"grad_acc": 4},
                       {"num_hidden_layers": 4}),
