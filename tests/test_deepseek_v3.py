@@ -259,9 +259,17 @@ def test_configs_count_the_published_parameters():
     for name, total, active in (("deepseek-v3", 671_026_404_352, 37_552_282_624),
                                 ("kimi-k2", 1_026_408_209_408, 32_861_477_888)):
         cfg = DeepseekV3Config(**yaml.safe_load((root / f"{name}.yaml").read_text())["model"])
+        mtp = cfg.num_nextn_predict_layers
+        cfg.num_nextn_predict_layers = 0  # the published count leaves the MTP module out; num_params counts without
         with torch.device("meta"):
             model = DeepseekV3ForCausalLM(cfg)
         assert sum(p.numel() for p in model.parameters()) == cfg.num_params() == total, name
+        if mtp:  # DeepSeek-V3's one MTP module: an MoE layer and its own projection and norms (11.6B; 685B in all)
+            cfg.num_nextn_predict_layers = mtp
+            with torch.device("meta"):
+                model = DeepseekV3ForCausalLM(cfg)
+            extra = sum(p.numel() for p in model.mtp.parameters())
+            assert 11e9 < extra < 12e9 and sum(p.numel() for p in model.parameters()) == total + extra
         assert cfg.num_params(active=True) == active, name
 
 

@@ -141,6 +141,7 @@ LAYOUTS = {  # (parallel, micro_batch, data, train, model fields): issue 34's la
     "cp2-contiguous-documents": ({"cp": 2, "cp_layout": "contiguous"}, 2, {"mask_documents": True}),
     "ep2": ({"dp": 2, "ep": 2}, 1, {}),
     "pp2-1f1b": ({"pp": 2}, 2, {}),
+    "pp2-tp2-sp": ({"pp": 2, "tp": 2, "sp": True}, 2, {}),
     "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, 2, {}, {}, {"num_hidden_layers": 4}),
     "pp2-dualpipev": ({"pp": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {}, {"grad_acc": 4},
                       {"num_hidden_layers": 4}),
@@ -170,3 +171,18 @@ def test_layouts_equal_the_single_process(corpus, cache_dir, tmp_path, request, 
     got, want = ([m["mtp_loss"] for m in w["metrics"]] for w in (written, ref_written))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)  # reduced over the ranks
     assert min(want) > 0 and f"model.layers.{model['num_hidden_layers']}.eh_proj.weight" in written["model"]
+
+
+def test_checkpoint_from_pp2_resumes_in_one_process(corpus, cache_dir, tmp_path):
+    """Saved under pp2 (the MTP module and the embedding's copy on the last stage), resumed in one process: the
+    later steps' losses equal the uninterrupted single process's."""
+    from conftest import LOSS_RTOL, run_parallel
+
+    layout = dict(model=LAYOUT_MODEL, micro_batch=2, parallel={"pp": 2, "bucket_mb": 0.01})
+    check_layout(corpus, cache_dir, tmp_path, checkpoint={"save_every": 2}, **layout)
+    ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)[1]
+    ref, _ = reference_run(ref_raw)
+    resumed = {**ref_raw, "out": str(tmp_path / "resumed"),
+               "checkpoint": {"resume": str(tmp_path / "run" / "checkpoints" / "step_2")}}
+    (got,), written = run_parallel(resumed)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), rtol=LOSS_RTOL, atol=0)

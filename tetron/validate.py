@@ -393,16 +393,10 @@ def _validate_moe(cfg: Config) -> None:
 
 
 def _validate_mtp(cfg: Config) -> None:
-    """Multi-token prediction (models/mtp.py): its weight, and the layouts it has been made to work in."""
+    """Multi-token prediction (models/mtp.py): its weight (it runs in every layout)."""
     w = cfg.train.mtp_loss_weight
     _check(isinstance(w, (int, float)) and math.isfinite(w) and w >= 0,
            f"train.mtp_loss_weight={w} must be a finite number >= 0")
-    depth = getattr(cfg.model, "num_nextn_predict_layers", 0)
-    if not depth:
-        return
-    p = cfg.parallel
-    _check(p.pp == 1 or p.tp == 1, f"model.num_nextn_predict_layers={depth} with parallel.pp={p.pp} and tp={p.tp}: "
-           f"the last stage's copy of the embedding is not split over tp yet; use pp=1 or tp=1")
 
 
 def _validate_experts(cfg: Config) -> None:

@@ -282,6 +282,9 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup, *, sequenc
     if embedding is not None:
         plan.set_part(model, plan.embedding, VocabParallelEmbedding(embedding, group, padded_vocab=padded,
                                                                     sequence_parallel=sp))
+    if getattr(model, "mtp_embed_tokens", None) is not None:  # a pipeline's last stage's copy, for MTP: split alike
+        model.mtp_embed_tokens = VocabParallelEmbedding(model.mtp_embed_tokens, group, padded_vocab=padded,
+                                                        sequence_parallel=sp)
     if final_norm is not None and sp:
         set_layout(final_norm.weight, summed_over_tp=True)
     if head is not None:
