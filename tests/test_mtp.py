@@ -146,6 +146,10 @@ LAYOUTS = {  # (parallel, micro_batch, data, train, model fields): issue 34's la
     "pp2-dualpipev": ({"pp": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {}, {"grad_acc": 4},
                       {"num_hidden_layers": 4}),
     "dp2-ep2-zero3": ({"dp": 2, "ep": 2, "zero": 3}, 1, {}),
+    "ep4": ({"dp": 4, "ep": 4}, 1, {}),  # one expert a rank
+    "tp2-cp2-ep2": ({"tp": 2, "cp": 2, "ep": 2}, 2, {}),  # ep carved out of cp
+    "dp2-pp2-ep2-dualpipev": ({"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {},
+                              {"grad_acc": 4}, {"num_hidden_layers": 4}),
 }
 
 
