@@ -128,6 +128,19 @@ def test_folder_round_trip_at_deepseeks_names(tmp_path):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert hf.config.num_nextn_predict_layers == 1
+    # DeepSeek's own folders also hold the embedding and the head again in the MTP layer: left unread
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    state["model.layers.2.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state["model.layers.2.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    again = load_model(tmp_path / "m")
+    assert again.state_dict().keys() == model.state_dict().keys()
+    state["model.layers.2.stray.weight"] = torch.zeros(1)  # anything else there is still refused
+    save_file(state, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.2.stray.weight"):
+        load_model(tmp_path / "m")
 
 
 LAYOUT_MODEL = {**MODEL, "num_hidden_layers": 2, "rope_scaling": None, "router_aux_loss_coef": 0.01,

@@ -253,7 +253,8 @@ def load_model(folder: Path, *, device: torch.device | str = "cpu", dtype: torch
             state = {k: reader.read(k).to(device) for k in expected if reader.info(k) is not None}
         where = folder / "model.safetensors.index.json"
     state.pop(tied_head, None)
-    state = {k: v.to(dtype) for k, v in state.items() if not (spec.unread and k.startswith(spec.unread))}
+    unread = spec.unread(config) if callable(spec.unread) else spec.unread
+    state = {k: v.to(dtype) for k, v in state.items() if not (unread and k.startswith(unread))}
     optional = {name for name, _ in model.named_buffers()}  # a folder without a routing bias starts it at 0
     missing, unexpected = expected - set(state) - optional, set(state) - expected
     if missing or unexpected:

@@ -291,6 +291,13 @@ def stored_as(name: str, config: DeepseekV3Config) -> str | list[list[str]] | No
     return experts_one_by_one(name, config)
 
 
+def shared_copies(config: DeepseekV3Config) -> tuple[str, ...]:
+    """DeepSeek's folders also keep, in each MTP layer, copies of the embedding and the output head, which tetron's
+    MTP modules share with the model: left unread."""
+    return tuple(f"model.layers.{config.num_hidden_layers + k}.{part}" for k in range(config.num_nextn_predict_layers)
+                 for part in ("embed_tokens.", "shared_head.head."))
+
+
 DEEPSEEK_V3 = register(ModelSpec(name="deepseek_v3", model_types=("deepseek_v3",),
                                  config_class=DeepseekV3Config, model_class=DeepseekV3ForCausalLM,
-                                 plan=DEEPSEEK_V3_PLAN, stored_as=stored_as))
+                                 plan=DEEPSEEK_V3_PLAN, stored_as=stored_as, unread=shared_copies))

@@ -168,9 +168,10 @@ class ModelSpec:
     # (name, config) -> the name there, read where the folder lacks both `name` and its stored_as names; never
     # written (tetron's folders are the family's own). None: no such folders.
     read_as: Callable[[str, Any], str | None] | None = None
-    # Prefixes of the tensors such a folder holds beside the family's (the other towers): left unread where any
-    # other tensor would be refused as unexpected.
-    unread: tuple[str, ...] = ()
+    # Prefixes of the tensors such a folder holds beside the family's (the other towers, copies the family shares):
+    # left unread where any other tensor would be refused as unexpected; a function of the config where they depend
+    # on it.
+    unread: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
 
 
 def piece_names(stored: str | list[list[str]]) -> list[str]:
