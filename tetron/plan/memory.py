@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tetron.config import Config
 from tetron.optim import optimizer_class
@@ -243,9 +243,14 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     held = [chunk_held(cfg, s, c) for c in chunks]
     # Every micro-batch's token ids and targets (int64), cut to this rank's positions, for the whole step.
     ids = 2 * I64 * cfg.train.grad_acc * s.n
-    base = MemoryEstimate(params=st.params, grads=st.grads, optimizer=st.optimizer, activations=ids,
-                          pp_rank=pp_rank)
-    best = replace(base, moment="between steps")
+
+    def at(moment: str, **terms: int) -> MemoryEstimate:  # what persists, plus `terms` (not dataclasses.replace:
+        # its introspection was a few % of a search, which calls this for every layout)
+        return MemoryEstimate(**{"params": st.params, "grads": st.grads, "optimizer": st.optimizer,
+                                 "activations": ids, **terms}, moment=moment, pp_rank=pp_rank)
+
+    base = at("")
+    best = at("between steps")
     base_total = base.total
     acts = loss = 0
     buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
@@ -288,12 +293,12 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
                 done.add(action.chunk)
     if peak is not None:
         name, acts, loss, comm, extra = peak
-        best = replace(base, params=st.params + extra["params"], grads=st.grads + extra["grads"],
-                       activations=ids + acts + extra.get("activations", 0), logits=loss + extra.get("logits", 0),
-                       comm=comm, temporaries=extra.get("temporaries", 0), moment=name)
+        best = at(name, params=st.params + extra["params"], grads=st.grads + extra["grads"],
+                  activations=ids + acts + extra.get("activations", 0), logits=loss + extra.get("logits", 0),
+                  comm=comm, temporaries=extra.get("temporaries", 0))
     # The optimizer step: activations gone; AdamW's temporaries (sqrt of the second moment, the update
     # denominator) and clipping's squares are each one piece in size, fp32.
-    step = replace(base, temporaries=3 * F32 * st.largest, moment="optimizer step")
+    step = at("optimizer step", temporaries=3 * F32 * st.largest)
     return max(best, step, key=lambda e: e.total)
 
 

@@ -78,19 +78,18 @@ def _buffers(name: str, pp: int, virtual: int, micro_batches: int, backward_cost
     times = _timeline(name, pp, virtual, micro_batches, backward_cost)
     orders = [_schedule(name, pp, virtual, micro_batches, r) for r in range(pp)]
     style = style_of(name)
+    needs = [[receives(a, pp=pp, virtual=virtual, rank=r, style=style) for a in o] for r, o in enumerate(orders)]
     posted = {}  # message -> when its receive was posted
-    for r, order in enumerate(orders):
+    for r in range(pp):
         previous = 0.0
-        for k, action in enumerate(order):
-            need = receives(action, pp=pp, virtual=virtual, rank=r, style=style)
+        for k, need in enumerate(needs[r]):
             if need is not None:
                 posted[need[0]] = previous
                 previous = times[r][k][1]
     result = []
     for r, order in enumerate(orders):
         ends = [end for _, end in times[r]]
-        last = max((k for k, a in enumerate(order) if receives(a, pp=pp, virtual=virtual, rank=r, style=style)),
-                   default=-1)
+        last = max((k for k, need in enumerate(needs[r]) if need), default=-1)
         held = [int(k <= last) for k in range(len(order))]
         for k, action in enumerate(order):
             out = sends(action, pp=pp, virtual=virtual, rank=r, style=style)
