@@ -211,17 +211,18 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
         name, extra = _loss_moments(cfg, s)[backward]
         found.append((name, 0, True, extra))
     # A layer's backward, the last layer first; later layers only matter where ZeRO-3's buffers grow (a
-    # chunk of dense and MoE layers: released at their mean).
-    per_layer = chunk_layers(s, chunk, cfg.train.recompute) // max(1, chunk.layers)
-    early, late = _layer_backward(cfg, s, chunk)
-    if action.weight and chunk.moe and s.grouped and not chunk.first:
-        # W of a split backward (zbh1, zbv) past the first stage computes every weight gradient of the chunk
-        # before accumulating them in one pass (weight_grad.py): those, not B's activation gradients
-        early, late = s.d * sum(sum(u) for u in chunk_units(cfg, chunk)), None
-    for index in range(chunk.layers if backward and st.chunk_units else min(1, chunk.layers * backward)):
-        for temporaries, experts in ((early, late is not None),) if not late else ((early, False), (late, True)):
-            found.append(("layer backward", index, experts, {"logits": -held.loss, "temporaries": temporaries,
-                                                             "activations": -head - index * per_layer}))
+    # chunk of dense and MoE layers: released at their mean). A forward has none: not worked out for it.
+    if backward:
+        per_layer = chunk_layers(s, chunk, cfg.train.recompute) // max(1, chunk.layers)
+        early, late = _layer_backward(cfg, s, chunk)
+        if action.weight and chunk.moe and s.grouped and not chunk.first:
+            # W of a split backward (zbh1, zbv) past the first stage computes every weight gradient of the chunk
+            # before accumulating them in one pass (weight_grad.py): those, not B's activation gradients
+            early, late = s.d * sum(sum(u) for u in chunk_units(cfg, chunk)), None
+        for index in range(chunk.layers if st.chunk_units else min(1, chunk.layers)):
+            for temporaries, experts in ((early, late is not None),) if not late else ((early, False), (late, True)):
+                found.append(("layer backward", index, experts, {"logits": -held.loss, "temporaries": temporaries,
+                                                                 "activations": -head - index * per_layer}))
     if not backward:
         found.append(("forward", 0, True, {}))
     if not backward and chunk.moe and moe_forward(s):
