@@ -5,6 +5,7 @@ path the run writes, the checkpoint or model folder it starts from, a hub name i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -29,6 +30,40 @@ from tetron.optim import OPTIMIZERS
 from tetron.overrides import one_of
 from tetron.parallel.pipeline_schedules import SCHEDULES, ScheduleSpec
 from tetron.stop import parse_signal
+
+# Within files_checked_once(): what each filesystem check found, by what it checked ("out" or a data path):
+# None (passed) or the error (its class and line). None outside it: every check looks again.
+_checked: dict[tuple[str, str], tuple[type, str] | None] | None = None
+
+
+@contextlib.contextmanager
+def files_checked_once():
+    """Within this block, each filesystem check (the run folder, a data source) looks once and its outcome is
+    reused: `tetron plan` validates tens of thousands of layouts of one config, whose paths are the same for
+    all (and do not change during the search), and looking again for each was a tenth of the search's time."""
+    global _checked
+    outer, _checked = _checked, {} if _checked is None else _checked
+    try:
+        yield
+    finally:
+        _checked = outer
+
+
+def _looked(key: tuple[str, str], look) -> None:
+    """Run `look` (raising ConfigError or DataError), or within files_checked_once() reuse its earlier outcome:
+    the same error line again, or nothing."""
+    if _checked is None:
+        look()
+        return
+    if key not in _checked:
+        try:
+            look()
+            _checked[key] = None
+        except (ConfigError, DataError) as err:
+            _checked[key] = (type(err), str(err))
+    if _checked[key] is not None:
+        kind, line = _checked[key]
+        raise kind(line)
 
 
 def _word(n: int) -> str:
@@ -288,7 +323,7 @@ def _validate_sources(cfg: Config) -> None:
                f"{where}.epochs={epochs!r} must be a positive number (or absent: no limit)")
         path = e["path"]
         try:
-            source_of(path).check()
+            _looked(("source", path), lambda path=path: source_of(path).check())
         except DataError as err:
             raise ConfigError(f"{where}={path}: {err}") from None
 
@@ -517,4 +552,4 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _check(lg.sample_top_k >= 0, f"logging.sample_top_k={lg.sample_top_k} must be >= 0 (0: no limit)")
     _check(lg.peak_tflops is None or lg.peak_tflops > 0, f"logging.peak_tflops={lg.peak_tflops} must be positive")
     _validate_observing(cfg)
-    _validate_out(cfg)
+    _looked(("out", cfg.out), lambda: _validate_out(cfg))

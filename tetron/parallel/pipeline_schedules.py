@@ -395,6 +395,9 @@ def replay(name: str, *, pp: int, virtual: int, micro_batches: int,
     Returns the (start, end) of each rank's actions; raises if some rank waits forever (a deadlock)."""
     orders = [schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=r) for r in range(pp)]
     style = style_of(name)
+    # each action's input and output, found once (a blocked action is looked at again on every pass)
+    needs = [[receives(a, pp=pp, virtual=virtual, rank=r, style=style) for a in o] for r, o in enumerate(orders)]
+    outs = [[sends(a, pp=pp, virtual=virtual, rank=r, style=style) for a in o] for r, o in enumerate(orders)]
     ready: dict[Message, float] = {}  # message -> when it was sent
     times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
     clock = [0.0] * pp
@@ -405,13 +408,13 @@ def replay(name: str, *, pp: int, virtual: int, micro_batches: int,
             while len(times[r]) < len(orders[r]):
                 k = len(times[r])
                 action = orders[r][k]
-                need = receives(action, pp=pp, virtual=virtual, rank=r, style=style)
+                need = needs[r][k]
                 if need is not None and need[0] not in ready:
                     break
                 start = max(clock[r], ready[need[0]] if need else 0.0)
                 clock[r] = start + duration(r, k, action)
                 times[r].append((start, clock[r]))
-                out = sends(action, pp=pp, virtual=virtual, rank=r, style=style)
+                out = outs[r][k]
                 if out is not None:
                     ready[out[0]] = clock[r]
                 moved = True

@@ -4,6 +4,7 @@ mask, the final norm's input and the loss's gradients)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from tetron.config import Config
@@ -137,6 +138,7 @@ def layer_activations(s: Sizes, mode: str, moe: bool = False) -> int:
     return layer_none(s, moe) if mode == "none" else layer_kept(s, mode, moe)
 
 
+@functools.lru_cache(maxsize=65536)  # per action of every layout's walk (memory._moments): computed once a shape
 def chunk_layers(s: Sizes, chunk: Chunk, mode: str) -> int:
     """The saved tensors of a chunk's decoder layers, its dense and its MoE ones, for one micro-batch."""
     return ((chunk.layers - chunk.moe) * layer_activations(s, mode)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tetron.config import Config
 from tetron.optim import optimizer_class
@@ -119,7 +119,7 @@ def _layer_backward(cfg: Config, s: Sizes, chunk: Chunk) -> tuple[int, int | Non
     return _layer_backward_of(s, chunk, cfg.train.recompute, split)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=65536)  # a search's every (sizes, chunk, mode): ~9k for Llama-3-8B on 64 ranks
 def _layer_backward_of(s: Sizes, chunk: Chunk, mode: str, split: bool) -> tuple[int, int | None]:
     """Temporaries of a decoder layer's backward at its worst (of the chunk's kinds of layer: dense, MoE),
     before and after an MoE layer's expert gradients begin (ZeRO-2's expert buckets start between; None:
@@ -200,9 +200,10 @@ def _begun(starts: tuple[int, ...], reached: int, syncing: bool) -> int:
 
 
 def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action: Action,
-             attached: int) -> list[tuple[str, dict[str, int]]]:
+             attached: int, syncing: bool) -> list[tuple[str, dict[str, int]]]:
     """The moments of one forward or backward of `chunk`, each with what it adds to (or, once the
-    backward has released them, takes from) the bytes held for the backward pass."""
+    backward has released them, takes from) the bytes held for the backward pass; `syncing`: whether its
+    gradients are reduced (the step's last micro-batch, or every one under sharded accumulation)."""
     backward = action.backward
     head = norm_bytes(s, s.n_res) if chunk.last else 0  # what the final norm saved, freed first
     found = []
@@ -210,17 +211,18 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
         name, extra = _loss_moments(cfg, s)[backward]
         found.append((name, 0, True, extra))
     # A layer's backward, the last layer first; later layers only matter where ZeRO-3's buffers grow (a
-    # chunk of dense and MoE layers: released at their mean).
-    per_layer = chunk_layers(s, chunk, cfg.train.recompute) // max(1, chunk.layers)
-    early, late = _layer_backward(cfg, s, chunk)
-    if action.weight and chunk.moe and s.grouped and not chunk.first:
-        # W of a split backward (zbh1, zbv) past the first stage computes every weight gradient of the chunk
-        # before accumulating them in one pass (weight_grad.py): those, not B's activation gradients
-        early, late = s.d * sum(sum(u) for u in chunk_units(cfg, chunk)), None
-    for index in range(chunk.layers if backward and st.chunk_units else min(1, chunk.layers * backward)):
-        for temporaries, experts in ((early, late is not None),) if not late else ((early, False), (late, True)):
-            found.append(("layer backward", index, experts, {"logits": -held.loss, "temporaries": temporaries,
-                                                             "activations": -head - index * per_layer}))
+    # chunk of dense and MoE layers: released at their mean). A forward has none: not worked out for it.
+    if backward:
+        per_layer = chunk_layers(s, chunk, cfg.train.recompute) // max(1, chunk.layers)
+        early, late = _layer_backward(cfg, s, chunk)
+        if action.weight and chunk.moe and s.grouped and not chunk.first:
+            # W of a split backward (zbh1, zbv) past the first stage computes every weight gradient of the chunk
+            # before accumulating them in one pass (weight_grad.py): those, not B's activation gradients
+            early, late = s.d * sum(sum(u) for u in chunk_units(cfg, chunk)), None
+        for index in range(chunk.layers if st.chunk_units else min(1, chunk.layers)):
+            for temporaries, experts in ((early, late is not None),) if not late else ((early, False), (late, True)):
+                found.append(("layer backward", index, experts, {"logits": -held.loss, "temporaries": temporaries,
+                                                                 "activations": -head - index * per_layer}))
     if not backward:
         found.append(("forward", 0, True, {}))
     if not backward and chunk.moe and moe_forward(s):
@@ -229,7 +231,6 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
         combine = 2 * s.n_mlp * s.top_k * s.h * s.d if cfg.train.recompute == "none" else 0
         found.append(("forward", 0, True, {"logits": -held.loss, "activations": -head - combine,
                                            "temporaries": moe_forward(s)}))
-    syncing = action.micro == walked_micro_batches(cfg) - 1 or accumulates_sharded(cfg)
     for name, index, experts, extra in found:
         extra["params"], extra["grads"] = _zero_extras(s, st, chunk, name, attached=attached, index=index,
                                                        syncing=syncing, which=action.chunk, experts=experts)
@@ -243,9 +244,14 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     held = [chunk_held(cfg, s, c) for c in chunks]
     # Every micro-batch's token ids and targets (int64), cut to this rank's positions, for the whole step.
     ids = 2 * I64 * cfg.train.grad_acc * s.n
-    base = MemoryEstimate(params=st.params, grads=st.grads, optimizer=st.optimizer, activations=ids,
-                          pp_rank=pp_rank)
-    best = replace(base, moment="between steps")
+
+    def at(moment: str, **terms: int) -> MemoryEstimate:  # what persists, plus `terms` (not dataclasses.replace:
+        # its introspection was a few % of a search, which calls this for every layout)
+        return MemoryEstimate(**{"params": st.params, "grads": st.grads, "optimizer": st.optimizer,
+                                 "activations": ids, **terms}, moment=moment, pp_rank=pp_rank)
+
+    base = at("")
+    best = at("between steps")
     base_total = base.total
     acts = loss = 0
     buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
@@ -263,6 +269,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
     found: dict[tuple, list] = {}  # per kind of moment, its moments (they depend on nothing else)
     last = walked_micro_batches(cfg) - 1
+    sharded = accumulates_sharded(cfg)
     held_total, peak = best.total, None  # the best moment so far, as (name, acts, loss, comm, extra)
     for k, action in enumerate(actions(cfg, pp_rank)):
         chunk, h = chunks[action.chunk], held[action.chunk]
@@ -275,7 +282,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
             comm = buffers[k] * s.n_res * s.d * s.h
             if key[:3] + key[4:] not in found:
                 found[key[:3] + key[4:]] = [(name, extra, sum(extra.values())) for name, extra
-                                           in _moments(cfg, s, st, chunk, h, action, attached)]
+                                           in _moments(cfg, s, st, chunk, h, action, attached, key[5] or sharded)]
             for name, extra, added in found[key[:3] + key[4:]]:
                 if base_total + acts + loss + comm + added > held_total:
                     held_total, peak = base_total + acts + loss + comm + added, (name, acts, loss, comm, extra)
@@ -283,16 +290,16 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
             acts += rebuilt[action.chunk]
         if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
             acts, loss = acts - h.activations - rebuilt[action.chunk], loss - h.loss
-            if st.chunk_units and cfg.train.grad_acc > 1 and not accumulates_sharded(cfg):
+            if st.chunk_units and cfg.train.grad_acc > 1 and not sharded:
                 done.add(action.chunk)
     if peak is not None:
         name, acts, loss, comm, extra = peak
-        best = replace(base, params=st.params + extra["params"], grads=st.grads + extra["grads"],
-                       activations=ids + acts + extra.get("activations", 0), logits=loss + extra.get("logits", 0),
-                       comm=comm, temporaries=extra.get("temporaries", 0), moment=name)
+        best = at(name, params=st.params + extra["params"], grads=st.grads + extra["grads"],
+                  activations=ids + acts + extra.get("activations", 0), logits=loss + extra.get("logits", 0),
+                  comm=comm, temporaries=extra.get("temporaries", 0))
     # The optimizer step: activations gone; AdamW's temporaries (sqrt of the second moment, the update
     # denominator) and clipping's squares are each one piece in size, fp32.
-    step = replace(base, temporaries=3 * F32 * st.largest, moment="optimizer step")
+    step = at("optimizer step", temporaries=3 * F32 * st.largest)
     return max(best, step, key=lambda e: e.total)
 
 

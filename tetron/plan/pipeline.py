@@ -36,7 +36,10 @@ def walked_micro_batches(cfg: Config) -> int:
     return m if p.pp == 1 or schedule_spec(p.pp_schedule).holds_every_micro_batch else min(m, 2 * p.pp)
 
 
-@functools.lru_cache(maxsize=1024)
+# A search revisits each (schedule, pp, virtual, micro-batches) shape once per ZeRO stage, recomputation and ep
+# it tries, with other shapes between: caches large enough to hold a whole search's (a few thousand entries)
+# compute each once (a smaller one was evicted between the visits and rebuilt it every time).
+@functools.lru_cache(maxsize=16384)
 def _schedule(name: str, pp: int, virtual: int, micro_batches: int, rank: int) -> tuple[Action, ...]:
     if not name:  # the second micro-batch on are alike but for the last, which reduces: those stand for all
         kept = sorted({0, 1, micro_batches - 1} & set(range(micro_batches)))
@@ -44,7 +47,7 @@ def _schedule(name: str, pp: int, virtual: int, micro_batches: int, rank: int) -
     return tuple(schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=rank))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _timeline(name: str, pp: int, virtual: int, micro_batches: int, backward_cost: float) -> tuple:
     """(start, end) of every action of every pipeline rank, replayed with free communication: a forward
     takes 1, a backward `backward_cost`, each starts once its rank is free and its input has been sent
@@ -69,25 +72,24 @@ def pipeline_buffers(cfg: Config, pp_rank: int) -> list[int]:
                          3.0 if cfg.train.recompute == "full" else 2.0)[pp_rank])
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _buffers(name: str, pp: int, virtual: int, micro_batches: int, backward_cost: float) -> tuple:
     """pipeline_buffers of every rank of one schedule."""
     times = _timeline(name, pp, virtual, micro_batches, backward_cost)
     orders = [_schedule(name, pp, virtual, micro_batches, r) for r in range(pp)]
     style = style_of(name)
+    needs = [[receives(a, pp=pp, virtual=virtual, rank=r, style=style) for a in o] for r, o in enumerate(orders)]
     posted = {}  # message -> when its receive was posted
-    for r, order in enumerate(orders):
+    for r in range(pp):
         previous = 0.0
-        for k, action in enumerate(order):
-            need = receives(action, pp=pp, virtual=virtual, rank=r, style=style)
+        for k, need in enumerate(needs[r]):
             if need is not None:
                 posted[need[0]] = previous
                 previous = times[r][k][1]
     result = []
     for r, order in enumerate(orders):
         ends = [end for _, end in times[r]]
-        last = max((k for k, a in enumerate(order) if receives(a, pp=pp, virtual=virtual, rank=r, style=style)),
-                   default=-1)
+        last = max((k for k, need in enumerate(needs[r]) if need), default=-1)
         held = [int(k <= last) for k in range(len(order))]
         for k, action in enumerate(order):
             out = sends(action, pp=pp, virtual=virtual, rank=r, style=style)

@@ -24,7 +24,7 @@ from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import MemoryEstimate, floor, predict
 from tetron.plan.sizes import is_moe
 from tetron.plan.steptime import TimeEstimate, estimate
-from tetron.validate import validate
+from tetron.validate import files_checked_once, validate
 
 # Besides the device's own: the CUDA context, NCCL's buffers and the caching allocator's rounding.
 GPU_RESERVE = GiB
@@ -173,10 +173,18 @@ def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch:
     """Every valid layout, predicted; see `rank` for the order. `progress` gets a line every `every_s` seconds
     (PROGRESS_EVERY_S by default) of the search (a large model's takes a while: each layout is predicted layer
     by layer on fake tensors); a search quicker than that says nothing."""
-    world, plans, refused = nodes * gpus_per_node, [], []
-    limit = memory_limit(hw, gpus_per_node)
+    world = nodes * gpus_per_node
     every_s = PROGRESS_EVERY_S if every_s is None else every_s
     layouts = list(candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed or {}))
+    with files_checked_once():  # the run folder and the data are the same for every layout: looked at once
+        return _search(base, hw, layouts, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed,
+                       progress=progress, every_s=every_s)
+
+
+def _search(base: Config, hw: Hardware, layouts: list[Layout], *, world: int, gpus_per_node: int, batch: int,
+            fixed: dict[str, Any] | None, progress: Callable[[str], None] | None, every_s: float) -> list[Plan]:
+    plans, refused = [], []
+    limit = memory_limit(hw, gpus_per_node)
     start = last = time.monotonic()
     for i, layout in enumerate(layouts):
         if progress and time.monotonic() - last >= every_s:
