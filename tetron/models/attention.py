@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tetron.models import core_recompute
+from tetron.models.core_recompute import active as recompute_active
+from tetron.models.core_recompute import recomputed
 from tetron.torch_private import cpu_flash_attention, cpu_flash_attention_backward
 
 LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")  # transformers 5's layer_types
@@ -92,10 +93,10 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = Non
     v_head_dim] -> [B, n_heads, T, v_head_dim]; with `docs` (documents.py) each position attends only within its
     document, with `window` only to the `window` latest positions (itself included); `scale`, `softcap` and
     `sinks` [n_heads] as AttentionOptions says."""
-    if sinks is None and core_recompute.active() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if sinks is None and recompute_active() and (q.requires_grad or k.requires_grad or v.requires_grad):
         # recompute: selective keeps q, k, v only and runs the kernel again in the backward (core_recompute.py)
         core = functools.partial(sdpa_attention, docs=docs, window=window, scale=scale, softcap=softcap)
-        return core_recompute.recomputed(core, q, k, v)
+        return recomputed(core, q, k, v)
     if window is not None and window >= q.shape[2]:
         window = None  # no query is further than T-1 from a key: the window masks nothing
     grouped = k.shape[1] != q.shape[1]

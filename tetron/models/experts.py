@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tetron.models import core_recompute
 from tetron.models.blocks import activation
+from tetron.models.core_recompute import active as recompute_active
+from tetron.models.core_recompute import recomputed
 from tetron.torch_private import grouped_mm, grouped_mm_available
 
 
@@ -54,8 +55,8 @@ class Experts(nn.Module):
             gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-        if core_recompute.active() and gate.requires_grad:  # recompute: selective keeps gate and up only
-            return core_recompute.recomputed(self._glu, gate, up)
+        if recompute_active() and gate.requires_grad:  # recompute: selective keeps gate and up only
+            return recomputed(self._glu, gate, up)
         return self._glu(gate, up)
 
     def _glu(self, gate: Tensor, up: Tensor) -> Tensor:

@@ -237,6 +237,18 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
     return [(name, extra) for name, _, _, extra in found]
 
 
+def _rebuilt_for_w(cfg: Config, s: Sizes, chunks: list[Chunk], split: bool) -> list[int]:
+    """Per chunk, what a split backward (zbh1, zbv) holds from B to W beyond the forward's saved tensors."""
+    # with full recompute: a layer's input and what W reads of the graph B rebuilt, in place of what recompute
+    # kept (recompute.py; the first stage, without a B, rebuilds it within W); selective splits as none does
+    mode = cfg.train.recompute
+    rebuilt = [sum(n * (s.n_res * s.d * s.h + layer_weight_inputs(s, moe) - layer_kept(s, mode, moe))
+                   for n, moe in ((c.layers - c.moe, False), (c.moe, True)))
+               if split and mode == "full" and not c.first else 0 for c in chunks]
+    # ... and an MoE layer's B keeps the gradients its W multiplies by (the first stage's W runs B's work too)
+    return [r + (c.moe * moe_retained(s) if split and not c.first else 0) for r, c in zip(rebuilt, chunks)]
+
+
 def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEstimate:
     """The peak of pipeline rank `pp_rank` over one steady-state step: the largest moment."""
     s, st = Sizes.of(cfg), state(cfg, pp_rank, dp_rank=dp_rank)
@@ -256,15 +268,7 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     acts = loss = 0
     buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
     split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule)
-    # zbh1, zbv with full recompute: from B to W a layer holds its input and what W reads of the graph B
-    # rebuilt, in place of what recompute kept (recompute.py; the first stage, without a B, rebuilds it within W);
-    # selective splits as none does
-    mode = cfg.train.recompute
-    rebuilt = [sum(n * (s.n_res * s.d * s.h + layer_weight_inputs(s, moe) - layer_kept(s, mode, moe))
-                   for n, moe in ((c.layers - c.moe, False), (c.moe, True)))
-               if split and mode == "full" and not c.first else 0 for c in chunks]
-    # ... and an MoE layer's B keeps the gradients its W multiplies by (the first stage's W runs B's work too)
-    rebuilt = [r + (c.moe * moe_retained(s) if split and not c.first else 0) for r, c in zip(rebuilt, chunks)]
+    rebuilt = _rebuilt_for_w(cfg, s, chunks, split)
     done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-2/3, full accumulation)
     most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
     found: dict[tuple, list] = {}  # per kind of moment, its moments (they depend on nothing else)
