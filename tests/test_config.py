@@ -432,20 +432,20 @@ def test_a_key_given_twice_in_a_command_line_value_is_refused():
         load_config(None, ["--model", "demo", "--data.sources=[{path: a.txt, path: b.txt}]"])
 
 
-def test_files_checked_once_reuses_each_outcome(corpus, cache_dir, tmp_path):
-    """Within files_checked_once (tetron plan's search) the run folder is looked at once: its refusal comes back
-    word for word, even after the problem went; outside, it is looked at again."""
+def test_file_checks_reuse_each_outcome(corpus, cache_dir, tmp_path):
+    """Through one FileChecks (tetron plan's search) the run folder is looked at once: its refusal comes back
+    word for word, even after the problem went; without it, it is looked at again."""
     from tetron.errors import ConfigError
-    from tetron.validate import files_checked_once
+    from tetron.validate import FileChecks
 
     out = tmp_path / "run"
     out.write_text("not a folder")
     cfg = from_dict(tiny_config(corpus, cache_dir, out))
-    with files_checked_once():
-        with pytest.raises(ConfigError, match="exists and is not a folder") as first:
-            validate(cfg)
-        out.unlink()  # fixed meanwhile: the search keeps the outcome it found
-        with pytest.raises(ConfigError) as again:
-            validate(cfg)
-        assert str(again.value) == str(first.value)
-    validate(cfg)  # outside: looked at again, and now it passes
+    seen = FileChecks()
+    with pytest.raises(ConfigError, match="exists and is not a folder") as first:
+        validate(cfg, seen=seen)
+    out.unlink()  # fixed meanwhile: the search keeps the outcome it found
+    with pytest.raises(ConfigError) as again:
+        validate(cfg, seen=seen)
+    assert str(again.value) == str(first.value)
+    validate(cfg)  # without it: looked at again, and now it passes

@@ -5,13 +5,13 @@ path the run writes, the checkpoint or model folder it starts from, a hub name i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import math
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from tetron.checkpoint.check import inspect_checkpoint, read_model_config
 from tetron.checkpoint.load import optimizer_problem
@@ -31,39 +31,36 @@ from tetron.overrides import one_of
 from tetron.parallel.pipeline_schedules import SCHEDULES, ScheduleSpec
 from tetron.stop import parse_signal
 
-# Within files_checked_once(): what each filesystem check found, by what it checked ("out" or a data path):
-# None (passed) or the error (its class and line). None outside it: every check looks again.
-_checked: dict[tuple[str, str], tuple[type, str] | None] | None = None
+
+class FileChecks:
+    """Each filesystem check (the run folder, a data source) looked at once and its outcome reused, for a caller that
+    validates many configs of the same paths: `tetron plan` validates tens of thousands of layouts of one config,
+    whose paths do not change during the search, and looking again for each was a tenth of its time."""
+
+    def __init__(self) -> None:
+        # by what was checked (("out", path) or ("source", path)): None (passed) or the error's class and line
+        self.outcomes: dict[tuple[str, str], tuple[type, str] | None] = {}
+
+    def look(self, key: tuple[str, str], look: Callable[[], None]) -> None:
+        """Run `look` (raising ConfigError or DataError) the first time; later, its outcome again: the same error
+        line, or nothing."""
+        if key not in self.outcomes:
+            try:
+                look()
+                self.outcomes[key] = None
+            except (ConfigError, DataError) as err:
+                self.outcomes[key] = (type(err), str(err))
+        if self.outcomes[key] is not None:
+            kind, line = self.outcomes[key]
+            raise kind(line)
 
 
-@contextlib.contextmanager
-def files_checked_once():
-    """Within this block, each filesystem check (the run folder, a data source) looks once and its outcome is
-    reused: `tetron plan` validates tens of thousands of layouts of one config, whose paths are the same for
-    all (and do not change during the search), and looking again for each was a tenth of the search's time."""
-    global _checked
-    outer, _checked = _checked, {} if _checked is None else _checked
-    try:
-        yield
-    finally:
-        _checked = outer
-
-
-def _looked(key: tuple[str, str], look) -> None:
-    """Run `look` (raising ConfigError or DataError), or within files_checked_once() reuse its earlier outcome:
-    the same error line again, or nothing."""
-    if _checked is None:
+def _looked(key: tuple[str, str], look: Callable[[], None], seen: FileChecks | None) -> None:
+    """`look`, or through `seen` where the caller keeps the outcomes."""
+    if seen is None:
         look()
-        return
-    if key not in _checked:
-        try:
-            look()
-            _checked[key] = None
-        except (ConfigError, DataError) as err:
-            _checked[key] = (type(err), str(err))
-    if _checked[key] is not None:
-        kind, line = _checked[key]
-        raise kind(line)
+    else:
+        seen.look(key, look)
 
 
 def _word(n: int) -> str:
@@ -277,14 +274,14 @@ def _validate_layout(cfg: Config, world_size: int | None) -> None:
     _validate_pipeline(cfg)
 
 
-def _validate_data(cfg: Config) -> None:
+def _validate_data(cfg: Config, seen: FileChecks | None = None) -> None:
     """The sequence length, the data source (resolved, not read) and the tokenizer against the model."""
     m, d = cfg.model, cfg.data
     _check(d.seq_len >= 1, f"data.seq_len={d.seq_len} must be at least 1")
     _check(d.seq_len <= m.max_position_embeddings,
            f"data.seq_len={d.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
     _check(d.max_bytes is None or d.max_bytes > 0, f"data.max_bytes={d.max_bytes} must be positive")
-    _validate_sources(cfg)
+    _validate_sources(cfg, seen)
     tok = tokenizer_spec(cfg)
     if tok.startswith("bpe:"):
         specs = data_specs(cfg)
@@ -304,7 +301,7 @@ def _validate_data(cfg: Config) -> None:
         _check(m.vocab_size >= 256, f"data.tokenizer=bytes needs model.vocab_size >= 256, not {m.vocab_size}")
 
 
-def _validate_sources(cfg: Config) -> None:
+def _validate_sources(cfg: Config, seen: FileChecks | None) -> None:
     """data.path, or each entry of data.sources: {path, weight, epochs}, each path resolvable (not read)."""
     d = cfg.data
     entries = d.sources if d.sources is not None else [{"path": d.path}]
@@ -323,7 +320,7 @@ def _validate_sources(cfg: Config) -> None:
                f"{where}.epochs={epochs!r} must be a positive number (or absent: no limit)")
         path = e["path"]
         try:
-            _looked(("source", path), lambda path=path: source_of(path).check())
+            _looked(("source", path), lambda path=path: source_of(path).check(), seen)
         except DataError as err:
             raise ConfigError(f"{where}={path}: {err}") from None
 
@@ -529,8 +526,9 @@ def idle_options(cfg: Config, given: set[str]) -> list[str]:
     return [note for field, idle, note in rules if field in given and idle]
 
 
-def validate(cfg: Config, *, world_size: int | None = None) -> None:
-    """Every check that needs no process group; raises ConfigError with one line naming the field."""
+def validate(cfg: Config, *, world_size: int | None = None, seen: FileChecks | None = None) -> None:
+    """Every check that needs no process group; raises ConfigError with one line naming the field. `seen`: the
+    filesystem checks' outcomes kept across calls (FileChecks); None: looked at every time."""
     if cfg.model is None:
         _validate_no_model(cfg)
     _validate_numbers(cfg)
@@ -539,7 +537,7 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _validate_mtp(cfg)
     _validate_experts(cfg)
     _validate_layout(cfg, world_size)
-    _validate_data(cfg)
+    _validate_data(cfg, seen)
     _validate_train(cfg)
     _validate_optim(cfg)
     _validate_memory(cfg)
@@ -552,4 +550,4 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     _check(lg.sample_top_k >= 0, f"logging.sample_top_k={lg.sample_top_k} must be >= 0 (0: no limit)")
     _check(lg.peak_tflops is None or lg.peak_tflops > 0, f"logging.peak_tflops={lg.peak_tflops} must be positive")
     _validate_observing(cfg)
-    _looked(("out", cfg.out), lambda: _validate_out(cfg))
+    _looked(("out", cfg.out), lambda: _validate_out(cfg), seen)

@@ -24,7 +24,7 @@ from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import MemoryEstimate, floor, predict
 from tetron.plan.sizes import is_moe
 from tetron.plan.steptime import TimeEstimate, estimate
-from tetron.validate import files_checked_once, validate
+from tetron.validate import FileChecks, validate
 
 # Besides the device's own: the CUDA context, NCCL's buffers and the caching allocator's rounding.
 GPU_RESERVE = GiB
@@ -176,13 +176,7 @@ def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch:
     world = nodes * gpus_per_node
     every_s = PROGRESS_EVERY_S if every_s is None else every_s
     layouts = list(candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed or {}))
-    with files_checked_once():  # the run folder and the data are the same for every layout: looked at once
-        return _search(base, hw, layouts, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed,
-                       progress=progress, every_s=every_s)
-
-
-def _search(base: Config, hw: Hardware, layouts: list[Layout], *, world: int, gpus_per_node: int, batch: int,
-            fixed: dict[str, Any] | None, progress: Callable[[str], None] | None, every_s: float) -> list[Plan]:
+    seen = FileChecks()  # the run folder and the data are the same for every layout: looked at once
     plans, refused = [], []
     limit = memory_limit(hw, gpus_per_node)
     start = last = time.monotonic()
@@ -193,7 +187,7 @@ def _search(base: Config, hw: Hardware, layouts: list[Layout], *, world: int, gp
                      f"{len(plans):,} valid so far ({last - start:.0f} s)")
         cfg = layout.apply(base)
         try:
-            validate(cfg, world_size=world)
+            validate(cfg, world_size=world, seen=seen)
         except ConfigError as err:
             refused.append(str(err))
             continue
