@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch import Tensor
 
-from tetron.torch_private import version, view_base, wrapped_tensors
+from tetron.torch_private import is_fake, version, view_base, wrapped_tensors
 
 if TYPE_CHECKING:
     from tetron.parallel.parallelize import ParallelModel
@@ -52,9 +52,11 @@ def _storages(t: Tensor) -> list[tuple[StorageKey, int]]:
         return []  # no memory behind it
     try:
         storage = t.untyped_storage()
+        if is_fake(t):  # no address (all are 0): the storage object's own, alive as long as a tensor holds it
+            return [((t.device, storage._cdata), storage.nbytes())]
         return [((t.device, storage.data_ptr()), storage.nbytes())]
     except (RuntimeError, NotImplementedError):
-        return []  # sparse, nested, fake tensors: no single storage to read
+        return []  # sparse, nested tensors: no single storage to read
 
 
 def _count(tensors: Iterable[Tensor | None], seen: set[StorageKey]) -> int:

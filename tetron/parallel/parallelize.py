@@ -70,30 +70,9 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
     """Build this rank's chunks of `cfg.model` for its place in `mesh`, initialised from the run seed
     (each rank its own slices, so every layout starts from the same weights)."""
     p = cfg.parallel
-    spec = spec_of(cfg.model)  # the family: its module class, and the plan every axis reads
-    chunks = []
+    chunks, moe_layers = [], 0
     for layers, first, last in rank_stages(cfg, mesh.local_rank("pp")):
-        with torch.device("meta"):
-            chunk = spec.model_class(cfg.model)
-        moe_layers = len(moe_blocks(chunk))  # of the whole model, before the pipeline keeps its stage's
-        apply_pipeline_stage(chunk, layers, first=first, last=last, plan=spec.plan)
-        apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
-                              vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan, regather=p.sp_regather)
-        apply_expert_parallel(chunk, mesh)
-        materialize_(chunk, device)
-        # Names stay Hugging Face names, so every layout starts from the same weights.
-        init_weights_(chunk, seed=cfg.train.seed)  # as the family initialises (ModelSpec.init)
-        scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc,
-                         cp=mesh.size("cp"), pieces=sequence_pieces(mesh, sequence_parallel=p.sp))
-        apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
-        if cfg.optim.qk_clip_tau is not None:  # each attention function, as context parallelism left it, recorded
-            record_attention_logits(chunk, mesh, layout=p.cp_layout)
-        # zbh1/zbv split each backward into B and W: a recomputed layer must then split too
-        apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
-        apply_compile(chunk, cfg.train.compile)
-        chunk.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # the head and the loss, chunked (models/loss.py)
-        if hasattr(chunk, "mtp_loss_weight"):  # multi-token prediction's weight in the objective (models/mtp.py)
-            chunk.mtp_loss_weight = cfg.train.mtp_loss_weight
+        chunk, moe_layers = build_chunk(cfg, mesh, device, layers, first=first, last=last)
         chunks.append(chunk)
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas; expert
@@ -110,6 +89,37 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
                                      whole=whole)
                  for chunk in chunks]
     return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
+
+
+def build_chunk(cfg: Config, mesh: Mesh, device: torch.device, layers: range, *, first: bool,
+                last: bool) -> tuple[nn.Module, int]:
+    """One chunk of this rank (the decoder layers `layers`, with the embedding if `first`, the final norm and head
+    if `last`), everything but data parallelism done to it, and the MoE layers of the whole model. The recipe the
+    run follows, and the planner's measurement of a layer too (plan/probe.py)."""
+    p = cfg.parallel
+    spec = spec_of(cfg.model)  # the family: its module class, and the plan every axis reads
+    with torch.device("meta"):
+        chunk = spec.model_class(cfg.model)
+    moe_layers = len(moe_blocks(chunk))  # of the whole model, before the pipeline keeps its stage's
+    apply_pipeline_stage(chunk, layers, first=first, last=last, plan=spec.plan)
+    apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
+                          vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan, regather=p.sp_regather)
+    apply_expert_parallel(chunk, mesh)
+    materialize_(chunk, device)
+    # Names stay Hugging Face names, so every layout starts from the same weights.
+    init_weights_(chunk, seed=cfg.train.seed)  # as the family initialises (ModelSpec.init)
+    scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc,
+                     cp=mesh.size("cp"), pieces=sequence_pieces(mesh, sequence_parallel=p.sp))
+    apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
+    if cfg.optim.qk_clip_tau is not None:  # each attention function, as context parallelism left it, recorded
+        record_attention_logits(chunk, mesh, layout=p.cp_layout)
+    # zbh1/zbv split each backward into B and W: a recomputed layer must then split too
+    apply_recompute(chunk, cfg.train.recompute, split=p.pp > 1 and splits_backward(p.pp_schedule))
+    apply_compile(chunk, cfg.train.compile)
+    chunk.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # the head and the loss, chunked (models/loss.py)
+    if hasattr(chunk, "mtp_loss_weight"):  # multi-token prediction's weight in the objective (models/mtp.py)
+        chunk.mtp_loss_weight = cfg.train.mtp_loss_weight
+    return chunk, moe_layers
 
 
 def param_roles(chunks: list[nn.Module]) -> dict[int, Role]:

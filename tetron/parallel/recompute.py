@@ -131,11 +131,18 @@ def apply_recompute(model: nn.Module, mode: Recompute, *, split: bool = False) -
     if mode not in ("selective", "full"):
         raise ValueError(f"recompute={mode!r} must be 'none', 'selective' or 'full'")
     for layer in spec_of(model.config).plan.layers_of(model).values():
-        if mode == "selective":  # the same under a split backward: no layer-wide node to split
-            layer.forward = functools.partial(core_recompute.within, layer.forward)
-        elif split:
-            params = [p for p in layer.parameters() if p.requires_grad]
-            layer.forward = functools.partial(_split_recomputed, layer.forward, params)
-        else:
-            layer.forward = functools.partial(_recomputed, layer.forward)
+        recompute_layer(layer, mode, split=split)
     return model
+
+
+def recompute_layer(layer: nn.Module, mode: Recompute, *, split: bool = False) -> None:
+    """One decoder layer's forward under `mode`, set on the instance (apply_recompute's step for each layer; the
+    planner's probe, plan/probe.py, switches one layer between modes): "none" gives it its class's forward back."""
+    layer.__dict__.pop("forward", None)
+    if mode == "selective":  # the same under a split backward: no layer-wide node to split
+        layer.forward = functools.partial(core_recompute.within, layer.forward)
+    elif mode == "full" and split:
+        params = [p for p in layer.parameters() if p.requires_grad]
+        layer.forward = functools.partial(_split_recomputed, layer.forward, params)
+    elif mode == "full":
+        layer.forward = functools.partial(_recomputed, layer.forward)

@@ -8,6 +8,7 @@ import functools
 from dataclasses import dataclass
 
 from tetron.config import Config
+from tetron.plan.probe import measure_layer
 from tetron.plan.sizes import F32, I64, Sizes
 from tetron.plan.state import Chunk
 
@@ -20,36 +21,12 @@ def norm_bytes(s: Sizes, tokens: int) -> int:
     return tokens * (s.d * s.h + F32)
 
 
-def _attention(s: Sizes) -> int:
-    """What attention saves: q, k and v as the kernel sees them and its output, in the compute dtype, and
-    the fp32 log-sum-exp per head. The fused kernel keeps no [s, s] scores (Korthikanti's 5as/h term is
-    gone). GQA's k and v reach the kernel as the kv heads they are (hkv each; models/attention.py: the CPU's
-    flash kernel, CUDA's FlashAttention; CUDA's masked and soft-capped paths still repeat them, not modelled),
-    and the output is already laid out for o_proj. Ring attention keeps its own contiguous k and v (hkv
-    each) and its output in [B, H, T, D], which o_proj's input reshape copies (one more hq). Ulysses
-    attention keeps what the kernel keeps (q, the k and v heads cp needs, its output) and o_proj's copy;
-    under the contiguous layout q, k and v are views of the all-to-all's buffer, kept once."""
-    if s.cp == 1:
-        return s.n * (s.d * (2 * s.hq + 2 * s.hkv) + F32 * s.heads)
-    kv = s.ulysses_kv or s.hkv
-    return s.n * (s.d * (3 * s.hq + 2 * kv) + F32 * s.heads)
-
-
 def layer_none(s: Sizes, moe: bool = False) -> int:
-    """One decoder layer's saved tensors without recomputation, for one micro-batch. Korthikanti's
-    sbh(34 + 5as/h) for GPT becomes, for this Llama (no dropout, SwiGLU, RMSNorm in fp32): two norms
-    (on the residual stream, 1/tp of it under sp), the two norm outputs as the column-parallel matmuls
-    see them (the whole sequence, all-gathered under sp; an MoE model's mlp, whole on every tp rank, sees
-    its n_mlp tokens instead), attention, and the MLP's gate and up (2 x intermediate/tp: fused.gated_linear
-    recomputes silu(gate) * up in the backward), or an MoE layer's block (moe_block_none). In d-byte elements
-    per token, tp 1: 4h + 2 hq + 2 hkv + 2i, and 4 heads + 8 bytes of fp32 statistics
-    (tests/test_saved_activations.py checks the meter's bytes against this formula exactly)."""
-    # Under sp each block's norm output is all-gathered into one contiguous [n, h] buffer (comm.py) that
-    # q, k and v (gate and up) all read: one saved per block, as without sp, or with regather (sp_regather) the
-    # block's sequence shard, n_res tokens (an MoE model's mlp is no tp block: it reads its own tokens).
-    mlp = moe_block_none(s) if moe else s.n_mlp * 2 * s.d * s.inter
-    return (2 * norm_bytes(s, s.n_res) + (_block_input(s) + _mlp_input(s)) * s.d * s.h + _attention(s)
-            + _head_norms(s) + mlp)
+    """One decoder layer's saved tensors without recomputation, for one micro-batch: measured from the family's
+    own layer (plan/probe.py), so whatever a family's layer keeps is counted (MLA's latents, sinks, sandwich norms,
+    an MoE block's routing and expert buffers), and a new family needs nothing here. For a Llama layer it is
+    Korthikanti's sbh(34 + 5as/h) as tetron keeps it (docs/memory.md gives the terms)."""
+    return measure_layer(s.probe(moe), "none").saved
 
 
 def _block_input(s: Sizes) -> int:
@@ -70,51 +47,11 @@ def _head_norms(s: Sizes) -> int:
     return s.n * (s.d * (s.hq + s.hkv) + F32 * (s.hq + s.hkv) // s.hd)
 
 
-def moe_block_none(s: Sizes) -> int:
-    """What an MoE block (models/moe.py) saves beyond its input, for n tokens (n_mlp: 1/tp of them under sp)
-    and M = n*k assignments: the router's fp32 logits (the z-loss's logsumexp keeps them), its softmax
-    scores, the chosen experts' weights and their sum, the logsumexp per token, the top-k indices (int64) and
-    the auxiliary loss's [B, E] counts; the dispatch's sort order and token index (int64) and each
-    assignment's weight; per assignment the permuted token [M, H] each expert's first matmul reads, its
-    gate_up output, silu's output and the product (4 x moe_intermediate), the expert output and the weighted
-    output the scatter-add keeps ([M, H] each); the shared experts as a dense MLP. torch._grouped_mm (Sizes.
-    grouped) keeps each group's end (int32, one per local expert); on CUDA its first four are padded to the
-    alignment's rows and the row places (int64) kept; the shared experts' gate and up (a dense MLP's). Expert
-    parallelism adds the int64 orders that sort what
-    a rank receives by local expert and put its outputs back (the rows it receives: M on average)."""
-    n = s.n_mlp
-    m = n * s.top_k
-    router = n * (F32 * (2 * s.experts + s.top_k + 2) + I64 * s.top_k) + F32 * s.batch * s.experts
-    dispatch = m * (F32 + 2 * I64) + (2 * I64 * m if s.ep > 1 else 0)
-    experts = m * s.d * (3 * s.h + 4 * s.expert_inter)
-    if s.grouped:
-        ends = 4 * (s.experts // s.ep)
-        places = I64 * m if s.align > 1 else 0
-        experts = s.rows(m) * s.d * (s.h + 4 * s.expert_inter) + 2 * m * s.d * s.h + ends + places
-    return router + dispatch + experts + n * 2 * s.d * s.shared_inter
-
-
 def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
-    """What a layer keeps between its forward and backward under recomputation (recompute.py): `full` its
-    input (on the residual stream); `selective` (Korthikanti's) what `none` keeps but what the attention kernel
-    saves for itself alone (kernel_only), which its backward recomputes from q, k and v, and in an MoE layer the
-    experts' act(gate) per assignment (Sizes.rows of them with torch._grouped_mm), recomputed from gate and up."""
-    if mode == "selective":
-        m = s.n_mlp * s.top_k
-        act = (s.rows(m) if s.grouped else m) * s.d * s.expert_inter if moe else 0
-        return layer_none(s, moe) - kernel_only(s) - act
-    return s.n_res * s.d * s.h
-
-
-def kernel_only(s: Sizes) -> int:
-    """What the attention kernel saves that nothing else in a layer keeps: its fp32 log-sum-exp (its output is
-    o_proj's input, kept anyway), and under Ulysses its output too (o_proj reads the all-to-all's copy). Ring
-    attention's Function is left as it is (models/core_recompute.py): nothing."""
-    if s.cp == 1:
-        return s.n * F32 * s.heads
-    if s.ulysses_kv:
-        return s.n * (s.d * s.hq + F32 * s.heads)
-    return 0
+    """What a layer keeps between its forward and backward under recomputation (recompute.py), measured as
+    layer_none is: `full` its input (on the residual stream); `selective` (Korthikanti's) what `none` keeps but
+    what the attention kernel saves for itself alone, and in an MoE layer the experts' act(gate)."""
+    return measure_layer(s.probe(moe), mode).saved
 
 
 def layer_weight_inputs(s: Sizes, moe: bool = False) -> int:
@@ -141,8 +78,8 @@ def layer_activations(s: Sizes, mode: str, moe: bool = False) -> int:
 @functools.lru_cache(maxsize=65536)  # per action of every layout's walk (memory._moments): computed once a shape
 def chunk_layers(s: Sizes, chunk: Chunk, mode: str) -> int:
     """The saved tensors of a chunk's decoder layers, its dense and its MoE ones, for one micro-batch."""
-    return ((chunk.layers - chunk.moe) * layer_activations(s, mode)
-            + chunk.moe * layer_activations(s, mode, moe=True))
+    return sum(n * layer_activations(s, mode, moe) for n, moe in ((chunk.layers - chunk.moe, False), (chunk.moe, True))
+               if n)  # a kind the chunk does not hold is not measured
 
 
 @dataclass(frozen=True)

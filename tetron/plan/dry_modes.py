@@ -42,6 +42,12 @@ COLLECTIVES = {
     c10d.recv_.default: ("recv", 0),
 }
 
+# Index tensors made from nothing on the host (positions: arange) get real values beside their fake ones, up to this
+# many elements, so host decisions on them (torch.equal) can be answered
+HOST_INDICES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+SHADOW_MAX = 1 << 20
+
+
 def _map(fn: Any, x: Any) -> Any:
     """`fn` over the leaves of an op's arguments (tuples, lists and dicts of them)."""
     if isinstance(x, (tuple, list)):
@@ -91,8 +97,14 @@ class DryRunMode(TorchDispatchMode):
                           for a in args], **kwargs).to(dtype)
         if func is aten.bincount.default:
             return self._balanced_counts(args[0], kwargs.get("minlength", args[2] if len(args) > 2 else 0))
-        out = func(*args, **kwargs)
         fakes = [t for t in tensors if is_fake(t)]
+        if func is aten.equal.default and fakes and all(t in self.shadow for t in fakes):
+            with real_mode():  # positions compared on the host (Ulysses' order after its all-to-all)
+                return func(*_map(lambda x: self.shadow.get(x, x) if isinstance(x, torch.Tensor) else x, args))
+        out = func(*args, **kwargs)
+        if func in HOST_INDICES and not tensors and not out.is_floating_point() and out.numel() <= SHADOW_MAX:
+            with real_mode():  # positions made on the host (a cp rank's shard of the sequence): their values too
+                self.shadow[out] = func(*args, **kwargs)
         if func is c10d.alltoall_base_.default and args[1] in self.shadow and not args[3]:
             self.shadow[args[0]] = self._exchanged_counts(args[1], args[2])
         elif fakes and all(t in self.shadow for t in fakes):
@@ -117,7 +129,10 @@ class DryRunMode(TorchDispatchMode):
             return pieces[group.rank()].repeat(group.size())
 
     def _follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """`func` once more on the shadows of its inputs: the shadows of its outputs (and of what it wrote to)."""
+        """`func` once more on the shadows of its inputs: the shadows of its outputs (and of what it wrote to);
+        none for an output past SHADOW_MAX elements (computed for real, it would cost what faking saves)."""
+        if any(isinstance(t, torch.Tensor) and t.numel() > SHADOW_MAX for t in tree_leaves(out)):
+            return
         def real(x: Any) -> Any:
             return self.shadow[x] if isinstance(x, torch.Tensor) and x in self.shadow else x
 

@@ -84,6 +84,8 @@ def simulate_rank(cfg: Config, rank: int, *, fake: bool = True) -> RankFigures:
 
     device = torch.device("cpu")
     grouped_mm_available("cpu")  # probed on real tensors, once per process: under fake ones the probe would fail
+    pp_rank = rank // (cfg.parallel.dp * cfg.parallel.cp * cfg.parallel.tp)  # the grid is [pp, dp, cp, tp]
+    predicted = predict_rank(cfg, pp_rank).total  # before the fake group: the planner measures with its own
     with warnings.catch_warnings(), fake_rank(cfg, rank) as mesh, \
             fake_tensor_mode() if fake else contextlib.nullcontext(), DryRunMode() as watch:
         # data_parallel compares data pointers (a view or a copy?); fake ones are all 0: "a view", no copy
@@ -95,10 +97,9 @@ def simulate_rank(cfg: Config, rank: int, *, fake: bool = True) -> RankFigures:
             with flop_counter() as flops:
                 dispatch_step(run, 0, batch)
         peak = _peak(tracker, device)
-        pp_rank = mesh.local_rank("pp")
     return RankFigures(rank=rank, pp_rank=pp_rank, peak_bytes=peak, flops=flops.get_total_flops(),
                        collective_bytes=dict(watch.collective_bytes),
-                       predicted_bytes=predict_rank(cfg, pp_rank).total,
+                       predicted_bytes=predicted,
                        predicted_flops=model_flops_per_rank(cfg))
 
 

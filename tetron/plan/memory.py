@@ -243,7 +243,7 @@ def _rebuilt_for_w(cfg: Config, s: Sizes, chunks: list[Chunk], split: bool) -> l
     # kept (recompute.py; the first stage, without a B, rebuilds it within W); selective splits as none does
     mode = cfg.train.recompute
     rebuilt = [sum(n * (s.n_res * s.d * s.h + layer_weight_inputs(s, moe) - layer_kept(s, mode, moe))
-                   for n, moe in ((c.layers - c.moe, False), (c.moe, True)))
+                   for n, moe in ((c.layers - c.moe, False), (c.moe, True)) if n)
                if split and mode == "full" and not c.first else 0 for c in chunks]
     # ... and an MoE layer's B keeps the gradients its W multiplies by (the first stage's W runs B's work too)
     return [r + (c.moe * moe_retained(s) if split and not c.first else 0) for r, c in zip(rebuilt, chunks)]

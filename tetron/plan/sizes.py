@@ -13,6 +13,7 @@ from tetron.models.moe import grouped_mm_supported
 from tetron.models.qwen3_moe import MoeConfig
 from tetron.parallel.tensor_parallel import padded_vocab_size
 from tetron.parallel.ulysses import kv_repeats
+from tetron.plan.probe import Probe, probe_of
 
 F32, I64 = 4, 8  # bytes of an fp32 and an int64 element
 
@@ -59,6 +60,7 @@ class Sizes:
     grouped: bool = False  # the experts run as torch._grouped_mm (models/moe.py Experts.grouped), not one matmul
     # per expert
     align: int = 1  # grouped_mm's rows per group start at a multiple of this (CUDA: 8 bf16 rows; the CPU: 1)
+    probes: tuple = ()  # what measures a decoder layer of each kind on this rank (plan/probe.py): dense, MoE
 
     @classmethod
     def of(cls, cfg: Config) -> Sizes:
@@ -71,11 +73,16 @@ class Sizes:
                       t.dtype == "bfloat16", p.cp_impl, p.cp_layout, cfg.data.mask_documents,
                       cfg.data.reset_positions, m.qk_norm, p.sp_regather)
         if not is_moe(m):
-            return dense
+            return replace(dense, probes=(probe_of(cfg, False),))
         cuda = p.device == "cuda" or (p.device == "auto" and torch.cuda.is_available())
-        return _moe(dense, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size,
-                    m.n_shared_experts * m.moe_intermediate_size, p.ep, t.micro_batch, m.intermediate_size,
-                    _grouped(m.hidden_size, m.moe_intermediate_size, dense.d, cuda), 8 if cuda else 1)
+        return replace(_moe(dense, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size,
+                            m.n_shared_experts * m.moe_intermediate_size, p.ep, t.micro_batch, m.intermediate_size,
+                            _grouped(m.hidden_size, m.moe_intermediate_size, dense.d, cuda), 8 if cuda else 1),
+                       probes=(probe_of(cfg, False), probe_of(cfg, True)))
+
+    def probe(self, moe: bool = False) -> Probe:
+        """What measures this rank's decoder layer of the kind asked for (plan/probe.py)."""
+        return self.probes[1 if moe else 0]
 
     def rows(self, m: int) -> int:
         """Rows of grouped_mm's buffers for m assignments to the rank's experts: m, or under CUDA's alignment

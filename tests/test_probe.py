@@ -1,0 +1,95 @@
+"""The planner's layer terms measured from each family's own layer (plan/probe.py): on fake tensors the same bytes
+as on real ones, for every family and under tp, sp, cp and each recompute mode; measured once per shape."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tetron.config import from_dict
+from tetron.plan import probe
+from tetron.plan.activations import layer_kept, layer_none
+from tetron.plan.sizes import Sizes
+
+BASE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 16}
+FAMILIES = {
+    "llama": {"model_type": "llama"},
+    "qwen3": {"model_type": "qwen3"},  # q/k norms per head
+    "olmo3": {"model_type": "olmo3"},  # q/k norms over the projection, norms after attention and the MLP
+    "gemma3": {"model_type": "gemma3_text", "head_dim": 16},  # sandwich norms, GeGLU, alternating windows
+    "deepseek_v3": {"model_type": "deepseek_v3", "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1,
+                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1,
+                    "n_group": 2, "topk_group": 2, "rope_scaling": YARN},  # MLA: q/k heads of 24, v heads of 16
+    "qwen3_moe": {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+}
+LAYOUTS = {"one": {}, "tp2-sp": {"tp": 2, "sp": True}, "cp2-ring": {"cp": 2},
+           "cp2-ulysses": {"cp": 2, "cp_impl": "ulysses"}}
+
+
+def _config(family: str, parallel: dict, mode: str):
+    return from_dict({"model": {**BASE, **FAMILIES[family]}, "parallel": parallel, "data": {"seq_len": 32},
+                      "train": {"micro_batch": 2, "recompute": mode}})
+
+
+# every family alone, and each layout with two families of different attention (the suite's time: a real layer's
+# measurement takes a second or so, a fake one a tenth)
+CASES = [(family, "one") for family in sorted(FAMILIES)] + [
+    ("deepseek_v3", "tp2-sp"), ("qwen3", "tp2-sp"), ("olmo3", "cp2-ring"), ("qwen3_moe", "cp2-ring"),
+    ("gemma3", "cp2-ulysses"), ("deepseek_v3", "cp2-ulysses")]
+
+
+@pytest.mark.parametrize("family, layout", CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
+def test_fake_layer_measures_as_the_real_one(family, layout):
+    """The measurement on fake tensors (what the planner runs, at any size) equals the same code on real tensors
+    to the byte: saved bytes of each kind of layer under each recompute mode (the layouts' collectives do nothing
+    in either: the fake process group; the shapes are what they move)."""
+    cfg = _config(family, LAYOUTS[layout], "none")
+    for moe in (False, True) if hasattr(cfg.model, "num_experts") else (False,):
+        p = probe.probe_of(cfg, moe)
+        fake, real = probe._measure(p), probe._measure(p, fake=False)
+        assert fake == real, moe
+        assert 0 < fake["full"].saved < fake["selective"].saved <= fake["none"].saved
+
+
+def test_recompute_modes_keep_less_in_order():
+    """Per kind of layer: full keeps the layer's input only ([B, T, H] in fp32 here), selective less than none."""
+    cfg = _config("deepseek_v3", {}, "none")
+    for moe in (False, True):
+        s = Sizes.of(cfg)
+        assert layer_kept(s, "full", moe) == 2 * 32 * 32 * 4
+        assert layer_kept(s, "full", moe) < layer_kept(s, "selective", moe) < layer_none(s, moe)
+
+
+def test_each_shape_is_measured_once(monkeypatch):
+    """A search asks for the same layer shape for many layouts: the measurement runs once per (shape, mode)."""
+    calls = []
+    real = probe._measure
+    monkeypatch.setattr(probe, "_measure", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(probe, "_MEASURED", {})
+    for zero in (0, 1, 2, 3):
+        for dp in (1, 2):
+            cfg = from_dict({"model": {**BASE, "model_type": "llama"}, "parallel": {"tp": 2, "dp": dp, "zero": zero},
+                             "data": {"seq_len": 32}, "train": {"micro_batch": 2}})
+            layer_none(Sizes.of(cfg))
+    assert len(calls) == 1
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=4))
+    assert layer_none(Sizes.of(other)) == 2 * layer_none(Sizes.of(cfg))  # a micro-batch of 4 keeps twice 2's
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("family, parallel", [("llama", {"cp": 2}), ("qwen3_moe", {"tp": 2, "sp": True}),
+                                              ("qwen3_moe", {"dp": 2, "ep": 2}), ("deepseek_v3", {})],
+                         ids=["llama-cp2", "qwen3_moe-tp2-sp", "qwen3_moe-ep2", "mla"])
+def test_larger_micro_batches_are_read_off_two_measurements(family, parallel):
+    """measure_layer reads a micro-batch of 5 off the measurements of 1 and 2 sequences (2 and 3 under sequence
+    parallelism): equal to measuring 5."""
+    cfg = _config(family, parallel, "selective")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=5))
+    for moe in (False, True) if hasattr(cfg.model, "num_experts") else (False,):
+        p = probe.probe_of(cfg, moe)
+        assert probe.measure_layer(p, "selective") == probe._measure(p)["selective"]
