@@ -59,16 +59,31 @@ class Probe:
 
 
 def probe_of(cfg: Config, moe: bool) -> Probe:
-    p, m = cfg.parallel, cfg.model
-    one = m.layer_of_kind(moe) if hasattr(m, "layer_of_kind") else m.one_layer(0)
-    # one token of vocabulary: a layer's shapes do not depend on it
-    one = dataclasses.replace(one, vocab_size=1, tie_word_embeddings=False)
+    """What measures `cfg`'s decoder layer of the kind asked for (dense, or `moe`) on a rank of its layout."""
+    p = cfg.parallel
+    one, text = _one_layer(cfg.model, moe)
     sp = p.sp and p.tp > 1
-    return Probe(model_repr=repr(one), model=one, tp=p.tp, sp=sp, regather=sp and p.sp_regather, cp=p.cp,
+    return Probe(model_repr=text, model=one, tp=p.tp, sp=sp, regather=sp and p.sp_regather, cp=p.cp,
                  cp_impl=p.cp_impl if p.cp > 1 else "ring", cp_layout=p.cp_layout if p.cp > 1 else "zigzag",
                  ep=p.ep if moe else 1, seq_len=cfg.data.seq_len, micro_batch=cfg.train.micro_batch,
                  bf16=cfg.train.dtype == "bfloat16", reset_positions=cfg.data.reset_positions,
                  qk_clip=cfg.optim.qk_clip_tau is not None, config=cfg)
+
+
+_ONE_LAYER: dict[tuple[int, bool], tuple[object, object, str]] = {}  # id(model config) -> it, its layer, repr
+
+
+def _one_layer(model: object, moe: bool) -> tuple[object, str]:
+    """One layer of `model`'s kind, on a one-token vocabulary (a layer's shapes do not depend on it), and its repr:
+    kept per model config object, which a search shares between its layouts (the config held, so its id stays its)."""
+    key = (id(model), moe)
+    if key not in _ONE_LAYER or _ONE_LAYER[key][0] is not model:
+        if len(_ONE_LAYER) > 1024:
+            _ONE_LAYER.clear()
+        one = model.layer_of_kind(moe) if hasattr(model, "layer_of_kind") else model.one_layer(0)
+        one = dataclasses.replace(one, vocab_size=1, tie_word_embeddings=False)
+        _ONE_LAYER[key] = (model, one, repr(one))
+    return _ONE_LAYER[key][1:]
 
 
 MODES = ("none", "selective", "full")  # train.recompute's
