@@ -114,10 +114,12 @@ def _measured(probe: Probe, mode: str) -> LayerMeasure:
 
 @contextlib.contextmanager
 def _fake_group(world: int):
-    """Rank 0 of a fake process group of `world` ranks, or, where this process already has a group (a test's
-    rank, the dry run's fake one), nothing: the measurement then needs one of its own, in a child."""
+    """Rank 0 of a fake process group of `world` ranks, for one measurement. The planner runs where no group exists
+    yet (tetron plan, tetron train's check before its ranks start, the dry run before each fake rank); a process
+    with a group of its own (a rank) is refused: the two would be one global state."""
     if dist.is_initialized():
-        raise RuntimeError("plan/probe.py measures a layer with a process group of its own; this process has one")
+        raise RuntimeError("the planner measures a layer in a process group of its own: call it before "
+                           "init_process_group (or after destroy_process_group)")
     dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())
     try:
         yield
