@@ -345,6 +345,28 @@ def test_toy_counts_its_parameters_and_flops():
     assert cfg.flops_per_token(4) == 6 * n + 6 * H * (8 + 4) * (4 + 4)  # a window longer than the sequence
 
 
+@pytest.mark.parametrize("parallel", [{}, {"tp": 2, "sp": True}, {"cp": 2}, {"cp": 2, "cp_impl": "ulysses"}],
+                         ids=["one", "tp2-sp", "cp2-ring", "cp2-ulysses"])
+def test_planner_measures_the_toy_family(toy_family, parallel):
+    """The planner knows the toy without a line of its own in tetron/plan/: what its layer saves is measured from the
+    toy's own code (plan/probe.py), the same on fake tensors as on real ones, and the memory model reads that."""
+    from tetron.config import from_dict
+    from tetron.plan import probe
+    from tetron.plan.activations import layer_kept, layer_none
+    from tetron.plan.memory import predict
+    from tetron.plan.sizes import Sizes
+
+    cfg = from_dict({"model": {"model_type": "toy_attention", **_TOY_MODEL, "vocab_size": 64, "intermediate_size": 64},
+                     "parallel": parallel, "data": {"seq_len": 16}, "train": {"micro_batch": 2}})
+    p = probe.probe_of(cfg, False)
+    fake = probe._measure(p)
+    assert fake == probe._measure(p, fake=False)
+    s = Sizes.of(cfg)
+    assert layer_none(s) == fake["none"].saved and layer_kept(s, "selective") == fake["selective"].saved
+    assert 0 < fake["full"].saved < fake["selective"].saved <= fake["none"].saved
+    assert predict(cfg).activations >= cfg.model.num_hidden_layers * fake["none"].saved
+
+
 def test_kv_cache_takes_the_toy_familys_options():
     """Generation's KV cache (observe/generate.py) with v of its own width, sinks, a scale, soft-capping and
     alternating windows: each new token's logits equal the whole sequence's forward pass."""

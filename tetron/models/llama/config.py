@@ -65,7 +65,11 @@ class LlamaConfig:
 
     def one_layer(self, index: int = 0) -> LlamaConfig:
         """This config with only decoder layer `index`, as layer 0 (what the planner builds to read a layer's
-        shapes): a family with per-layer fields cuts them to that layer's entry."""
+        shapes): a per-layer list (`layer_types`, transformers' name in every family that has one) is cut to that
+        layer's entry, so a family need not say so itself."""
+        kinds = getattr(self, "layer_types", None)
+        if isinstance(kinds, (list, tuple)):
+            return dataclasses.replace(self, num_hidden_layers=1, layer_types=[kinds[index]])
         return dataclasses.replace(self, num_hidden_layers=1)
 
     def attention_options(self, index: int) -> AttentionOptions:
