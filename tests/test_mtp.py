@@ -155,6 +155,8 @@ LAYOUTS = {  # (parallel, micro_batch, data, train, model fields): issue 34's la
     "ep2": ({"dp": 2, "ep": 2}, 1, {}),
     "pp2-1f1b": ({"pp": 2}, 2, {}),
     "pp2-tp2-sp": ({"pp": 2, "tp": 2, "sp": True}, 2, {}),
+    # tied: the last stage's MTP modules and head read one embedding copy, its gradient summed with the first's
+    "pp2-tied": ({"pp": 2}, 2, {}, {}, {"tie_word_embeddings": True}),
     "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, 2, {}, {}, {"num_hidden_layers": 4}),
     "pp2-dualpipev": ({"pp": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {}, {"grad_acc": 4},
                       {"num_hidden_layers": 4}),
@@ -203,3 +205,17 @@ def test_checkpoint_from_pp2_resumes_in_one_process(corpus, cache_dir, tmp_path)
                "checkpoint": {"resume": str(tmp_path / "run" / "checkpoints" / "step_2")}}
     (got,), written = run_parallel(resumed)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"][2:]), rtol=LOSS_RTOL, atol=0)
+
+
+def test_bf16_tracks_the_fp32_single_process(corpus, cache_dir, tmp_path):
+    """dp2 ep2 with MTP in bf16 against the fp32 single process: the loss and mtp_loss within 1% a step (the bound
+    of test_deepseek_v3.py's bf16 layout without MTP)."""
+    from conftest import run_parallel
+
+    layout = dict(model=LAYOUT_MODEL, micro_batch=1, parallel={"dp": 2, "ep": 2, "bucket_mb": 0.01})
+    _, fp32 = reference_run(layout_configs(corpus, cache_dir, tmp_path, **layout)[1])
+    _, bf16 = run_parallel(layout_configs(corpus, cache_dir, tmp_path, **layout, train={"dtype": "bfloat16"})[0])
+    for key in ("loss", "mtp_loss"):
+        got, want = (torch.tensor([m[key] for m in w["metrics"]]) for w in (bf16, fp32))
+        torch.testing.assert_close(got, want, rtol=0.01, atol=0, msg=key)
+        assert not torch.equal(got, want)  # bf16 really ran
