@@ -157,6 +157,8 @@ LAYOUTS = {  # (parallel, micro_batch, data, train, model fields): issue 34's la
     "pp2-tp2-sp": ({"pp": 2, "tp": 2, "sp": True}, 2, {}),
     # tied: the last stage's MTP modules and head read one embedding copy, its gradient summed with the first's
     "pp2-tied": ({"pp": 2}, 2, {}, {}, {"tie_word_embeddings": True}),
+    "pp2-full-recompute": ({"pp": 2}, 2, {}, {"recompute": "full"}),
+    "tp2-selective": ({"tp": 2, "sp": True}, 2, {}, {"recompute": "selective"}),
     "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv", "pp_virtual": 2}, 2, {}, {}, {"num_hidden_layers": 4}),
     "pp2-dualpipev": ({"pp": 2, "pp_schedule": "dualpipev", "pp_virtual": 2}, 1, {}, {"grad_acc": 4},
                       {"num_hidden_layers": 4}),
