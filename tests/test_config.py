@@ -436,7 +436,7 @@ def test_file_checks_reuse_each_outcome(corpus, cache_dir, tmp_path):
     """Through one FileChecks (tetron plan's search) the run folder is looked at once: its refusal comes back
     word for word, even after the problem went; without it, it is looked at again."""
     from tetron.errors import ConfigError
-    from tetron.validate_paths import FileChecks
+    from tetron.validate.paths import FileChecks
 
     out = tmp_path / "run"
     out.write_text("not a folder")

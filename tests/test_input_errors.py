@@ -480,9 +480,9 @@ def test_moe_fields_are_compared_with_the_folder_started_from(moe_folder, capsys
 def test_init_from_a_hub_name_offline_says_why(folder, capsys, monkeypatch):
     """No model section, --init-from a hub name neither cached nor reachable: that is the line, not "model: none
     given"; a path that is not there and no hub name says so."""
-    import tetron.validate_paths
+    import tetron.validate.paths
 
-    monkeypatch.setattr(tetron.validate_paths, "hub_problem", lambda name, kind: "not in the cache, and the hub is "
+    monkeypatch.setattr(tetron.validate.paths, "hub_problem", lambda name, kind: "not in the cache, and the hub is "
                                                                                  "unreachable: offline")
     argv = ["train", str(folder / "from-hf.yaml"), "--init-from"]
     (folder / "from-hf.yaml").write_text(yaml.safe_dump({k: v for k, v in base_raw(folder).items() if k != "model"}))

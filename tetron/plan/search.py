@@ -25,7 +25,7 @@ from tetron.plan.memory import MemoryEstimate, floor, predict
 from tetron.plan.sizes import is_moe
 from tetron.plan.steptime import TimeEstimate, estimate
 from tetron.validate import validate
-from tetron.validate_paths import FileChecks
+from tetron.validate.paths import FileChecks
 
 # Besides the device's own: the CUDA context, NCCL's buffers and the caching allocator's rounding.
 GPU_RESERVE = GiB

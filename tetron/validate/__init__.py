@@ -21,7 +21,7 @@ from tetron.observe.profiling import parse_steps
 from tetron.optim import OPTIMIZERS
 from tetron.overrides import one_of
 from tetron.parallel.pipeline_schedules import SCHEDULES, ScheduleSpec
-from tetron.validate_paths import (
+from tetron.validate.paths import (
     FileChecks,
     looked,
     validate_checkpoint,
