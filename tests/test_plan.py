@@ -351,6 +351,23 @@ def test_gpu_limit_names_the_device(monkeypatch, tmp_path):
     assert fit.check_fits(small, ranks_on_node=1).total < 79 * GiB
 
 
+def test_a_layer_the_planner_cannot_measure_does_not_stop_the_run(monkeypatch, capsys, tmp_path):
+    """Where the family's layer fails on fake tensors, tetron train says so in one line and goes on, weighed against
+    the arithmetic lower bound only (which still refuses a model far too large)."""
+    from tetron.plan import probe
+
+    def broken(p, **kwargs):
+        raise RuntimeError("a host read of a fake value\nmore")
+
+    monkeypatch.setattr(probe, "_measure", broken)
+    monkeypatch.setattr(probe, "_MEASURED", {})
+    small = load_config(None, ["--model", "smollm-135m", "--seq-len", "256", "--micro-batch", "1",
+                               "--out", str(tmp_path / "b")])
+    assert fit.check_fits(small, ranks_on_node=1) is None
+    out = capsys.readouterr()
+    assert "could not measure this model's layer (RuntimeError: a host read of a fake value)" in out.out + out.err
+
+
 def test_hf_config_is_a_model(tmp_path):
     """The model may be a Hugging Face config.json, as for tetron train."""
     (tmp_path / "config.json").write_text(json.dumps(LlamaConfig(vocab_size=1000, hidden_size=128,

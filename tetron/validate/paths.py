@@ -1,7 +1,7 @@
 """The checks of what a run configuration names outside itself, each looked at without changing it: the checkpoint
 it resumes or starts from (read: JSON, headers, hashes), a hub name it would download, each data source (resolved,
-not read), and the run folder it writes. tetron/validate/__init__.py calls them; `FileChecks` lets a caller that validates
-many configs of the same paths (tetron plan's search) look at each once."""
+not read), and the run folder it writes. validate() calls them; `FileChecks` lets a caller that validates many
+configs of the same paths (tetron plan's search) look at each once."""
 
 from __future__ import annotations
 
