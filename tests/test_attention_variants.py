@@ -362,9 +362,9 @@ def test_planner_measures_the_toy_family(toy_family, parallel):
     fake = probe._measure(p)
     assert fake == probe._measure(p, fake=False)
     s = Sizes.of(cfg)
-    assert layer_none(s) == fake["none"].saved and layer_kept(s, "selective") == fake["selective"].saved
-    assert 0 < fake["full"].saved < fake["selective"].saved <= fake["none"].saved
-    assert predict(cfg).activations >= cfg.model.num_hidden_layers * fake["none"].saved
+    assert layer_none(s) == fake["none"] and layer_kept(s, "selective") == fake["selective"]
+    assert 0 < fake["full"] < fake["selective"] <= fake["none"]
+    assert predict(cfg).activations >= cfg.model.num_hidden_layers * fake["none"]
 
 
 def test_kv_cache_takes_the_toy_familys_options():

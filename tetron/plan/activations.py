@@ -8,7 +8,7 @@ import functools
 from dataclasses import dataclass
 
 from tetron.config import Config
-from tetron.plan.probe import measure_layer
+from tetron.plan.probe import saved_bytes
 from tetron.plan.sizes import F32, I64, Sizes
 from tetron.plan.state import Chunk
 
@@ -26,7 +26,7 @@ def layer_none(s: Sizes, moe: bool = False) -> int:
     own layer (plan/probe.py), so whatever a family's layer keeps is counted (MLA's latents, sinks, sandwich norms,
     an MoE block's routing and expert buffers), and a new family needs nothing here. For a Llama layer it is
     Korthikanti's sbh(34 + 5as/h) as tetron keeps it (docs/memory.md gives the terms)."""
-    return measure_layer(s.probe(moe), "none").saved
+    return saved_bytes(s.probe(moe), "none")
 
 
 def _block_input(s: Sizes) -> int:
@@ -51,7 +51,7 @@ def layer_kept(s: Sizes, mode: str, moe: bool = False) -> int:
     """What a layer keeps between its forward and backward under recomputation (recompute.py), measured as
     layer_none is: `full` its input (on the residual stream); `selective` (Korthikanti's) what `none` keeps but
     what the attention kernel saves for itself alone, and in an MoE layer the experts' act(gate)."""
-    return measure_layer(s.probe(moe), mode).saved
+    return saved_bytes(s.probe(moe), mode)
 
 
 def layer_weight_inputs(s: Sizes, moe: bool = False) -> int:

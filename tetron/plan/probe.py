@@ -1,15 +1,15 @@
-"""Measuring a decoder layer instead of describing it: the planner's per-layer terms from the family's own code.
+"""Measuring a decoder layer instead of describing it: what the planner's memory model counts for a layer's saved
+activations, from the family's own code.
 
-One decoder layer of the model (of each kind: dense, MoE) is built as the run builds it (the family's module,
-split by its parallel plan under the layout's tp and sp, its experts over ep, its attention under cp's ring or
-Ulysses, the recompute mode applied) on fake tensors (shapes, no storage) with a fake process group of the axes'
-size, and run forward at the rank's real shapes, as the second of two layers (so that what a chunk's layers
-share, such as the RoPE tables, counts once, in the first): `saved`, the bytes its forward leaves saved for the
-backward, as observe/memory.py's ActivationMeter counts them in a real run (each storage once, parameters left out).
-Every recompute mode is measured on one build. The layer runs the CPU's code path: where CUDA's differs (its
-grouped_mm pads each expert's rows; its windowed flash kernel), plan/sizes.py says so.
-The measurement is cached by what decides it (the layer's config, the axes, the tokens, the dtype, the mode), so
-a search over thousands of layouts measures each distinct layer shape once. A family adds no code here.
+One decoder layer of the model (of each kind: dense, MoE) is built by the run's own recipe (parallelize.build_chunk:
+the family's module, split by its parallel plan under the layout's tp and sp, its experts over ep, its attention
+under cp's ring or Ulysses) on fake tensors (shapes, no storage), with a fake process group of the axes' size, and
+run forward at the rank's real shapes as a chunk runs its layers, each call on the previous one's output, under
+each recompute mode in turn; observe/memory.py's ActivationMeter counts what each call adds to what autograd holds
+for the backward, as it counts it in a real run (each storage once, parameters left out; what layers share, such
+as the RoPE tables, counted by the first call). The layer runs the CPU's code path; where CUDA's differs (its
+grouped_mm pads each expert's rows to 8) that is not added. The measurement is cached by what decides it, so a
+search over thousands of layouts measures each distinct layer shape once, and a family adds no code here.
 """
 
 from __future__ import annotations
@@ -28,13 +28,6 @@ from tetron.models import family
 from tetron.observe.memory import ActivationMeter
 from tetron.torch_private import grouped_mm_available
 from tetron.torch_private.fake import fake_store, fake_tensor_mode
-
-
-@dataclass(frozen=True)
-class LayerMeasure:
-    """One decoder layer, one micro-batch, on one rank."""
-
-    saved: int  # bytes its forward leaves saved for its backward
 
 
 @dataclass(frozen=True)
@@ -87,11 +80,12 @@ def _one_layer(model: object, moe: bool) -> tuple[object, str]:
 
 
 MODES = ("none", "selective", "full")  # train.recompute's
-_MEASURED: dict[tuple[Probe, str], LayerMeasure] = {}
+_MEASURED: dict[tuple[Probe, str], int] = {}
 
 
-def measure_layer(probe: Probe, mode: str) -> LayerMeasure:
-    """The layer of `probe` under recompute `mode`. What a layer keeps and computes is affine in the micro-batch's
+def saved_bytes(probe: Probe, mode: str) -> int:
+    """What the layer of `probe` leaves saved for its backward under recompute `mode`, for one micro-batch. What a
+    layer keeps is affine in the micro-batch's
     sequences (everything per token or per sequence; an MoE block's few per-expert counts besides), so a larger
     micro-batch is read off the measurements of two: a search over micro-batches of 1 to 512 measures each shape
     two or three times, not ten (tests/test_probe.py holds the extrapolation to a measurement). Under sequence
@@ -102,10 +96,10 @@ def measure_layer(probe: Probe, mode: str) -> LayerMeasure:
         return _measured(probe, mode)
     a, b = (_measured(dataclasses.replace(probe, micro_batch=n), mode) for n in (low, low + 1))
     more = probe.micro_batch - low
-    return LayerMeasure(saved=a.saved + (b.saved - a.saved) * more)
+    return a + (b - a) * more
 
 
-def _measured(probe: Probe, mode: str) -> LayerMeasure:
+def _measured(probe: Probe, mode: str) -> int:
     """Measured once per process, every mode at once (a search asks for the same shape for many layouts)."""
     if (probe, mode) not in _MEASURED:
         _MEASURED.update({(probe, m): found for m, found in _measure(probe).items()})
@@ -127,7 +121,7 @@ def _fake_group(world: int):
         dist.destroy_process_group()
 
 
-def _measure(probe: Probe, *, fake: bool = True) -> dict[str, LayerMeasure]:
+def _measure(probe: Probe, *, fake: bool = True) -> dict[str, int]:
     """The layer of `probe` under each recompute mode, built once, by the run's own recipe (parallelize.build_chunk:
     one stage of one layer, on a fake process group of its axes). `fake=False`: the same on real tensors (small
     shapes only: the tests hold the fake figures to them)."""
@@ -147,7 +141,7 @@ def _measure(probe: Probe, *, fake: bool = True) -> dict[str, LayerMeasure]:
             for param in chunk.parameters():  # as the optimizer casts them (parallel/zero.py)
                 param.data = param.data.to(dtype)
             layer = spec.plan.layers_of(chunk)["0"]
-            return _saved(layer, _layer_inputs(chunk, layer, probe, mesh))
+            return _saved(layer, _layer_inputs(chunk, layer, probe, cfg, mesh))
 
 
 def _config(probe: Probe) -> Config:
@@ -165,7 +159,7 @@ def _config(probe: Probe) -> Config:
                                   compile=False))
 
 
-def _saved(layer: torch.nn.Module, args: tuple) -> dict[str, LayerMeasure]:
+def _saved(layer: torch.nn.Module, args: tuple) -> dict[str, int]:
     """The bytes one call of `layer` leaves saved for its backward, under each recompute mode. The layer runs as a
     chunk's layers do, each call on the previous one's output, and everything stays held: first once without
     recomputation, whose saved tensors include what layers share (RoPE tables, Ulysses' position orders); then
@@ -181,7 +175,7 @@ def _saved(layer: torch.nn.Module, args: tuple) -> dict[str, LayerMeasure]:
             recompute_layer(layer, mode)
             before = meter.live_bytes
             held.append(layer(held[-1], *rest))  # held: its graph, and what it saved, live as long as it does
-            measured[mode] = LayerMeasure(saved=meter.live_bytes - before)
+            measured[mode] = meter.live_bytes - before
     return measured
 
 
@@ -189,14 +183,13 @@ class _Captured(Exception):
     pass
 
 
-def _layer_inputs(chunk: torch.nn.Module, layer: torch.nn.Module, probe: Probe, mesh: Mesh) -> tuple:
+def _layer_inputs(chunk: torch.nn.Module, layer: torch.nn.Module, probe: Probe, cfg: Config, mesh: Mesh) -> tuple:
     """What the chunk's forward passes its first layer (hidden states, RoPE tables, documents), as it makes them
     for this rank's positions: the forward is run up to that call."""
-    from tetron.parallel.context_parallel import shard_indices
+    from tetron.parallel.parallelize import sequence_positions
 
     n = probe.seq_len // probe.cp
-    positions = (torch.arange(probe.seq_len) if probe.cp == 1 else
-                 shard_indices(probe.seq_len, probe.cp, mesh.local_rank("cp"), layout=probe.cp_layout))
+    positions = sequence_positions(cfg, mesh)
     positions = positions[None].expand(probe.micro_batch, n) if probe.reset_positions else positions
     captured = []
 
