@@ -311,7 +311,7 @@ def test_the_gpu_quickstart_commands_are_real(tmp_path, monkeypatch, capsys):
     from tetron.config import load_config
     from tetron.plan.commands import plan_args
     from tetron.plan.hardware import gpu
-    from tetron.plan.memory import predict
+    from tetron.plan.memory import heaviest_ranks, predict
     from tetron.plan.search import memory_limit
     from tetron.validate import validate
 
@@ -332,7 +332,7 @@ def test_the_gpu_quickstart_commands_are_real(tmp_path, monkeypatch, capsys):
         cfg = load_config(config, _without(args[2:], SLURM_JOB_FLAGS if args[0] == "slurm" else set(), {"--submit"}))
         world = _world(command) or cfg.world_size
         validate(cfg, world_size=world)
-        peak = predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1})).total
+        peak = predict(cfg, ranks=heaviest_ranks(cfg)).total
         assert peak <= memory_limit(gpu("H100"), min(world, 8)), (command, peak / 2**30)
     assert kinds.count("train") >= 5 and "plan" in kinds and "slurm" in kinds
 

@@ -27,7 +27,7 @@ from tetron.plan import fit
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.hardware import GiB, gpu, with_memory
 from tetron.plan.measure import measure_rank
-from tetron.plan.memory import predict, predict_rank
+from tetron.plan.memory import heaviest_ranks, predict, predict_rank
 from tetron.plan.search import LEGEND, _gib, memory_limit, rank, search
 from tetron.plan.sizes import Sizes
 from tetron.plan.state import state
@@ -242,7 +242,7 @@ def test_config_comments_carry_the_planners_figures(path):
     nodes, per_node, name, figures = PLANNED.search(path.read_text()).groups()
     cfg = load_config(str(path))
     validate(cfg, world_size=int(nodes) * int(per_node))
-    memory = predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
+    memory = predict(cfg, ranks=heaviest_ranks(cfg))
     time = estimate(cfg, gpu(name), gpus_per_node=int(per_node))
     terms = ", ".join(f"{k} {_gib(v)}" for k, v in memory.largest(3))
     assert figures == f"{_gib(memory.total)} GiB per rank ({terms}), {time.step_s:.3g} s a step, MFU {time.mfu:.0%}"

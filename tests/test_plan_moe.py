@@ -27,7 +27,7 @@ from tetron.parallel.recompute import apply_recompute
 from tetron.plan.activations import layer_activations
 from tetron.plan.hardware import GiB, gpu
 from tetron.plan.measure import measure_rank
-from tetron.plan.memory import floor, predict, predict_rank
+from tetron.plan.memory import floor, heaviest_ranks, predict, predict_rank
 from tetron.plan.search import memory_limit, rank, search
 from tetron.plan.sizes import Sizes, expert_elements
 from tetron.plan.state import layer_matmul_numels, layer_numels, rank_chunks, state
@@ -297,4 +297,33 @@ def test_shipped_moe_configs_have_their_shape_and_fit(name, gpu_name, total, act
     assert cfg.model.num_params(active=True) / 1e9 == pytest.approx(active, abs=0.06)
     assert cfg.parallel.ep > 1 and cfg.world_size > 8  # expert parallel, over more than one node
     limit = memory_limit(gpu(gpu_name), 8)
-    assert predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1})).total <= limit < 150 * GiB
+    assert predict(cfg, ranks=heaviest_ranks(cfg)).total <= limit < 150 * GiB
+
+
+# DeepSeek-V3's shape scaled down, with one multi-token prediction module: its MoE layer, norms, projection and
+# cross entropy on the last stage, and there, under pp, its own copy of the embedding
+MTP = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32,
+       "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+       "first_k_dense_replace": 1, "num_experts": 4, "num_experts_per_tok": 4, "n_shared_experts": 1,
+       "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 1}
+MTP_MEASURED = {"mtp single": {}, "mtp pp2": {"pp": 2}, "mtp dp2 zero3": {"dp": 2, "zero": 3},
+                "mtp dp2 ep2 zero1 tp2": {"dp": 2, "ep": 2, "zero": 1, "tp": 2}}
+
+
+def test_mtp_memory_matches_the_ranks(corpus, cache_dir, tmp_path):
+    """With multi-token prediction each rank's peak against the prediction (TOLERANCE) and its parameters, gradients
+    and optimizer state: the module counted on the last stage, not on the others."""
+    for name, parallel in MTP_MEASURED.items():
+        raw = tiny_config(corpus, cache_dir, tmp_path / name.replace(" ", "-"), model=MTP, parallel=parallel,
+                          data={"seq_len": 64}, train={"micro_batch": 2, "grad_acc": 2})
+        cfg = from_dict(raw)
+        validate(cfg)
+        prepare_data(cfg)
+        for r in run_ranks(cfg.world_size, measure_rank, raw, steps=2, timed_steps=1, timeout=300):
+            dp_rank = r["dp"] * cfg.parallel.cp + r["cp"]
+            predicted = predict_rank(cfg, r["pp"], dp_rank=dp_rank).total
+            assert abs(predicted - r["peak_bytes"]) / r["peak_bytes"] <= TOLERANCE, (name, r["rank"], predicted, r)
+            st = state(cfg, r["pp"], dp_rank=dp_rank)
+            held = {k: round(r["state"][f"mem_{k}_mb"] * 2**20) for k in ("params", "grads", "optimizer")}
+            assert held == {"params": st.params, "grads": st.grads, "optimizer": st.optimizer}, (name, r["rank"])

@@ -106,6 +106,11 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
         # and the head's (its shard under tp), fp32 across chunks, in the head's dtype when there is one chunk
         one_chunk = cfg.train.loss_chunk_tokens <= 0 or cfg.train.loss_chunk_tokens >= s.n
         loss = s.n * s.h * s.d + s.vocab * s.h * (s.d if one_chunk else F32)
+        # multi-token prediction (models/mtp.py), each module beside its decoder layer (in chunk.layers): its three
+        # norms' inputs, eh_proj's [n, 2h] input; and its cross entropy's gradients as the main loss's (its valid
+        # rows: at most n)
+        acts += chunk.mtp * (3 * norm_bytes(s, s.n) + 2 * s.n * s.h * s.d)
+        loss *= 1 + chunk.mtp
     return Held(acts, loss)
 
 

@@ -254,8 +254,10 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     s, st = Sizes.of(cfg), state(cfg, pp_rank, dp_rank=dp_rank)
     chunks = rank_chunks(cfg, pp_rank)
     held = [chunk_held(cfg, s, c) for c in chunks]
-    # Every micro-batch's token ids and targets (int64), cut to this rank's positions, for the whole step.
-    ids = 2 * I64 * cfg.train.grad_acc * s.n
+    # Every micro-batch's token ids and targets (int64), cut to this rank's positions, for the whole step; with
+    # multi-token prediction each depth's ids, targets and validity besides (data/batch.py mtp_shifted)
+    depth = getattr(cfg.model, "num_nextn_predict_layers", 0)
+    ids = (2 + 3 * depth) * I64 * cfg.train.grad_acc * s.n
 
     def at(moment: str, **terms: int) -> MemoryEstimate:  # what persists, plus `terms` (not dataclasses.replace:
         # its introspection was a few % of a search, which calls this for every layout)
@@ -309,10 +311,20 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
 
 def predict(cfg: Config, *, ranks: list[int] | None = None) -> MemoryEstimate:
     """The worst pipeline rank's peak (every rank of one pipeline stage holds the same, up to ZeRO padding),
-    over `ranks` (default: all; the first and the last suffice with an even split, where the first holds
-    the most micro-batches in flight and the embedding, the last the logits)."""
+    over `ranks` (default: all)."""
     ranks = list(range(cfg.parallel.pp)) if ranks is None else ranks
     return max((predict_rank(cfg, r) for r in ranks), key=lambda e: e.total)
+
+
+def heaviest_ranks(cfg: Config) -> list[int]:
+    """The pipeline ranks whose peaks bound every rank's, for a search that cannot weigh them all: the first and
+    the last (the embedding and the most micro-batches in flight; the logits), and of the ranks holding the same
+    kind of chunks (their layers, dense and MoE) the earliest, which has the most in flight. With dense layers
+    first, an MoE model's middle ranks hold more than either end (DeepSeek-V3 on 32 stages: twice the first's)."""
+    kinds: dict[tuple, int] = {}
+    for r in range(cfg.parallel.pp):
+        kinds.setdefault(tuple(rank_chunks(cfg, r)), r)
+    return sorted({0, cfg.parallel.pp - 1, *kinds.values()})
 
 
 def floor(cfg: Config) -> MemoryEstimate:

@@ -18,6 +18,7 @@ from tetron.config import CONFIGS_DIR, Config, cuda_dtype, from_dict, is_set, lo
 from tetron.data.loader import prepare_data
 from tetron.errors import ConfigError, check, quoted
 from tetron.fs import write_text
+from tetron.models import family
 from tetron.overrides import apply_overrides
 from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan import hardware as hwlib
@@ -106,6 +107,16 @@ def _size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
 
 
+def mtp_params(model: object) -> int:
+    """The parameters of a model's multi-token prediction modules (models/mtp.py; published counts leave them out,
+    as DeepSeek-V3's 671B does): read off the family's module built on the meta device."""
+    if not getattr(model, "num_nextn_predict_layers", 0):
+        return 0
+    with torch.device("meta"):
+        built = family(model.model_type).model_class(dataclasses.replace(model, vocab_size=1))
+    return sum(p.numel() for name, p in built.named_parameters() if name.startswith("mtp."))
+
+
 def header(cfg: Config, hw: Hardware, req: PlanRequest, batch: int, plans: list[Plan], fit: list[Plan]) -> str:
     m, world = cfg.model, req.nodes * req.gpus_per_node
     where = f"{req.nodes} x {req.gpus_per_node} {hw.name}" if not hw.cpu else f"{world} CPU ranks"
@@ -113,6 +124,8 @@ def header(cfg: Config, hw: Hardware, req: PlanRequest, batch: int, plans: list[
     limit = plans[0].limit if plans else 0
     # an MoE model: its active parameters too, those one token's forward multiplies by (its MFU counts them)
     active = f", {m.num_params(active=True):,} active" if is_moe(m) else ""
+    mtp = mtp_params(m)
+    active += f"; + {mtp:,} in multi-token prediction" if mtp else ""
     return (f"tetron plan: {m.num_params():,} parameters{active} ({m.num_hidden_layers} layers, hidden "
             f"{m.hidden_size}) on "
             f"{where}, {memory} ({_size(limit)} per rank for tensors); seq {cfg.data.seq_len}, "

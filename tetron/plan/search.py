@@ -21,7 +21,7 @@ from tetron.config import Config
 from tetron.errors import ConfigError
 from tetron.parallel.pipeline_schedules import SCHEDULES
 from tetron.plan.hardware import GiB, Hardware
-from tetron.plan.memory import MemoryEstimate, floor, predict
+from tetron.plan.memory import MemoryEstimate, floor, heaviest_ranks, predict
 from tetron.plan.sizes import is_moe
 from tetron.plan.steptime import TimeEstimate, estimate
 from tetron.validate import validate
@@ -213,7 +213,7 @@ def _memory(cfg: Config, limit: int) -> MemoryEstimate:
     """The predicted peak, or a lower bound of it by arithmetic alone where that is over `limit` already
     (a layout far over the limit is not walked layer by layer)."""
     memory = floor(cfg)
-    return memory if memory.total > limit else predict(cfg, ranks=sorted({0, cfg.parallel.pp - 1}))
+    return memory if memory.total > limit else predict(cfg, ranks=heaviest_ranks(cfg))
 
 
 def rank(plans: list[Plan]) -> list[Plan]:

@@ -32,6 +32,8 @@ class Chunk:
     first: bool
     last: bool
     moe: int = 0
+    mtp: int = 0  # multi-token prediction's modules (the last chunk's): each a decoder layer, counted in `layers`
+    # (and `moe`), with its norms, its projection and its cross entropy over the head besides
 
 
 def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
@@ -39,7 +41,13 @@ def rank_chunks(cfg: Config, pp_rank: int) -> list[Chunk]:
     p, m = cfg.parallel, cfg.model
     kinds = tuple(map(m.is_moe_layer, range(m.num_hidden_layers))) if is_moe(m) else m.num_hidden_layers
     split = tuple(p.pp_split) if p.pp_split is not None else None
-    return list(_rank_chunks(kinds, p.pp, p.pp_virtual, split, style_of(p.pp_schedule), pp_rank))
+    chunks = list(_rank_chunks(kinds, p.pp, p.pp_virtual, split, style_of(p.pp_schedule), pp_rank))
+    depth = getattr(m, "num_nextn_predict_layers", 0)
+    if depth:  # models/mtp.py: module k holds the decoder layer num_hidden_layers + k - 1 would be
+        moe = sum(m.is_moe_layer(m.num_hidden_layers + k) for k in range(depth)) if is_moe(m) else 0
+        chunks = [dataclasses.replace(c, layers=c.layers + depth, moe=c.moe + moe, mtp=depth) if c.last else c
+                  for c in chunks]
+    return chunks
 
 
 @functools.lru_cache(maxsize=4096)
@@ -130,9 +138,10 @@ def chunk_units(cfg: Config, chunk: Chunk, *, experts: bool = True) -> list[list
         root.append(s.h)
         if not (tied and chunk.first):
             root.append(s.vocab * s.h)
+    parts = [n for n, _ in _mtp_parts(s, chunk)]
     dense = layer_numels(cfg)
     moe = layer_numels(cfg, moe=True, experts=experts) if chunk.moe else []
-    return [root] + [dense] * (chunk.layers - chunk.moe) + [moe] * chunk.moe
+    return _with_mtp([root] + [dense] * (chunk.layers - chunk.moe) + [moe] * chunk.moe, parts, [s.vocab * s.h], chunk)
 
 
 def chunk_unit_roles(cfg: Config, chunk: Chunk, *, experts: bool = True) -> list[list[str]]:
@@ -142,9 +151,28 @@ def chunk_unit_roles(cfg: Config, chunk: Chunk, *, experts: bool = True) -> list
         root.append("vector")
         if not (cfg.model.tie_word_embeddings and chunk.first):
             root.append("head")
+    parts = [role for _, role in _mtp_parts(Sizes.of(cfg), chunk)]
     dense = [role for _, kind, _, role, _ in _layer_params(cfg)]
     moe = [role for _, kind, _, role, _ in _layer_params(cfg, True) if experts or kind != "expert"] if chunk.moe else []
-    return [root] + [dense] * (chunk.layers - chunk.moe) + [moe] * chunk.moe
+    return _with_mtp([root] + [dense] * (chunk.layers - chunk.moe) + [moe] * chunk.moe, parts, ["embedding"], chunk)
+
+
+def _mtp_parts(s: Sizes, chunk: Chunk) -> list[tuple[int, str]]:
+    """(elements, the optimizer's role) of what one multi-token prediction module adds to its decoder layer
+    (models/mtp.py; whole under tp): enorm, hnorm, eh_proj [h, 2h] and shared_head.norm."""
+    return [(s.h, "vector"), (s.h, "vector"), (2 * s.h * s.h, "matrix"), (s.h, "vector")] if chunk.mtp else []
+
+
+def _with_mtp(units: list[list], parts: list, copy: list, chunk: Chunk) -> list[list]:
+    """`units` (root, then each layer, the last chunk's MTP modules' layers last) as zero3.units_of has them: the MTP
+    modules, outside the model's layers, in the root unit after the head, each its layer's parameters and then its
+    own `parts`; then `copy`, on a pipeline's last stage the modules' copy of the embedding (parameters() order)."""
+    if not chunk.mtp:
+        return units
+    root, *layers = units
+    cut = len(layers) - chunk.mtp
+    modules = [x for layer in layers[cut:] for x in layer + parts]
+    return [root + modules + (copy if not chunk.first else [])] + layers[:cut]
 
 
 @dataclass(frozen=True)

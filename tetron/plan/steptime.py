@@ -109,7 +109,10 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     for chunk in [c for r in range(p.pp) for c in rank_chunks(cfg, r)]:
         dense = chunk.layers - chunk.moe
         layers_flops = dense * per_layer + chunk.moe * per_moe
-        flops = layers_flops + (2 * s.n * s.vocab * s.h if chunk.last else 0)
+        # the head; with multi-token prediction each module's head and its eh_proj [h, 2h] besides (its layer is
+        # in layers_flops)
+        flops = layers_flops + (2 * s.n * s.vocab * s.h if chunk.last else 0) + chunk.mtp * (
+            2 * s.n * s.vocab * s.h + 4 * s.n * s.h * s.h)
         compute = flops / rate + chunk.layers * hw.overhead_s / 3
         f = compute + chunk.layers * (tp_layer + cp_fwd) + chunk.moe * ep_fwd + p2p
         b = (2 * compute + chunk.layers * (tp_layer * (2 if recompute else 1) + regather + cp_bwd)
