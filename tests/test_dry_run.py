@@ -22,6 +22,10 @@ from tetron.plan.dry_run import distinct_ranks, simulate_rank
 MODEL = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MTP = {"model_type": "deepseek_v3", "num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+       "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 1, "num_experts": 4,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+       "num_nextn_predict_layers": 1}
 
 
 def config(parallel: dict, model: dict | None = None, **train):
@@ -38,6 +42,8 @@ LAYOUTS = {
                                                {"num_hidden_layers": 4}, dtype="bfloat16", recompute="selective",
                                                grad_acc=4),
     "moe-single": config({"dp": 1}, MOE),
+    # multi-token prediction: its depth's valid rows picked by a mask of known values, on the last stage
+    "mtp-pp2": config({"pp": 2}, MTP),
 }
 
 

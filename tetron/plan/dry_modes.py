@@ -48,6 +48,10 @@ HOST_INDICES = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 SHADOW_MAX = 1 << 20
 
 
+def _shadowed_mask(index: Any, shadow: WeakTensorKeyDictionary) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype == torch.bool and index in shadow
+
+
 def _map(fn: Any, x: Any) -> Any:
     """`fn` over the leaves of an op's arguments (tuples, lists and dicts of them)."""
     if isinstance(x, (tuple, list)):
@@ -98,6 +102,12 @@ class DryRunMode(TorchDispatchMode):
         if func is aten.bincount.default:
             return self._balanced_counts(args[0], kwargs.get("minlength", args[2] if len(args) > 2 else 0))
         fakes = [t for t in tensors if is_fake(t)]
+        if func is aten.index.Tensor and any(_shadowed_mask(i, self.shadow) for i in args[1]):
+            # rows picked by a mask of known values (multi-token prediction's valid positions): their indices
+            with real_mode():
+                index = [self.shadow[i].nonzero().unbind(1) if _shadowed_mask(i, self.shadow) else [i]
+                         for i in args[1]]
+            return func(args[0], [j for part in index for j in part])
         if func is aten.equal.default and fakes and all(t in self.shadow for t in fakes):
             with real_mode():  # positions compared on the host (Ulysses' order after its all-to-all)
                 return func(*_map(lambda x: self.shadow.get(x, x) if isinstance(x, torch.Tensor) else x, args))

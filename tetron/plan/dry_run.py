@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from tetron.config import Config, from_dict
-from tetron.data.batch import MicroBatch
+from tetron.data.batch import MicroBatch, mtp_shifted
 from tetron.mesh import Mesh
 from tetron.plan.dry_modes import CrossDeviceCopies, DryRunMode
 from tetron.plan.memory import predict_rank
-from tetron.torch_private import grouped_mm_available
-from tetron.torch_private.fake import fake_store, fake_tensor_mode, flop_counter, memory_tracker
+from tetron.torch_private import grouped_mm_available, is_fake
+from tetron.torch_private.fake import fake_store, fake_tensor_mode, flop_counter, memory_tracker, real_mode
 
 
 @dataclass
@@ -58,11 +58,29 @@ def distinct_ranks(cfg: Config) -> list[int]:
     return [stage * p.dp * p.cp * p.tp for stage in range(p.pp)]
 
 
-def fake_batches(cfg: Config, run_positions: torch.Tensor, device: torch.device) -> list[MicroBatch]:
-    """The step's micro-batches as the loader would give this rank: token ids and targets [B, T/cp]."""
+def fake_batches(cfg: Config, run_positions: torch.Tensor, device: torch.device,
+                 watch: DryRunMode | None = None) -> list[MicroBatch]:
+    """The step's micro-batches as the loader would give this rank: token ids and targets [B, T/cp]; with
+    multi-token prediction each depth's ids, targets and validity [B, D, 3, T/cp] (data/batch.py mtp_shifted),
+    their validity known to `watch` (the positions a depth counts: all but its last k of the window)."""
     t, n = cfg.train, run_positions.numel()
+    depth = getattr(cfg.model, "num_nextn_predict_layers", 0)
+
+    def mtp() -> torch.Tensor | None:
+        if not depth:
+            return None
+        positions = watch.shadow.get(run_positions, run_positions) if watch is not None else run_positions
+        with real_mode():  # (under fake tensors the positions' values are their shadow's: dry_modes.HOST_INDICES)
+            window = torch.zeros(t.micro_batch, cfg.data.seq_len, dtype=torch.long)
+            real = mtp_shifted(window, window, None, depth)[..., positions.cpu()]
+        out = torch.empty(real.shape, dtype=real.dtype, device=device)
+        if watch is None or not is_fake(out):  # real tensors (the tests' reference step): the values themselves
+            return real.to(device)
+        watch.shadow[out] = real
+        return out
+
     return [MicroBatch(torch.zeros(t.micro_batch, n, dtype=torch.long, device=device),
-                       torch.zeros(t.micro_batch, n, dtype=torch.long, device=device), run_positions, None)
+                       torch.zeros(t.micro_batch, n, dtype=torch.long, device=device), run_positions, None, mtp())
             for _ in range(t.grad_acc)]
 
 
@@ -93,7 +111,7 @@ def simulate_rank(cfg: Config, rank: int, *, fake: bool = True) -> RankFigures:
         tracker = memory_tracker()
         with tracker:  # from the first parameter: the model's state counts toward the peak
             run = assemble_run(cfg, mesh, device, tokenizer=None, loader=None)
-            batch = fake_batches(cfg, run.device_positions, device)
+            batch = fake_batches(cfg, run.device_positions, device, watch)
             with flop_counter() as flops:
                 dispatch_step(run, 0, batch)
         peak = _peak(tracker, device)
