@@ -1,7 +1,7 @@
 """`tetron plan CONFIG --dry-run`: one real training step of each distinct rank, at full size, on fake tensors.
 
-For each pipeline rank (ranks that differ only by their dp, cp or tp index run the same code on the same
-shapes; the pipeline's ranks differ by layers, embedding and head), in this process:
+For each kind of pipeline rank (ranks that differ only by their dp, cp or tp index run the same code on the same
+shapes; the pipeline's ranks differ by layers, embedding and head: distinct_ranks), in this process:
   - torch's `fake` process group of the run's world size, as that rank (collectives return at once);
   - under FakeTensorMode (shapes, dtypes and devices; no storage), the rank's real model, optimizer and
     schedule, built by train.assemble_run (parallelize, ZeRO, expert parallelism, the pipeline);
@@ -33,7 +33,7 @@ from tetron.config import Config, from_dict
 from tetron.data.batch import MicroBatch, mtp_shifted
 from tetron.mesh import Mesh
 from tetron.plan.dry_modes import CrossDeviceCopies, DryRunMode
-from tetron.plan.memory import predict_rank
+from tetron.plan.memory import heaviest_ranks, predict_rank
 from tetron.torch_private import grouped_mm_available, is_fake
 from tetron.torch_private.fake import fake_store, fake_tensor_mode, flop_counter, memory_tracker, real_mode
 
@@ -53,9 +53,11 @@ class RankFigures:
 
 
 def distinct_ranks(cfg: Config) -> list[int]:
-    """One global rank per pipeline rank: the grid is [pp, dp, cp, tp], tp innermost."""
+    """One global rank per kind of pipeline rank (memory.heaviest_ranks: the first, the last, and of those holding
+    the same kind of chunks the earliest, which has the most micro-batches in flight; a rank of a kind differs
+    from its earliest by fewer in flight only): the grid is [pp, dp, cp, tp], tp innermost."""
     p = cfg.parallel
-    return [stage * p.dp * p.cp * p.tp for stage in range(p.pp)]
+    return [stage * p.dp * p.cp * p.tp for stage in heaviest_ranks(cfg)]
 
 
 def fake_batches(cfg: Config, run_positions: torch.Tensor, device: torch.device,
@@ -237,7 +239,7 @@ def dry_run(cfg: Config) -> str:
     layout = (f"dp{p.dp} tp{p.tp} pp{p.pp}" + (f"({p.pp_schedule}x{p.pp_virtual})" if p.pp > 1 else "")
               + f" cp{p.cp} ep{p.ep} zero{p.zero} {cfg.train.recompute} mb{cfg.train.micro_batch}x{cfg.train.grad_acc}")
     head = (f"tetron dry run: {cfg.model.num_params():,} parameters, {cfg.world_size} ranks ({layout}), seq "
-            f"{cfg.data.seq_len}, {cfg.train.dtype}: one step of each pipeline rank on fake tensors "
+            f"{cfg.data.seq_len}, {cfg.train.dtype}: one step of each kind of pipeline rank on fake tensors "
             f"({time.perf_counter() - start:.0f} s)")
     note = ("planner: peak = plan.memory.predict_rank; FLOPs = the model FLOPs (6N + attention a token, as MFU counts "
             "them) of the global batch over the ranks. MoE routing taken as even.")
