@@ -320,7 +320,7 @@ def heaviest_ranks(cfg: Config) -> list[int]:
     """The pipeline ranks whose peaks bound every rank's, for a search that cannot weigh them all: the first and
     the last (the embedding and the most micro-batches in flight; the logits), and of the ranks holding the same
     kind of chunks (their layers, dense and MoE) the earliest, which has the most in flight. With dense layers
-    first, an MoE model's middle ranks hold more than either end (DeepSeek-V3 on 32 stages: twice the first's)."""
+    first, an MoE model's middle ranks hold more than either end (DeepSeek-V3 on 32 stages: four times the first's)."""
     kinds: dict[tuple, int] = {}
     for r in range(cfg.parallel.pp):
         kinds.setdefault(tuple(rank_chunks(cfg, r)), r)
