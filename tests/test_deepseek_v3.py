@@ -247,6 +247,25 @@ def test_dp2_ep2_in_bf16_tracks_the_fp32_single_process(corpus, cache_dir, tmp_p
 
 # ----------------------------------------------------------------------------- the published shapes and the planner
 
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2"])
+def test_configs_fit_their_nodes_on_every_kind_of_rank(name):
+    """Each config's layout on its 32 x 8 H100 fits by the memory model on every kind of pipeline rank (the busiest
+    of DeepSeek-V3's is the last, with the MTP module; Kimi-K2's the second, two MoE layers), and tetron plan prints
+    DeepSeek-V3's MTP parameters apart."""
+    from tetron.config import CONFIGS_DIR, load_config
+    from tetron.plan.hardware import gpu
+    from tetron.plan.memory import heaviest_ranks, predict
+    from tetron.plan.report import mtp_params
+    from tetron.plan.search import memory_limit
+    from tetron.validate import validate
+
+    cfg = load_config(CONFIGS_DIR / f"{name}.yaml")
+    validate(cfg, world_size=256)
+    assert len(heaviest_ranks(cfg)) > 2  # the middle ranks weighed too
+    assert predict(cfg, ranks=heaviest_ranks(cfg)).total <= memory_limit(gpu("H100"), 8)
+    assert mtp_params(cfg.model) == (11_610_067_968 if name == "deepseek-v3" else 0)
+
+
 def test_configs_count_the_published_parameters():
     """configs/deepseek-v3.yaml: 671B total (the published figure, which leaves out the MTP layer) and 37.55B active
     (published: 37B); configs/kimi-k2.yaml: 1.026T, 32.9B active (published: 1.04T, 32.6B): the family's count on
