@@ -134,3 +134,14 @@ def test_storage_pool_resizes_under_fake_tensors():
     with fake_tensor_mode():
         assert not storage_swap_available(cpu)
     assert storage_swap_available(cpu) == hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def test_the_dry_run_steps_the_mtp_module():
+    """The last stage's step with multi-token prediction does the module's work (its layer, its head): more FLOPs
+    and more memory than the same model without it; the first stage's is the same."""
+    with_mtp = LAYOUTS["mtp-pp2"]
+    without = config({"pp": 2}, {**MTP, "num_nextn_predict_layers": 0})
+    first, last = distinct_ranks(with_mtp)
+    assert simulate_rank(with_mtp, last).flops > simulate_rank(without, last).flops
+    assert simulate_rank(with_mtp, last).peak_bytes > simulate_rank(without, last).peak_bytes
+    assert simulate_rank(with_mtp, first).flops == simulate_rank(without, first).flops
