@@ -93,3 +93,44 @@ def test_larger_micro_batches_are_read_off_two_measurements(family, parallel):
     for moe in (False, True) if hasattr(cfg.model, "num_experts") else (False,):
         p = probe.probe_of(cfg, moe)
         assert probe.saved_bytes(p, "selective") == probe._measure(p)["selective"]
+
+
+def test_a_real_run_after_a_measurement_computes_real_numbers():
+    """What the model caches per shape (the sliding window's mask) is made afresh after a fake measurement: tetron
+    train measures in the process that then forks its ranks, and a mask cached as a fake tensor made OLMo 3's
+    layouts lose their loss (nan) or hang (CI, 2026-12-03). The same logits before and after, none of them fake."""
+    import torch
+
+    from tetron.device import clear_tensor_caches
+    from tetron.models.llama import Llama
+    from tetron.torch_private import is_fake
+
+    cfg = from_dict({"model": {**BASE, "model_type": "olmo3", "sliding_window": 5}, "data": {"seq_len": 32},
+                     "train": {"micro_batch": 2}})
+    torch.manual_seed(0)
+    model = Llama(cfg.model).eval()
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids)
+        clear_tensor_caches()  # as a fresh process: the measurement below is the first to ask for the mask
+        probe._measure(probe.probe_of(cfg, False))  # fake tensors; the same window mask's shape as the forward's
+        after = model(ids)
+    assert not is_fake(after)
+    assert torch.equal(before, after)
+
+
+def test_a_single_process_with_its_own_group_is_measured_in_it():
+    """A process that already holds a group of one rank (bench/gpu_check.py plans the micro-batch beside its own
+    training) is measured in that group, to the same bytes; a one-rank layer needs no fake group of its own."""
+    import torch.distributed as dist
+
+    cfg = _config("olmo3", {}, "none")
+    p = probe.probe_of(cfg, False)
+    alone = probe._measure(p)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert probe._measure(p) == alone
+        with pytest.raises(RuntimeError, match="process group of its own"):
+            probe._measure(probe.probe_of(_config("olmo3", {"tp": 2}, "none"), False))
+    finally:
+        dist.destroy_process_group()

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib.util
 import os
 import resource
 import shutil
 import sys
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -313,3 +314,23 @@ def empty_cache(device: torch.device) -> None:
     """Hand cached GPU blocks back (between benchmark runs, so one run's cache does not count in the next)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+_TENSOR_CACHES: list[Any] = []
+
+
+def tensor_cache(maxsize: int) -> Callable[[Callable], Callable]:
+    """functools.lru_cache for a function that makes a tensor once per shape (a mask, a position order), kept where
+    clear_tensor_caches finds it: the planner's and the dry run's fake-tensor runs start and end with such caches
+    empty. A tensor cached under fake tensors would be a fake one in the real run that follows in the same process
+    (or in the ranks it forks), and one cached before would escape the measurement's count."""
+    def wrap(fn: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        _TENSOR_CACHES.append(cached)
+        return cached
+    return wrap
+
+
+def clear_tensor_caches() -> None:
+    for cached in _TENSOR_CACHES:
+        cached.cache_clear()

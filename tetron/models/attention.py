@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tetron.device import tensor_cache
 from tetron.models.core_recompute import active as recompute_active
 from tetron.models.core_recompute import recomputed
 from tetron.torch_private import cpu_flash_attention, cpu_flash_attention_backward
@@ -183,7 +184,7 @@ def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
-@functools.lru_cache(maxsize=2)
+@tensor_cache(maxsize=2)
 def _window_bias(length: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """[1, 1, T, T] additive causal sliding-window mask, made once for every layer of every step (the
     layers save one tensor for their backward, not one each); two kept: training's, and one more."""

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tetron.device import tensor_cache
 from tetron.mesh import Mesh
 from tetron.models.attention import Documents, causal_mask, document_mask, sdpa_attention
 from tetron.parallel.block_attention import (  # noqa: F401  (the block kernels, also imported from here)
@@ -53,7 +54,7 @@ def shard_indices(seq_len: int, cp: int, rank: int, *, layout: str = "zigzag",
                       torch.arange((2 * cp - 1 - rank) * n, (2 * cp - rank) * n, device=device)])
 
 
-@functools.lru_cache(maxsize=256)
+@tensor_cache(maxsize=256)
 def _shard_positions(seq_len: int, cp: int, rank: int, layout: str, device: torch.device) -> Tensor:
     # made on the device: a copy from the host would wait for the device's queue at every layer
     return shard_indices(seq_len, cp, rank, layout=layout, device=device)

@@ -20,7 +20,6 @@ of its own); learned sinks are one per head, so they split with the heads: this 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tetron.device import tensor_cache
 from tetron.mesh import Mesh
 from tetron.models.attention import Documents, sdpa_attention
 from tetron.parallel.timers import timer
@@ -78,7 +78,7 @@ def kv_repeats(heads: int, kv_heads: int, cp: int) -> int:
     return cp // math.gcd(kv_heads, cp)
 
 
-@functools.lru_cache(maxsize=64)
+@tensor_cache(maxsize=64)
 def _orders(shards: Shards, seq_len: int, cp: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
     """(gathered, to_positions): the positions of the sequence after the all-to-all (every rank's shard,
     in rank order) and the permutation that sorts it; None when it is already in position order."""

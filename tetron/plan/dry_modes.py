@@ -20,6 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from tetron.device import clear_tensor_caches
 from tetron.torch_private import TorchDispatchMode, is_fake, tree_leaves
 from tetron.torch_private.fake import parse_to, real_mode, unbox_group
 
@@ -77,6 +78,14 @@ class DryRunMode(TorchDispatchMode):
         self.shadow: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # fake tensor -> its values, real
         self.collective_bytes: dict[str, int] = defaultdict(int)
         self.collective_calls: dict[str, int] = defaultdict(int)
+
+    def __enter__(self) -> "DryRunMode":
+        clear_tensor_caches()  # the run's cached masks are made here, as fake tensors, and counted
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        clear_tensor_caches()  # none of those fake tensors may reach a real run after this one
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -110,7 +110,12 @@ def _measured(probe: Probe, mode: str) -> int:
 def _fake_group(world: int):
     """Rank 0 of a fake process group of `world` ranks, for one measurement. The planner runs where no group exists
     yet (tetron plan, tetron train's check before its ranks start, the dry run before each fake rank); a process
-    with a group of its own (a rank) is refused: the two would be one global state."""
+    with a group of its own (a rank) is refused: the two would be one global state. A one-rank layer in a one-rank
+    group (a single process's own, as bench/gpu_check.py runs the planner beside its training) needs no other: no
+    collective is called, and the group is the process's to keep."""
+    if dist.is_initialized() and world == 1 and dist.get_world_size() == 1:
+        yield
+        return
     if dist.is_initialized():
         raise RuntimeError("the planner measures a layer in a process group of its own: call it before "
                            "init_process_group (or after destroy_process_group)")
