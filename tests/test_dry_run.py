@@ -56,8 +56,19 @@ def test_fake_step_equals_real_step(name, monkeypatch):
     for rank in distinct_ranks(cfg):
         fake, real = simulate_rank(cfg, rank), simulate_rank(cfg, rank, fake=False)
         assert fake.peak_bytes == real.peak_bytes > 0
+        assert fake.build_bytes == real.build_bytes > 0
         assert fake.flops == real.flops > 0
         assert fake.collective_bytes == real.collective_bytes
+
+
+def test_the_build_is_weighed_apart_from_the_step():
+    """A ZeRO-3 rank builds its chunk whole, in fp32, before sharding it: the build's peak holds every parameter
+    (4 bytes each), the step's (what the planner predicts) a 1/dp slice of them and one gathered unit at a time, so
+    that with more layers the build outgrows the step (issue 33's llama-7b dry run: 27.05 GiB were the build's)."""
+    cfg = config({"dp": 16, "zero": 3}, {"num_hidden_layers": 16, "hidden_size": 64, "intermediate_size": 256},
+                 recompute="full", grad_acc=1)
+    f = simulate_rank(cfg, 0)
+    assert f.build_bytes >= 4 * cfg.model.num_params() > f.peak_bytes
 
 
 @pytest.mark.parametrize("model", [{}, MOE])

@@ -45,6 +45,7 @@ class RankFigures:
     rank: int  # the global rank simulated (dp, cp and tp index 0 of its pipeline rank)
     pp_rank: int
     peak_bytes: int  # MemTracker's peak over the step (parameters, gradients, optimizer state, activations, ...)
+    build_bytes: int  # its peak while the rank builds its model: each chunk made whole in fp32 before ZeRO shards it
     flops: int  # FlopCounterMode's total over the step (recomputed forwards included)
     collective_bytes: dict[str, int] = field(default_factory=dict)  # per kind, over the step
     predicted_bytes: int = 0  # memory.predict_rank's peak
@@ -113,11 +114,13 @@ def simulate_rank(cfg: Config, rank: int, *, fake: bool = True) -> RankFigures:
         tracker = memory_tracker()
         with tracker:  # from the first parameter: the model's state counts toward the peak
             run = assemble_run(cfg, mesh, device, tokenizer=None, loader=None)
+            build = _peak(tracker, device)
+            tracker.restart_peak()  # the step's peak from the built model's state on, apart from the build's
             batch = fake_batches(cfg, run.device_positions, device, watch)
             with flop_counter() as flops:
                 dispatch_step(run, 0, batch)
         peak = _peak(tracker, device)
-    return RankFigures(rank=rank, pp_rank=pp_rank, peak_bytes=peak, flops=flops.get_total_flops(),
+    return RankFigures(rank=rank, pp_rank=pp_rank, peak_bytes=peak, build_bytes=build, flops=flops.get_total_flops(),
                        collective_bytes=dict(watch.collective_bytes),
                        predicted_bytes=predicted,
                        predicted_flops=model_flops_per_rank(cfg))
@@ -206,13 +209,13 @@ def table(cfg: Config, figures: list[RankFigures]) -> str:
     """One row per simulated rank: peak memory and FLOPs, each beside the planner's and their ratio, then the
     bytes each kind of collective moved over the step, then the CUDA forward's result."""
     kinds = sorted({k for f in figures for k in f.collective_bytes})
-    head = (f"{'rank':>5} {'pp':>3}  {'peak':>11} {'planner':>11} {'ratio':>6}  {'FLOPs':>9} {'planner':>9} "
-            f"{'ratio':>6}  " + " ".join(f"{k:>14}" for k in kinds))
+    head = (f"{'rank':>5} {'pp':>3}  {'peak':>11} {'planner':>11} {'ratio':>6} {'build':>11}  {'FLOPs':>9} "
+            f"{'planner':>9} {'ratio':>6}  " + " ".join(f"{k:>14}" for k in kinds))
     rows = [head]
     for f in figures:
         rows.append(f"{f.rank:>5} {f.pp_rank:>3}  {_size(f.peak_bytes):>11} {_size(f.predicted_bytes):>11} "
-                    f"{f.peak_bytes / max(f.predicted_bytes, 1):>6.3f}  {_flops(f.flops):>9} "
-                    f"{_flops(f.predicted_flops):>9} {f.flops / max(f.predicted_flops, 1):>6.3f}  "
+                    f"{f.peak_bytes / max(f.predicted_bytes, 1):>6.3f} {_size(f.build_bytes):>11}  "
+                    f"{_flops(f.flops):>9} {_flops(f.predicted_flops):>9} {f.flops / max(f.predicted_flops, 1):>6.3f}  "
                     + " ".join(f"{_size(f.collective_bytes.get(k, 0)):>14}" for k in kinds))
     results = sorted({f.cuda_forward for f in figures})
     if len(results) == 1:
@@ -241,8 +244,10 @@ def dry_run(cfg: Config) -> str:
     head = (f"tetron dry run: {cfg.model.num_params():,} parameters, {cfg.world_size} ranks ({layout}), seq "
             f"{cfg.data.seq_len}, {cfg.train.dtype}: one step of each kind of pipeline rank on fake tensors "
             f"({time.perf_counter() - start:.0f} s)")
-    note = ("planner: peak = plan.memory.predict_rank; FLOPs = the model FLOPs (6N + attention a token, as MFU counts "
-            "them) of the global batch over the ranks. MoE routing taken as even.")
+    note = ("planner: peak = plan.memory.predict_rank, the step's (from the built model on); build = the peak while "
+            "the rank builds its model (each chunk made whole in fp32 before ZeRO shards it), which the planner does "
+            "not predict; FLOPs = the model FLOPs (6N + attention a token, as MFU counts them) of the global batch "
+            "over the ranks. MoE routing taken as even.")
     return "\n".join([head, table(cfg, figures), *failed, *optimizer_lines(cfg, figures), note])
 
 

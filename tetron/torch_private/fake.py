@@ -71,7 +71,8 @@ class _NoModules:
 
 def memory_tracker() -> Any:
     """A MemTracker of the whole peak: `with tracker: ...`, then `tracker.get_tracker_snapshot("peak")`, bytes
-    by device and category (every storage an op made, until it is freed or resized)."""
+    by device and category (every storage an op made, until it is freed or resized); `restart_peak()` starts
+    the peak again from what is held."""
     _need("MemTracker")
     try:
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
@@ -89,6 +90,12 @@ def memory_tracker() -> Any:
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
+
+        def restart_peak(self) -> None:
+            """The peak from here on: what is held now is where it starts (a step's peak apart from the build's)."""
+            for dev, snap in self._curr_mem_snap.items():
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
 
     return PeakTracker()
 
