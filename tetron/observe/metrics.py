@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import threading
@@ -20,9 +21,25 @@ def say(message: str) -> None:
     bar = ProgressBar.live
     if bar is not None and bar.bar is not None:
         bar.bar.clear()
-    print(f"tetron: {message}", flush=True)
+    console_line(f"tetron: {message}")
     if bar is not None and bar.bar is not None:
         bar.bar.refresh()
+
+
+def console_line(line: str) -> None:
+    """`line` and its newline on stdout in one write, past Python's buffer: a rank forked (the launcher forks from
+    one thread while its watcher prints from another) while the line sat in the buffer would print it again, with
+    its own next line glued on ("...resuming from step_2tetron: resumed from ...")."""
+    stream = sys.stdout
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured, redirected to text)
+        print(line, file=stream, flush=True)
+        return
+    stream.flush()  # what was printed before stays before
+    data = (line + "\n").encode(getattr(stream, "encoding", None) or "utf-8", "replace")
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, *, peak_tflops: float | None, world_size: int) -> float | None:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tetron.fs import find_latest, write_json, write_text
+from tetron.observe.metrics import console_line
 from tetron.stop import FORWARDED, stop_signals, stopped_line, watch_signals
 
 FAILED = ("error", "timeout", "peer")  # report states of a rank that ended the run
@@ -163,7 +164,7 @@ class RankWatch:
         attempt = max((r["attempt"] for r in reports.values()), default=-1)
         if attempt != self.attempt:  # the launcher restarted the ranks: a new set of processes
             if attempt > 0:
-                print(f"tetron: {self.restart_line(attempt)}", flush=True)
+                console_line(f"tetron: {self.restart_line(attempt)}")
             self.attempt, self.forwarded, self.failed_at, self.stuck = attempt, set(), None, {}
         running = {rank: r for rank, r in reports.items() if r["state"] == "running"}
         new = {rank: r["pid"] for rank, r in running.items() if r["pid"] not in self.waiters}
