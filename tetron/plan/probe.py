@@ -113,10 +113,10 @@ def _fake_group(world: int):
     with a group of its own (a rank) is refused: the two would be one global state. A one-rank layer in a one-rank
     group (a single process's own, as bench/gpu_check.py runs the planner beside its training) needs no other: no
     collective is called, and the group is the process's to keep."""
-    if dist.is_initialized() and world == 1 and dist.get_world_size() == 1:
-        yield
-        return
     if dist.is_initialized():
+        if world == 1 and dist.get_world_size() == 1:
+            yield
+            return
         raise RuntimeError("the planner measures a layer in a process group of its own: call it before "
                            "init_process_group (or after destroy_process_group)")
     dist.init_process_group("fake", rank=0, world_size=world, store=fake_store())

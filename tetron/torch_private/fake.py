@@ -93,9 +93,9 @@ def memory_tracker() -> Any:
 
         def restart_peak(self) -> None:
             """The peak from here on: what is held now is where it starts (a step's peak apart from the build's)."""
-            for dev, snap in self._curr_mem_snap.items():
-                self._peak_mem[dev] = snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = dict(snap)
+            self._peak_mem.clear()
+            self._peak_mem_snap.clear()
+            self._update_peak_stats(None)
 
     return PeakTracker()
 
