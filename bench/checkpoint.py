@@ -53,7 +53,7 @@ from tetron.config import from_dict
 from tetron.mesh import Mesh
 from tetron.parallel.parallelize import build_optimizer, finish_gradients, parallelize
 from tetron.parallel.pipeline_parallel import layer_ranks
-from tetron.validate import _validate_checkpoint
+from tetron.validate.paths import validate_checkpoint
 
 CPU = torch.device("cpu")
 SAVES = ("tetron", "dcp", "tetron_async", "dcp_async")
@@ -134,7 +134,7 @@ def tetron_wait(handle: Any) -> None:
 
 def tetron_prestart(st: SimpleNamespace, folder: str) -> None:
     """What the launcher checks of a checkpoint before it starts the ranks of a resume."""
-    _validate_checkpoint(dataclasses.replace(st.cfg, checkpoint=dataclasses.replace(st.cfg.checkpoint,
+    validate_checkpoint(dataclasses.replace(st.cfg, checkpoint=dataclasses.replace(st.cfg.checkpoint,
                                                                                     resume=folder)))
 
 
