@@ -14,7 +14,8 @@ same keys and DCP's planner writes each once. Both write the same bytes of tenso
 fairest equivalent we found: DTensors of tetron's flat buckets would add DCP's resharding but not change
 the bytes written, and DCP's files are not a transformers folder, while tetron's are.
 
-What is timed (each save after a barrier, the max over ranks, medians of `--rounds` interleaved rounds):
+What is timed (each save after a barrier, the max over ranks, medians of `--rounds` interleaved rounds,
+each round starting one save later than the one before):
 blocking seconds (until every rank could train again), total seconds (until the files are written and
 fsynced, all ranks past a barrier; nothing trains in between here), resume start-up (tetron: the checks
 the launcher runs before starting ranks, `tetron.validate`'s checkpoint section, on rank 0, then
@@ -185,8 +186,10 @@ def timed_save(start_save: Callable[[], Any], wait: Callable[[Any], None] | None
 
 
 def save_round(st: SimpleNamespace, folders: dict[str, str], group: dist.ProcessGroup,
-               has_async: bool) -> dict[str, tuple[float, float]]:
-    """Every save once, in turn, each into its own folder."""
+               has_async: bool, first: int = 0) -> dict[str, tuple[float, float]]:
+    """Every save once, in turn, each into its own folder, starting at the `first`-th: rounds rotate the order,
+    so that no save always follows the same one (the disk still writing back the one before, or freeing the
+    last round's folders)."""
     state = dcp_state_dict(st)
     runs: dict[str, tuple[Callable[[], Any], Callable[[Any], None] | None]] = {
         "tetron": (lambda: tetron_save(st, folders["tetron"], async_save=False), None),
@@ -196,7 +199,9 @@ def save_round(st: SimpleNamespace, folders: dict[str, str], group: dist.Process
     }
     if not has_async:
         runs.pop("tetron_async")
-    return {name: timed_save(*run) for name, run in runs.items()}
+    names = list(runs)
+    first %= len(names)
+    return {name: timed_save(*runs[name]) for name in names[first:] + names[:first]}
 
 
 def zero_and_check(st: SimpleNamespace, saved: dict[str, Tensor] | None) -> None:
@@ -246,7 +251,7 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
     sizes: dict[str, int] = {}
     for r in range(args.rounds):
         folders = {name: os.path.join(args.dir, f"{args.ranks}-{name}-{r}") for name in SAVES}
-        for name, times in save_round(st, folders, group, has_async).items():
+        for name, times in save_round(st, folders, group, has_async, first=r).items():
             saves.setdefault(name, []).append(times)
         for name, figures in resume_round(st, folders, saved).items():
             resumes[name].append(figures)
