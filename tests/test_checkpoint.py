@@ -63,6 +63,31 @@ def test_safetensors_writer_streams_a_readable_file(tmp_path):
         writer.close()
 
 
+def test_the_writer_sums_each_tensor_as_it_writes_and_hands_the_disk_its_bytes_as_they_come(tmp_path, monkeypatch):
+    """The crc32 `write` returns is zlib's over the tensor's bytes though it is summed block by block; and every
+    WRITEBACK_BYTES written, the disk is asked to start on them (fs.start_writeback), each byte once and in
+    order, so that the fsync at close waits for the last of them only."""
+    import zlib
+
+    import tetron.checkpoint.safetensors_stream as stream
+
+    monkeypatch.setattr(stream, "WRITE_BLOCK", 1000)  # a tensor of many blocks, one not whole
+    monkeypatch.setattr(stream, "WRITEBACK_BYTES", 20_000)
+    handed: list[tuple[int, int]] = []
+    monkeypatch.setattr(stream, "start_writeback", lambda fd, offset, length: handed.append((offset, length)))
+    tensors = {f"t{i}": torch.randn(1234 + i) for i in range(12)}
+    path = tmp_path / "x.safetensors"
+    writer = SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
+    for k, v in tensors.items():
+        assert writer.write(k, v) == zlib.crc32(v.numpy().tobytes()), k
+    writer.close()
+    assert len(handed) >= 2 and handed[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(handed, handed[1:]))  # contiguous, each byte once
+    assert all(n >= 20_000 for _, n in handed) and handed[-1][0] + handed[-1][1] <= path.stat().st_size
+    with safe_open(str(path), "pt") as f:
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+
+
 # ----------------------------------------------------------------------------- format, atomic, exact resume
 
 

@@ -62,7 +62,7 @@ def _slow_save_child(raw: dict) -> None:
     def slow(self, name, tensor):
         if (Path(raw["out"]) / "checkpoints" / "step_2").exists():
             time.sleep(0.3)
-        write(self, name, tensor)
+        return write(self, name, tensor)
 
     tetron.checkpoint.save.SafetensorsWriter.write = slow
     torch.set_num_threads(1)  # as tests/harness.py: the parent's thread pool does not survive a fork

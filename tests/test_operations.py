@@ -260,13 +260,13 @@ def _full_disk_child(raw: dict, err_path: str, fault: str = "full disk") -> None
     def full(self, name, tensor):
         if "step_4" in str(self.path):
             raise OSError(errno.ENOSPC, "No space left on device")
-        write(self, name, tensor)
+        return write(self, name, tensor)
 
     def limited(self, name, tensor):
         if "step_4" in str(self.path) and self.next == 1:  # past the embedding, written through: the small
             # tensors after it wait in the file's buffer, whose flush fails, and fails again at close
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.file.tell() + 1, resource.RLIM_INFINITY))
-        write(self, name, tensor)
+        return write(self, name, tensor)
 
     if fault == "file size":
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG, not kill

@@ -12,9 +12,12 @@ import contextlib
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import torch
+
+from tetron.fs import start_writeback
 
 DTYPE_NAMES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -22,6 +25,8 @@ DTYPE_NAMES = {
     torch.bool: "BOOL",
 }  # torch dtype -> the safetensors header's name
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}  # and back
+WRITE_BLOCK = 1 << 20  # summed, then written, while it is in the CPU's cache (L2 is 1-2 MiB a core)
+WRITEBACK_BYTES = 32 << 20  # the disk is handed what was written in steps of this (fs.start_writeback)
 
 
 class SafetensorsWriter:
@@ -48,20 +53,33 @@ class SafetensorsWriter:
             self.abort()
             raise
         self.next = 0
+        self.synced = 0  # bytes handed to the disk so far
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Append `tensor` (the next one named in the specs); returns the crc32 of its bytes, summed block by
+        block as each is written, while the block is still in the CPU's cache (one pass over memory, not two)."""
         want_name, dtype, shape = self.expected[self.next]
         if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"{self.path}: expected {want_name} {dtype} {list(shape)}, "
                              f"got {name} {tensor.dtype} {list(tensor.shape)}")
         data = tensor.detach().contiguous().cpu()
-        # bytes of any dtype (numpy has no bfloat16): view the storage as uint8
+        # bytes of any dtype (numpy has no bfloat16): view the storage as uint8, no copy
+        raw = memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
+        crc32 = 0
         try:
-            self.file.write(data.reshape(-1).view(torch.uint8).numpy().data if data.numel() else b"")  # no copy
+            for start in range(0, len(raw), WRITE_BLOCK):
+                block = raw[start:start + WRITE_BLOCK]
+                crc32 = zlib.crc32(block, crc32)
+                self.file.write(block)
+            if self.file.tell() - self.synced >= WRITEBACK_BYTES:
+                self.file.flush()
+                start_writeback(self.file.fileno(), self.synced, self.file.tell() - self.synced)
+                self.synced = self.file.tell()
         except OSError as err:  # a full disk: name the file (a failed write() names none)
             err.filename = err.filename or str(self.path)
             raise
         self.next += 1
+        return crc32
 
     def close(self) -> None:
         if self.next != len(self.expected):

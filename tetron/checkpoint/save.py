@@ -145,13 +145,27 @@ def gather_full_state(model: nn.Module, tp_group: dist.ProcessGroup,
             for name, p in model.named_parameters(remove_duplicate=False)}
 
 
+_META_MODELS: dict[tuple[type, str], nn.Module] = {}
+
+
+def meta_model(config: Any) -> nn.Module:
+    """The whole model on the meta device (names and full shapes, no storage), built once per config: a save
+    asks for it three times, and building SmolLM-135M's takes 0.05 s. Read, never changed."""
+    key = (type(config), repr(config))  # a config is a dataclass: its repr names every field
+    if key not in _META_MODELS:
+        with torch.device("meta"):
+            whole = spec_of(config).model_class(config)
+        _META_MODELS.clear()  # the last config only: a run saves one model
+        _META_MODELS[key] = whole
+    return _META_MODELS[key]
+
+
 def model_specs(config: Any, dtype: torch.dtype = torch.float32, *, buffers: bool = True) -> list[Spec]:
     """Every tensor of the HF model folder in the plain model's order, then (with `buffers`) the state that
     is no parameter (an MoE routing bias); a tied head is not stored. Named as the model's parameters: the
     family's layout (stored_as_of) says which are written in pieces."""
     spec = spec_of(config)
-    with torch.device("meta"):
-        whole = spec.model_class(config)  # names and full shapes, no storage
+    whole = meta_model(config)
     tied_head = spec.plan.tied_head(config)
     stored = whole.state_dict().keys()  # the persistent buffers among them
     return [(name, name, dtype, tuple(p.shape)) for name, p in whole.named_parameters(remove_duplicate=False)
@@ -174,8 +188,7 @@ def optimizer_specs(config: Any, params: list[Spec] | None = None, *,
 
 def stored_roles(config: Any) -> dict[str, Role]:
     """Each stored parameter's role for the optimizer (parallelize.param_roles on the whole model), by name."""
-    with torch.device("meta"):
-        whole = spec_of(config).model_class(config)
+    whole = meta_model(config)
     roles = param_roles([whole])
     return {name: roles[id(p)] for name, p in whole.named_parameters()}
 

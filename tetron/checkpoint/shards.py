@@ -263,9 +263,9 @@ def gather_to_writers(chunks: list[nn.Module], mesh: Mesh, specs: list[Spec], ow
 
 class ShardWriter:
     """This rank's shards of one prefix, filled tensor by tensor from a stream in spec order. Each tensor is
-    summed (crc32) where the stream hands it over, then written on a thread of its own while the stream sums and
-    gathers the next one (at most one waits), so the disk, the sums and the network work at once (zlib and
-    file writes let go of the GIL). A failed write (a full disk) is kept and the rest of the stream
+    written, and summed (crc32) block by block as it goes out, on a thread of its own while the stream gathers
+    the next one (at most one waits), so the disk, the sums and the network work at once (zlib and file writes
+    let go of the GIL). A failed write (a full disk) is kept and the rest of the stream
     still consumed, so that this rank goes on taking part in the gathers of the others; `error` is read once
     the stream ends. With a `layout`, a tensor kept in pieces is written as its pieces (`crc32` by piece)."""
 
@@ -284,14 +284,13 @@ class ShardWriter:
             writing: Future | None = None
             for key, tensor in stream:
                 stored = self.layout(key) if self.layout is not None else None
-                pieces = [(name, piece, tensor_crc32(piece)) for name, piece in split_stored(stored or key, tensor)
-                          ] if self.error is None else []
+                pieces = split_stored(stored or key, tensor) if self.error is None else []
                 if writing is not None:
                     writing.result()  # one tensor in flight at most
                 writing = pool.submit(self._write, pieces) if self.error is None else None
 
-    def _write(self, pieces: list[tuple[str, Tensor, int]]) -> None:
-        """Write one tensor: its pieces (one, unless the layout keeps it in pieces) with their crc32."""
+    def _write(self, pieces: list[tuple[str, Tensor]]) -> None:
+        """Write one tensor: its pieces (one, unless the layout keeps it in pieces), keeping their crc32."""
         if self.error is not None:
             return
         try:
@@ -303,10 +302,8 @@ class ShardWriter:
                                                     [entry for spec in self.current.specs
                                                      for entry in file_entries(spec, self.layout)],
                                                     metadata={"format": "pt"})
-            for name, piece, crc32 in pieces:
-                self.crc32[name] = crc32
-                if self.writer is not None:
-                    self.writer.write(name, piece)
+            for name, piece in pieces:
+                self.crc32[name] = self.writer.write(name, piece) if self.writer is not None else tensor_crc32(piece)
             self.left -= 1
             if self.left == 0 and self.writer is not None:
                 self.writer.close()
