@@ -101,7 +101,10 @@ def test_mmap_threshold_is_half_a_layer_under_zero3_only():
     assert all(dev.cpu_mmap_threshold(z, layer_grad_bytes=4 * layer) is None for z in (0, 1, 2))
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "bench").glob("*.py")))
+BENCHMARKS = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "bench").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
 def test_every_benchmark_imports(name):
     """A benchmark is run by hand, not by the suite, so a name it imports from tetron can vanish unseen
     (bench/checkpoint.py imported a validator that had been renamed). Importing each one here catches that;
