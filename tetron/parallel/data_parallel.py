@@ -30,7 +30,8 @@ are reduced (divided, averaged across replicas) once a step, from their accumula
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,21 @@ from tetron.torch_private import queue_after_backward
 
 # Gloo and NCCL both average natively; a sum followed by a division would cost an extra pass.
 AVG = dist.ReduceOp.AVG
+
+
+
+def weak_hook(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (bound) as a parameter's gradient hook that does not keep its object alive. A tensor holds
+    its hooks on its C++ side, where Python's collector does not look: a hook bound to the wrapper that
+    holds the module that holds the tensor is a cycle never freed, and every run built in one process
+    (a benchmark's cases, a notebook's second run) kept its whole model, gradients and buckets."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return hook
 
 
 class DataParallel(nn.Module):
@@ -92,7 +108,7 @@ class DataParallelNaive(DataParallel):
         super().__init__(module, group, expert_group=expert_group)
         if self.world > 1:
             for p in self._params():
-                p.register_post_accumulate_grad_hook(self._hook)
+                p.register_post_accumulate_grad_hook(weak_hook(self._hook))
 
     def _hook(self, param: nn.Parameter) -> None:
         if self.require_sync:
@@ -245,7 +261,7 @@ class DataParallelBucket(DataParallel):
         # each parameter's fp32 gradient: a view into its bucket's buffer (Megatron's main_grad)
         self.main_grads: dict[nn.Parameter, torch.Tensor] = {}
         for p in self.bucket_of:
-            p.register_post_accumulate_grad_hook(self._hook)
+            p.register_post_accumulate_grad_hook(weak_hook(self._hook))
         self._callback_queued = False
         self._in_flight: _Bucket | None = None  # the last bucket whose reduction was started
         if not self.lazy:

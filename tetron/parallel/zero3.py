@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from tetron.models.spec import spec_of
 from tetron.parallel.comm import all_gather_flat
-from tetron.parallel.data_parallel import DataParallelBucket, _Bucket
+from tetron.parallel.data_parallel import DataParallelBucket, _Bucket, weak_hook
 from tetron.parallel.storage_pool import StoragePool
 from tetron.parallel.timers import timer
 
@@ -30,13 +30,19 @@ def units_of(chunk: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
 class _Unit:
     """One ZeRO-3 unit: its bucket (gradients, the flat parameter buffer, this rank's slice of it)."""
 
-    def __init__(self, bucket: _Bucket, dp: DataParallelBucket) -> None:
-        self.bucket, self.dp = bucket, dp
+    def __init__(self, bucket: _Bucket, dp: DataParallelBucket, sharding: ParameterSharding) -> None:
+        self.bucket, self.dp, self.sharding = bucket, dp, sharding
         self.flat: Tensor = bucket.params_flat  # its storage is empty except while gathered
         self.nbytes = self.flat.numel() * self.flat.element_size()
         self.gathered = False
         self.work: dist.Work | None = None  # a prefetch in flight
         self.waiting = 0  # parameters whose gradient this backward has not produced yet
+
+    def accumulated(self, param: nn.Parameter) -> None:
+        """A parameter's gradient is complete: once all of them are, the gathered unit is freed."""
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.sharding.free(self)
 
 
 class ParameterSharding:
@@ -61,7 +67,7 @@ class ParameterSharding:
         self.pool = StoragePool(dp_chunks[0].buckets[0].device)
         self.order: list[list[_Unit]] = []  # per chunk, the units in forward order
         for dp in dp_chunks:
-            units = [_Unit(bucket, dp) for bucket in reversed(dp.buckets)]  # buckets are in backward order
+            units = [_Unit(bucket, dp, self) for bucket in reversed(dp.buckets)]  # buckets are in backward order
             self.order.append(units)
             dp.sharding = self
             for i, unit in enumerate(units):
@@ -73,7 +79,7 @@ class ParameterSharding:
                 unit.bucket.module.register_forward_pre_hook(self._pre_forward(unit, after))
                 unit.bucket.module.register_forward_hook(self._post_forward(unit, before))
                 for p in unit.bucket.params:
-                    p.register_post_accumulate_grad_hook(self._post_accumulate(unit))
+                    p.register_post_accumulate_grad_hook(weak_hook(unit.accumulated))
                 unit.flat.untyped_storage().resize_(0)  # the whole model's memory: released, not pooled
 
     def gather(self, unit: _Unit, *, async_op: bool = False) -> None:
@@ -130,11 +136,4 @@ class ParameterSharding:
             unit.waiting = len(unit.bucket.params)
             if before is not None:
                 self.gather(before, async_op=True)
-        return hook
-
-    def _post_accumulate(self, unit: _Unit):
-        def hook(param: nn.Parameter) -> None:
-            unit.waiting -= 1
-            if unit.waiting == 0:
-                self.free(unit)
         return hook
