@@ -162,6 +162,9 @@ def cuda_efficient_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Ten
     tq = q.shape[2]
     padded = -(-tq // LSE_ALIGN) * LSE_ALIGN
     lse = F.pad(lse, (0, padded - tq)).contiguous()  # the forward kernel's layout again
+    # out in the forward's memory order, [B, T, H, D]: the bf16 kernel reads it so whatever its strides say (an
+    # H200, torch 2.11: a [B, H, T, D]-contiguous out gave gradients 1.6-3.8x off, NaN, an illegal address)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
     seed, offset = _no_dropout_rng(q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal,
