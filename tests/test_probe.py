@@ -95,6 +95,24 @@ def test_larger_micro_batches_are_read_off_two_measurements(family, parallel):
         assert probe.saved_bytes(p, "selective") == probe._measure(p)["selective"]
 
 
+@pytest.mark.parametrize("family, parallel", [("llama", {"cp": 8}), ("gemma3", {"cp": 4, "cp_layout": "contiguous"}),
+                                              ("deepseek_v3", {"cp": 4, "tp": 2, "sp": True}),
+                                              ("qwen3_moe", {"cp": 8, "dp": 2, "ep": 2})],
+                         ids=["llama-cp8", "gemma3-cp4-contiguous", "mla-cp4-tp2-sp", "qwen3_moe-cp8-ep2"])
+def test_a_ring_layer_is_measured_on_two_ranks_holding_as_many_tokens(family, parallel):
+    """saved_bytes measures ring attention's layer on cp ranks as the same layer on 2 ranks of as many tokens each
+    (probe.in_two_ranks: the ring's steps keep nothing for the backward past the last one's output): what the layer
+    saves at its own cp, measured, equals that. A ring that kept something per step would fail here."""
+    cfg = from_dict({"model": {**BASE, **FAMILIES[family]}, "parallel": parallel, "data": {"seq_len": 64},
+                     "train": {"micro_batch": 1}})
+    for moe in (False, True) if hasattr(cfg.model, "num_experts") else (False,):
+        p = probe.probe_of(cfg, moe)
+        two = probe.in_two_ranks(p)
+        assert (two.cp, two.seq_len) == (2, 64 * 2 // p.cp)
+        assert probe._measure(two) == probe._measure(p), moe
+        assert probe.saved_bytes(p, "none") == probe._measure(p)["none"]
+
+
 def test_a_real_run_after_a_measurement_computes_real_numbers():
     """What the model caches per shape (the sliding window's mask) is made afresh after a fake measurement: tetron
     train measures in the process that then forks its ranks, and a mask cached as a fake tensor made OLMo 3's
