@@ -32,7 +32,7 @@ from tetron.parallel.compile import apply_compile
 from tetron.parallel.context_parallel import apply_context_parallel, shard_indices
 from tetron.parallel.data_parallel import DataParallel, apply_data_parallel
 from tetron.parallel.expert_parallel import apply_expert_parallel
-from tetron.parallel.init import init_weights_, materialize_
+from tetron.parallel.init import Hollow, init_weights_, materialize_
 from tetron.parallel.layout import layout_of
 from tetron.parallel.moe_balance import scale_moe_losses, sequence_pieces
 from tetron.parallel.pipeline_parallel import apply_pipeline_stage, rank_stages, tied_embeddings
@@ -56,6 +56,8 @@ class ParallelModel:
     chunks: list[nn.Module]  # the bare chunks: parameters, state dicts, checkpoints
     dp_chunks: list[DataParallel]  # the same chunks wrapped for gradient averaging: run forward/backward here
     moe_layers: int = 0  # MoE layers of the whole model (every stage's), 0 for a dense model
+    hollow: list[Hollow] = field(default_factory=list)  # ZeRO-3 over several ranks: the chunks' parameters, made
+    # without storage, get it and their values unit by unit as build_optimizer shards them (fill)
     params: list[nn.Parameter] = field(init=False)  # every trainable parameter, once each, chunk by chunk
 
     def __post_init__(self) -> None:
@@ -65,15 +67,24 @@ class ParallelModel:
         for chunk in self.dp_chunks:
             chunk.zero_grad(set_to_none=True)
 
+    def fill(self, params: list[nn.Parameter]) -> None:
+        """Storage and seeded values for those of `params` still hollow."""
+        for hollow in self.hollow:
+            hollow.fill(params)
+
 
 def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
     """Build this rank's chunks of `cfg.model` for its place in `mesh`, initialised from the run seed
-    (each rank its own slices, so every layout starts from the same weights)."""
+    (each rank its own slices, so every layout starts from the same weights). Under ZeRO-3 over several ranks the
+    parameters come hollow (`ParallelModel.hollow`): build_optimizer gives each unit its storage and values as it
+    shards it, so that no more than one unit is ever whole."""
     p = cfg.parallel
-    chunks, moe_layers = [], 0
+    hollow = p.zero == 3 and dist.get_world_size(mesh.group("dp_shard")) > 1
+    chunks, hollows, moe_layers = [], [], 0
     for layers, first, last in rank_stages(cfg, mesh.local_rank("pp")):
-        chunk, moe_layers = build_chunk(cfg, mesh, device, layers, first=first, last=last)
+        chunk, moe_layers, unfilled = build_chunk(cfg, mesh, device, layers, first=first, last=last, hollow=hollow)
         chunks.append(chunk)
+        hollows += [unfilled] if unfilled is not None else []
     reduce_dtype = torch.bfloat16 if p.reduce_dtype == "bfloat16" else torch.float32
     # ZeRO shards over dp_shard's group (all of dp*cp unless HSDP) and averages across its replicas; expert
     # shards are averaged over edp and sharded over its ranks in the shard group. An optimizer that needs whole
@@ -88,14 +99,15 @@ def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
                                      expert_group=mesh.group("edp"), expert_shard_group=mesh.group("edp_shard"),
                                      whole=whole)
                  for chunk in chunks]
-    return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers)
+    return ParallelModel(chunks, dp_chunks, moe_layers=moe_layers, hollow=hollows)
 
 
 def build_chunk(cfg: Config, mesh: Mesh, device: torch.device, layers: range, *, first: bool,
-                last: bool) -> tuple[nn.Module, int]:
+                last: bool, hollow: bool = False) -> tuple[nn.Module, int, Hollow | None]:
     """One chunk of this rank (the decoder layers `layers`, with the embedding if `first`, the final norm and head
     if `last`), everything but data parallelism done to it, and the MoE layers of the whole model. The recipe the
-    run follows, and the planner's measurement of a layer too (plan/probe.py)."""
+    run follows, and the planner's measurement of a layer too (plan/probe.py). `hollow`: its parameters without
+    storage, and what fills them later (init.Hollow); otherwise None there."""
     p = cfg.parallel
     spec = spec_of(cfg.model)  # the family: its module class, and the plan every axis reads
     with torch.device("meta"):
@@ -105,9 +117,11 @@ def build_chunk(cfg: Config, mesh: Mesh, device: torch.device, layers: range, *,
     apply_tensor_parallel(chunk, mesh.group("tp"), sequence_parallel=p.sp,
                           vocab_pad_multiple=p.vocab_pad_multiple, plan=spec.plan, regather=p.sp_regather)
     apply_expert_parallel(chunk, mesh)
-    materialize_(chunk, device)
+    materialize_(chunk, device, hollow=hollow)
     # Names stay Hugging Face names, so every layout starts from the same weights.
-    init_weights_(chunk, seed=cfg.train.seed)  # as the family initialises (ModelSpec.init)
+    unfilled = Hollow(chunk, seed=cfg.train.seed) if hollow else None  # named before any wrapper renames them
+    if not hollow:
+        init_weights_(chunk, seed=cfg.train.seed)  # as the family initialises (ModelSpec.init)
     scale_moe_losses(chunk, moe_layers=moe_layers, sequences=cfg.train.micro_batch * cfg.train.grad_acc,
                      cp=mesh.size("cp"), pieces=sequence_pieces(mesh, sequence_parallel=p.sp))
     apply_context_parallel(chunk, mesh, layout=p.cp_layout, impl=p.cp_impl)
@@ -119,7 +133,7 @@ def build_chunk(cfg: Config, mesh: Mesh, device: torch.device, layers: range, *,
     chunk.loss_chunk_tokens = cfg.train.loss_chunk_tokens  # the head and the loss, chunked (models/loss.py)
     if hasattr(chunk, "mtp_loss_weight"):  # multi-token prediction's weight in the objective (models/mtp.py)
         chunk.mtp_loss_weight = cfg.train.mtp_loss_weight
-    return chunk, moe_layers
+    return chunk, moe_layers, unfilled
 
 
 def param_roles(chunks: list[nn.Module]) -> dict[int, Role]:
@@ -147,7 +161,11 @@ def build_optimizer(model: ParallelModel, cfg: Config, mesh: Mesh) -> ShardedOpt
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     optimizer = ShardedOptimizer(model.params, model.dp_chunks, cfg.train, kind=optimizer_class(cfg.optim.name),
                                  roles=param_roles(model.chunks), zero=cfg.parallel.zero, dtype=dtype,
-                                 group=mesh.group("dp_shard"), optim=cfg.optim, tp_group=mesh.group("tp"))
+                                 group=mesh.group("dp_shard"), optim=cfg.optim, tp_group=mesh.group("tp"),
+                                 fill=model.fill if model.hollow else None)
+    for hollow in model.hollow:
+        hollow.fill_rest()  # none is left: every parameter lies in a bucket
+    model.hollow = []
     if cfg.optim.qk_clip_tau is not None:
         optimizer.qk_clip = build_qk_clip(model.chunks, mesh, tau=cfg.optim.qk_clip_tau,
                                           num_layers=cfg.model.num_hidden_layers,

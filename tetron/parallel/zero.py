@@ -32,6 +32,7 @@ assembles one from every rank's pieces and `load` takes this rank's pieces back.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,8 @@ class ShardedOptimizer:
     def __init__(self, params: list[nn.Parameter], dp_chunks: list[DataParallel], t: TrainConfig, *,
                  kind: type[Optimizer], roles: dict[int, Role], zero: int, dtype: torch.dtype,
                  group: dist.ProcessGroup, optim: OptimConfig | None = None,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None,
+                 fill: Callable[[list[nn.Parameter]], None] | None = None) -> None:
         self.zero, self.group, self.kind, self.roles = zero, group, kind, roles
         self.shards = dist.get_world_size(group) if zero >= 1 else 1
         # fp32 with nothing to shard (no ZeRO, or dp*cp = 1): the masters are the parameters themselves
@@ -94,15 +96,23 @@ class ShardedOptimizer:
                 if not isinstance(chunk, DataParallelBucket):
                     raise ValueError("fp32 master weights and ZeRO need parallel.dp_impl=bucket")
                 self.buckets += chunk.buckets
-            self.pieces = [piece for bucket in self.buckets for piece in self._pieces(bucket)]
-            self._to_compute_dtype(dtype)
+            self.pieces = []
+            # Bucket by bucket: with `fill` (ZeRO-3's hollow parameters, parallelize.py) one unit is whole at a time
+            for bucket in self.buckets:
+                if fill is not None:
+                    fill(bucket.params)
+                pieces = self._pieces(bucket)
+                self._to_compute_dtype(dtype, bucket)
+                if self.masters_in_slices:
+                    for piece in pieces:
+                        # fp32 under ZeRO: the master *is* this rank's slice of the parameters, updated in place
+                        start = piece.slice_offset
+                        piece.master = nn.Parameter(bucket.params_slice[start:start + piece.master.numel()])
+                if fill is not None:  # the unit's slice is taken: its whole parameters go (zero3.py gathers them)
+                    bucket.params_flat.untyped_storage().resize_(0)
+                self.pieces += pieces
             for chunk in dp_chunks:
                 chunk.zero_grad()  # re-attach the gradient views to parameters of the new dtype
-            if self.masters_in_slices:
-                for piece in self.pieces:
-                    # fp32 under ZeRO: the master *is* this rank's slice of the parameters, updated in place
-                    piece.master = nn.Parameter(piece.bucket.params_slice[piece.slice_offset:
-                                                                          piece.slice_offset + piece.master.numel()])
         # ZeRO-3: parameters sharded too, gathered unit by unit as the forward and backward passes need them
         self.sharding = ParameterSharding(dp_chunks) if zero == 3 and self.shards > 1 else None
         self.bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
@@ -147,25 +157,24 @@ class ShardedOptimizer:
                 pieces.append(Piece(p, a - begin, bucket, a - lo if self.shards > 1 else a, master))
         return pieces
 
-    def _to_compute_dtype(self, dtype: torch.dtype) -> None:
-        """Parameters in the compute dtype; under ZeRO as views into one flat buffer per bucket, which
-        the all-gather after each step fills, and this rank's slice of it kept apart."""
-        for p in {id(p): p for bucket in self.buckets for p in bucket.params}.values():
+    def _to_compute_dtype(self, dtype: torch.dtype, bucket: _Bucket) -> None:
+        """The bucket's parameters in the compute dtype; under ZeRO as views into one flat buffer, which the
+        all-gather after each step fills, and this rank's slice of it kept apart."""
+        for p in bucket.params:
             p.grad = None
-        for bucket in self.buckets:
-            if self.shards == 1:
-                for p in bucket.params:
-                    p.data = p.data.to(dtype)
-                continue
-            flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.device)
+        if self.shards == 1:
             for p in bucket.params:
-                view = flat[bucket.offsets[p]:bucket.offsets[p] + p.numel()].view_as(p)
-                view.copy_(p.data)
-                p.data = view
-            bucket.params_flat = flat
-            # this rank's slice: where the all-gather after each step starts from (in place), or under
-            # ZeRO-3 the parameters' only copy between uses
-            bucket.params_slice = flat[bucket.mine].clone() if self.zero == 3 else flat[bucket.mine]
+                p.data = p.data.to(dtype)
+            return
+        flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.device)
+        for p in bucket.params:
+            view = flat[bucket.offsets[p]:bucket.offsets[p] + p.numel()].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+        bucket.params_flat = flat
+        # this rank's slice: where the all-gather after each step starts from (in place), or under
+        # ZeRO-3 the parameters' only copy between uses
+        bucket.params_slice = flat[bucket.mine].clone() if self.zero == 3 else flat[bucket.mine]
 
     # ------------------------------------------------------------------------------ the step
 

@@ -155,7 +155,7 @@ def _measure(probe: Probe, *, fake: bool = True) -> dict[str, int]:
         mesh = Mesh(dp=probe.ep, cp=probe.cp, tp=probe.tp, ep=probe.ep)
         # the dry run's mode answers what fake tensors cannot (an MoE block's routing counts, positions on the host)
         with fake_tensor_mode() if fake else contextlib.nullcontext(), DryRunMode():
-            chunk, _ = build_chunk(cfg, mesh, torch.device("cpu"), range(1), first=True, last=True)
+            chunk, _, _ = build_chunk(cfg, mesh, torch.device("cpu"), range(1), first=True, last=True)
             for param in chunk.parameters():  # as the optimizer casts them (parallel/zero.py)
                 param.data = param.data.to(dtype)
             layer = spec.plan.layers_of(chunk)["0"]
