@@ -98,9 +98,9 @@ def init_weights_(model: nn.Module, *, seed: int, std: float | None = None) -> N
 
 class Hollow:
     """A chunk's parameters, materialized hollow (`materialize_(hollow=True)`: real tensors on the device whose
-    storage holds nothing), given their storage and their seeded values a few at a time (`fill`), as ZeRO-3
-    shards them (zero.py: one unit's bucket after another). Made whole at once, in fp32, before any sharding,
-    they were the most a ZeRO-3 rank ever held: 27 GiB for llama-7b on dp32, a step's peak of 19.5."""
+    storage holds nothing), given their storage and their seeded values a few at a time (`fill`), as ZeRO
+    shards them (zero.py: one bucket after another; under ZeRO-3 a bucket is a unit). Made whole at once, in fp32,
+    before any sharding, they were the most a ZeRO-3 rank ever held: 27 GiB for llama-7b on dp32, a step's 19.5."""
 
     def __init__(self, chunk: nn.Module, *, seed: int) -> None:
         self.rules, self.seed = init_rules(chunk), seed

@@ -56,8 +56,8 @@ class ParallelModel:
     chunks: list[nn.Module]  # the bare chunks: parameters, state dicts, checkpoints
     dp_chunks: list[DataParallel]  # the same chunks wrapped for gradient averaging: run forward/backward here
     moe_layers: int = 0  # MoE layers of the whole model (every stage's), 0 for a dense model
-    hollow: list[Hollow] = field(default_factory=list)  # ZeRO-3 over several ranks: the chunks' parameters, made
-    # without storage, get it and their values unit by unit as build_optimizer shards them (fill)
+    hollow: list[Hollow] = field(default_factory=list)  # ZeRO over several ranks: the chunks' parameters, made
+    # without storage, get it and their values bucket by bucket as build_optimizer shards them (fill)
     params: list[nn.Parameter] = field(init=False)  # every trainable parameter, once each, chunk by chunk
 
     def __post_init__(self) -> None:
@@ -75,11 +75,11 @@ class ParallelModel:
 
 def parallelize(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
     """Build this rank's chunks of `cfg.model` for its place in `mesh`, initialised from the run seed
-    (each rank its own slices, so every layout starts from the same weights). Under ZeRO-3 over several ranks the
-    parameters come hollow (`ParallelModel.hollow`): build_optimizer gives each unit its storage and values as it
-    shards it, so that no more than one unit is ever whole."""
+    (each rank its own slices, so every layout starts from the same weights). Under ZeRO over several ranks the
+    parameters come hollow (`ParallelModel.hollow`): build_optimizer gives each bucket its storage and values as it
+    shards it, so that no more than one bucket is ever whole in fp32 (under ZeRO-3 no more than one unit at all)."""
     p = cfg.parallel
-    hollow = p.zero == 3 and dist.get_world_size(mesh.group("dp_shard")) > 1
+    hollow = p.zero >= 1 and dist.get_world_size(mesh.group("dp_shard")) > 1
     chunks, hollows, moe_layers = [], [], 0
     for layers, first, last in rank_stages(cfg, mesh.local_rank("pp")):
         chunk, moe_layers, unfilled = build_chunk(cfg, mesh, device, layers, first=first, last=last, hollow=hollow)

@@ -97,7 +97,8 @@ class ShardedOptimizer:
                     raise ValueError("fp32 master weights and ZeRO need parallel.dp_impl=bucket")
                 self.buckets += chunk.buckets
             self.pieces = []
-            # Bucket by bucket: with `fill` (ZeRO-3's hollow parameters, parallelize.py) one unit is whole at a time
+            # Bucket by bucket: with `fill` (ZeRO's hollow parameters, parallelize.py) one bucket is whole in fp32 at
+            # a time; under ZeRO-3 (one unit a bucket) one is whole at all
             for bucket in self.buckets:
                 if fill is not None:
                     fill(bucket.params)
@@ -108,7 +109,8 @@ class ShardedOptimizer:
                         # fp32 under ZeRO: the master *is* this rank's slice of the parameters, updated in place
                         start = piece.slice_offset
                         piece.master = nn.Parameter(bucket.params_slice[start:start + piece.master.numel()])
-                if fill is not None:  # the unit's slice is taken: its whole parameters go (zero3.py gathers them)
+                if fill is not None and self.zero == 3:  # the unit's slice is taken: its whole parameters go
+                    # (zero3.py gathers them when they run)
                     bucket.params_flat.untyped_storage().resize_(0)
                 self.pieces += pieces
             for chunk in dp_chunks:

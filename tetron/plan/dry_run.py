@@ -45,7 +45,7 @@ class RankFigures:
     rank: int  # the global rank simulated (dp, cp and tp index 0 of its pipeline rank)
     pp_rank: int
     peak_bytes: int  # MemTracker's peak over the step (parameters, gradients, optimizer state, activations, ...)
-    build_bytes: int  # its peak while the rank builds its model (ZeRO-3 over several ranks: one unit whole at a time)
+    build_bytes: int  # its peak while the rank builds its model (ZeRO over several ranks: a bucket whole at a time)
     flops: int  # FlopCounterMode's total over the step (recomputed forwards included)
     collective_bytes: dict[str, int] = field(default_factory=dict)  # per kind, over the step
     predicted_bytes: int = 0  # memory.predict_rank's peak
@@ -245,8 +245,8 @@ def dry_run(cfg: Config) -> str:
             f"{cfg.data.seq_len}, {cfg.train.dtype}: one step of each kind of pipeline rank on fake tensors "
             f"({time.perf_counter() - start:.0f} s)")
     note = ("planner: peak = plan.memory.predict_rank, the step's (from the built model on); build = the peak while "
-            "the rank builds its model (chunks made whole in fp32, but under ZeRO-3 over several ranks one unit at a "
-            "time as it is sharded), which the planner does not predict; FLOPs = the model FLOPs (6N + attention a "
+            "the rank builds its model (in fp32; under ZeRO over several ranks one bucket at a time as it is "
+            "sharded), which the planner does not predict; FLOPs = the model FLOPs (6N + attention a "
             "token, as MFU counts them) of the global batch over the ranks. MoE routing taken as even.")
     return "\n".join([head, table(cfg, figures), *failed, *optimizer_lines(cfg, figures), note])
 
