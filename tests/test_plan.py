@@ -32,6 +32,7 @@ from tetron.plan.search import LEGEND, _gib, memory_limit, rank, search
 from tetron.plan.sizes import Sizes
 from tetron.plan.state import state
 from tetron.plan.steptime import estimate
+from tetron.plan.workers import deal, run_dealt, workers_for
 from tetron.validate import validate
 
 from conftest import cli_in_process, tiny_config
@@ -420,6 +421,35 @@ def test_search_reports_progress():
         assert re.fullmatch(rf"tetron plan: {i:,} of {total:,} layouts of 4 ranks checked and predicted, [\d,]+ valid "
                             rf"so far \(\d+ s\)", line), line
     assert int(lines[-1].split(", ")[1].split()[0]) in (len(plans), len(plans) - 1)
+
+
+def test_a_search_split_over_processes_predicts_as_one():
+    """A large search deals its layouts to forked processes (plan/workers.py), grouped by what decides their layer's
+    measurement: the same plans, in the same order, with the same predictions and configs as in one process."""
+    cfg = load_config(None, [*(f"--model.{k}={v}" for k, v in {**MODEL, "vocab_size": 256}.items()), "--seq-len", "64"])
+    one = search(cfg, gpu("H100"), nodes=1, gpus_per_node=4, batch=8, workers=1)
+    lines = []
+    split = search(cfg, gpu("H100"), nodes=1, gpus_per_node=4, batch=8, workers=3, progress=lines.append,
+                   every_s=0.05)
+    assert len(one) > 100
+    assert [(p.layout, p.memory, p.time, p.config) for p in split] == [(p.layout, p.memory, p.time, p.config)
+                                                                       for p in one]
+    assert lines and all(re.fullmatch(r"tetron plan: [\d,]+ of [\d,]+ layouts of 4 ranks checked and predicted, "
+                                      r"[\d,]+ valid so far \(\d+ s\)", line) for line in lines)
+
+
+def test_layouts_are_dealt_by_group_and_a_failure_is_reported():
+    """Each group of keys goes whole to one process, the largest first to the least loaded; an error in a process
+    stops the search with its message."""
+    keys = ["a"] * 5 + ["b"] * 3 + ["c"] * 3 + ["a"]
+    dealt = deal(keys, 2)
+    assert sorted(map(len, dealt)) == [6, 6] and sorted(i for d in dealt for i in d) == list(range(12))
+    assert all(len({keys[i] for i in d}) == len({k for k in keys if any(keys[i] == k for i in d)}) for d in dealt)
+    assert {keys[i] for i in dealt[0]}.isdisjoint({keys[i] for i in dealt[1]})
+    assert run_dealt(lambda i: i * i, keys, 2) == [i * i for i in range(12)]
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        run_dealt(lambda i: 1 // (i - 7), keys, 3)
+    assert workers_for(100) == 1
 
 
 def test_plan_shows_progress_on_a_terminal_only(monkeypatch, capsys):

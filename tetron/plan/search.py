@@ -24,6 +24,7 @@ from tetron.plan.hardware import GiB, Hardware
 from tetron.plan.memory import MemoryEstimate, floor, heaviest_ranks, predict
 from tetron.plan.sizes import is_moe
 from tetron.plan.steptime import TimeEstimate, estimate
+from tetron.plan.workers import run_dealt, workers_for
 from tetron.validate import validate
 from tetron.validate.paths import FileChecks
 
@@ -170,43 +171,65 @@ def candidates(base: Config, *, world: int, gpus_per_node: int, batch: int, fixe
 
 def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch: int,
            fixed: dict[str, Any] | None = None, progress: Callable[[str], None] | None = None,
-           every_s: float | None = None) -> list[Plan]:
+           every_s: float | None = None, workers: int | None = None) -> list[Plan]:
     """Every valid layout, predicted; see `rank` for the order. `progress` gets a line every `every_s` seconds
     (PROGRESS_EVERY_S by default) of the search (a large model's takes a while: each layout is predicted layer
-    by layer on fake tensors); a search quicker than that says nothing."""
+    by layer on fake tensors); a search quicker than that says nothing. `workers`: processes to predict in (default:
+    this machine's cores for a large search, workers.py)."""
     world = nodes * gpus_per_node
     every_s = PROGRESS_EVERY_S if every_s is None else every_s
-    layouts = list(candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed or {}))
+    fixed = fixed or {}
+    layouts = list(candidates(base, world=world, gpus_per_node=gpus_per_node, batch=batch, fixed=fixed))
     seen = FileChecks()  # the run folder and the data are the same for every layout: looked at once
-    plans, refused = [], []
     limit = memory_limit(hw, gpus_per_node)
-    start = last = time.monotonic()
-    for i, layout in enumerate(layouts):
-        if progress and time.monotonic() - last >= every_s:
-            last = time.monotonic()
-            progress(f"tetron plan: {i:,} of {len(layouts):,} layouts of {world} ranks checked and predicted, "
-                     f"{len(plans):,} valid so far ({last - start:.0f} s)")
-        cfg = layout.apply(base)
-        try:
-            validate(cfg, world_size=world, seen=seen)
-        except ConfigError as err:
-            refused.append(str(err))
-            continue
-        memory = _memory(cfg, limit)
-        if memory.total > limit and layout.zero_accumulate == "full" and "zero_accumulate" not in (fixed or {}):
-            # Full accumulation is the faster (one reduction a step) and sharded the smaller: so the layout is
-            # ranked as full where that fits, as sharded where only that fits (as ranking both would)
-            layout = replace(layout, zero_accumulate="sharded")
-            cfg = layout.apply(base)
-            memory = _memory(cfg, limit)
-        # a layout over the limit is not ranked: timing it would walk every layer of a model far too large
-        step = estimate(cfg, hw, gpus_per_node=gpus_per_node) if memory.total <= limit else None
-        plans.append(Plan(layout, cfg, memory, step, limit))
+    start = time.monotonic()
+
+    def tick(done: int, valid: int) -> None:
+        if progress:
+            progress(f"tetron plan: {done:,} of {len(layouts):,} layouts of {world} ranks checked and predicted, "
+                     f"{valid:,} valid so far ({time.monotonic() - start:.0f} s)")
+
+    def one(i: int) -> tuple[Layout, MemoryEstimate, TimeEstimate | None] | str:
+        return _predicted(base, layouts[i], hw, world=world, gpus_per_node=gpus_per_node, limit=limit, fixed=fixed,
+                          seen=seen)
+
+    workers = workers_for(len(layouts)) if workers is None else workers
+    if workers > 1:
+        outcomes = run_dealt(one, [(x.tp, x.cp) for x in layouts], workers, tick=tick, every_s=every_s)
+    else:
+        outcomes, last = [], start
+        for i in range(len(layouts)):
+            if progress and time.monotonic() - last >= every_s:
+                last = time.monotonic()
+                tick(i, sum(not isinstance(o, str) for o in outcomes))
+            outcomes.append(one(i))
+    refused = [o for o in outcomes if isinstance(o, str)]
+    plans = [Plan(layout, layout.apply(base), memory, step, limit) for layout, memory, step in
+             (o for o in outcomes if not isinstance(o, str))]
     if not plans:  # say why: the first refusal, or that the sizes leave nothing to try
         raise ConfigError(f"no layout of {world} ranks is valid: {refused[0]}" if refused else
                           f"no layout of {world} ranks divides the model (heads, layers) and the batch of {batch} "
                           f"sequences{' with ' + str(fixed) if fixed else ''}")
     return plans
+
+
+def _predicted(base: Config, layout: Layout, hw: Hardware, *, world: int, gpus_per_node: int, limit: int,
+               fixed: dict[str, Any], seen: FileChecks) -> tuple[Layout, MemoryEstimate, TimeEstimate | None] | str:
+    """One layout's peak memory and (where it fits) step time, or why validate() refuses it."""
+    cfg = layout.apply(base)
+    try:
+        validate(cfg, world_size=world, seen=seen)
+    except ConfigError as err:
+        return str(err)
+    memory = _memory(cfg, limit)
+    if memory.total > limit and layout.zero_accumulate == "full" and "zero_accumulate" not in fixed:
+        # Full accumulation is the faster (one reduction a step) and sharded the smaller: so the layout is
+        # ranked as full where that fits, as sharded where only that fits (as ranking both would)
+        layout = replace(layout, zero_accumulate="sharded")
+        cfg = layout.apply(base)
+        memory = _memory(cfg, limit)
+    # a layout over the limit is not ranked: timing it would walk every layer of a model far too large
+    return layout, memory, estimate(cfg, hw, gpus_per_node=gpus_per_node) if memory.total <= limit else None
 
 
 def _memory(cfg: Config, limit: int) -> MemoryEstimate:
