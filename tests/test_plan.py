@@ -447,7 +447,7 @@ def test_layouts_are_dealt_by_group_and_a_failure_is_reported():
     assert all(len({keys[i] for i in d}) == len({k for k in keys if any(keys[i] == k for i in d)}) for d in dealt)
     assert {keys[i] for i in dealt[0]}.isdisjoint({keys[i] for i in dealt[1]})
     assert run_dealt(lambda i: i * i, keys, 2) == [i * i for i in range(12)]
-    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+    with pytest.raises(ZeroDivisionError):  # the process's own exception: a ConfigError stays a one-line refusal
         run_dealt(lambda i: 1 // (i - 7), keys, 3)
     assert workers_for(100) == 1
 

@@ -197,12 +197,13 @@ def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch:
     if workers > 1:
         outcomes = run_dealt(one, [(x.tp, x.cp) for x in layouts], workers, tick=tick, every_s=every_s)
     else:
-        outcomes, last = [], start
+        outcomes, last, valid = [], start, 0
         for i in range(len(layouts)):
             if progress and time.monotonic() - last >= every_s:
                 last = time.monotonic()
-                tick(i, sum(not isinstance(o, str) for o in outcomes))
+                tick(i, valid)
             outcomes.append(one(i))
+            valid += not isinstance(outcomes[-1], str)
     refused = [o for o in outcomes if isinstance(o, str)]
     plans = [Plan(layout, layout.apply(base), memory, step, limit) for layout, memory, step in
              (o for o in outcomes if not isinstance(o, str))]

@@ -67,8 +67,9 @@ def run_dealt(fn: Callable[[int], Any], keys: list[Hashable], workers: int, *,
                     proc = procs[conns.index(conn)]
                     proc.join()
                     status, payload = "error", f"it ended with exit code {proc.exitcode}"
-                if status == "error":
-                    raise RuntimeError(f"a search process failed: {payload}")
+                if status == "error":  # the process's own exception where it could be sent (a ConfigError stays one)
+                    raise payload if isinstance(payload, Exception) else RuntimeError(f"a search process failed: "
+                                                                                       f"{payload}")
                 for i, result in payload:
                     results[i] = result
                 pending.remove(conn)
@@ -94,7 +95,10 @@ def _work(fn: Callable[[int], Any], indices: list[int], conn, done, valid) -> No
                 with valid.get_lock():
                     valid.value += 1
         conn.send(("ok", out))
-    except BaseException as err:  # the parent says which and stops; a traceback here would interleave with its
-        conn.send(("error", f"{type(err).__name__}: {err}"))
+    except BaseException as err:  # the parent raises it and stops; a traceback here would interleave with its
+        try:
+            conn.send(("error", err))
+        except Exception:  # not picklable: its name and message
+            conn.send(("error", f"{type(err).__name__}: {err}"))
     finally:
         conn.close()
