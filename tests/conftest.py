@@ -22,6 +22,7 @@ from tetron.data.loader import prepare_data  # noqa: E402
 from tetron.data.sources import iter_texts  # noqa: E402
 from tetron.mesh import Mesh  # noqa: E402
 from tetron.parallel.pipeline_parallel import PipelineTrace  # noqa: E402
+from tetron.plan import workers  # noqa: E402
 from tetron.train import build_run, train, train_steps  # noqa: E402
 from tetron.validate import validate  # noqa: E402
 
@@ -32,6 +33,11 @@ from harness import run_ranks  # noqa: E402
 # its spinning threads take their cores (test_pipeline_parallel.py: 40 s with two threads, 26 s with one, on a
 # loaded 2-core machine).
 torch.set_num_threads(1)
+
+# A planner search in this process stays in it: the suite's workers already take every core, and a search of
+# 4,096 layouts or more forking one process per core beside them took test_search_ranks_valid_layouts_that_fit
+# from 14 s to 49 s. The split itself is tested where a test asks for it (`search(..., workers=3)`).
+workers.MIN_LAYOUTS = sys.maxsize
 
 # The files that take longest, longest first (seconds of one worker on a loaded 2-core machine, measured with
 # --durations): `make test` hands each file to a worker in collection order (--dist loadfile

@@ -438,7 +438,7 @@ def test_a_search_split_over_processes_predicts_as_one():
                                       r"[\d,]+ valid so far \(\d+ s\)", line) for line in lines)
 
 
-def test_layouts_are_dealt_by_group_and_a_failure_is_reported():
+def test_layouts_are_dealt_by_group_and_a_failure_is_reported(monkeypatch):
     """Each group of keys goes whole to one process, the largest first to the least loaded; an error in a process
     stops the search with its message."""
     keys = ["a"] * 5 + ["b"] * 3 + ["c"] * 3 + ["a"]
@@ -449,7 +449,9 @@ def test_layouts_are_dealt_by_group_and_a_failure_is_reported():
     assert run_dealt(lambda i: i * i, keys, 2) == [i * i for i in range(12)]
     with pytest.raises(ZeroDivisionError):  # the process's own exception: a ConfigError stays a one-line refusal
         run_dealt(lambda i: 1 // (i - 7), keys, 3)
-    assert workers_for(100) == 1
+    monkeypatch.setattr("tetron.plan.workers.MIN_LAYOUTS", 4096)  # the suite's conftest keeps searches in one
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert (workers_for(100), workers_for(4096), workers_for(8000), workers_for(40_000)) == (1, 4, 7, 8)
 
 
 def test_plan_shows_progress_on_a_terminal_only(monkeypatch, capsys):
