@@ -143,7 +143,7 @@ def test_resume_below_the_checkpoint_is_refused_and_nothing_changes(corpus, cach
     assert tetron_cli("train", config, "--resume", "auto", "--steps", "10")[3]  # `latest` is accepted again
 
 
-HOLD_LOCK = ("import sys, time; from pathlib import Path; from tetron.fs import FolderLock; "
+HOLD_LOCK = ("import sys, time; from pathlib import Path; from tetron.folder_lock import FolderLock; "
              "FolderLock(Path(sys.argv[1]), 'tetron.lock').acquire(); print('held', flush=True); time.sleep(120)")
 
 

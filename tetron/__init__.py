@@ -3,9 +3,9 @@
 The layers, bottom to top. A module imports only from its own layer and the layers below it, and no two
 packages import each other (tests/test_structure.py reads this list and checks every import against it):
 
-    1. errors, fs, device, mesh, stop, torch_private: the ground floor (one-line errors; safe files and the run
-       folder; the one place that touches CUDA; the process mesh; stop signals; every private torch API, each
-       with its public fallback)
+    1. errors, fs, folder_lock, device, mesh, stop, torch_private: the ground floor (one-line errors; safe files
+       and the run folder; one writer per folder; the one place that touches CUDA; the process mesh; stop signals;
+       every private torch API, each with its public fallback)
     2. models: model families (a plain single-device model each, its config, its ModelSpec), attention, loss
     3. config, overrides, schedule: the run's config, its command-line overrides, learning-rate schedules
     4. data: sources, tokenizers, token stores, mixtures, the batches of a step

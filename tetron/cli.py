@@ -34,10 +34,10 @@ try:
     from tetron.data.mixture import check_mixture
     from tetron.device import cuda_count
     from tetron.errors import ConfigError, DataError, UserError, check, failed, quoted
+    from tetron.folder_lock import FolderLock
     from tetron.fs import (
         RUN_LOCK,
         STATE_FILE,
-        FolderLock,
         aside_name,
         blocking_output,
         earlier_run,

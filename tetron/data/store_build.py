@@ -40,8 +40,8 @@ from tetron.data.token_store import (
 )
 from tetron.data.tokenizer import Tokenizer, load_tokenizer
 from tetron.errors import DataError, StorageError
+from tetron.folder_lock import FolderLock
 from tetron.fs import (
-    FolderLock,
     describe_size,
     read_bounded,
     recover_temps,
