@@ -185,25 +185,16 @@ def search(base: Config, hw: Hardware, *, nodes: int, gpus_per_node: int, batch:
     start = time.monotonic()
 
     def tick(done: int, valid: int) -> None:
-        if progress:
-            progress(f"tetron plan: {done:,} of {len(layouts):,} layouts of {world} ranks checked and predicted, "
-                     f"{valid:,} valid so far ({time.monotonic() - start:.0f} s)")
+        progress(f"tetron plan: {done:,} of {len(layouts):,} layouts of {world} ranks checked and predicted, "
+                 f"{valid:,} valid so far ({time.monotonic() - start:.0f} s)")
 
     def one(i: int) -> tuple[Layout, MemoryEstimate, TimeEstimate | None] | str:
         return _predicted(base, layouts[i], hw, world=world, gpus_per_node=gpus_per_node, limit=limit, fixed=fixed,
                           seen=seen)
 
     workers = workers_for(len(layouts)) if workers is None else workers
-    if workers > 1:
-        outcomes = run_dealt(one, [(x.tp, x.cp) for x in layouts], workers, tick=tick, every_s=every_s)
-    else:
-        outcomes, last, valid = [], start, 0
-        for i in range(len(layouts)):
-            if progress and time.monotonic() - last >= every_s:
-                last = time.monotonic()
-                tick(i, valid)
-            outcomes.append(one(i))
-            valid += not isinstance(outcomes[-1], str)
+    outcomes = run_dealt(one, [(x.tp, x.cp) for x in layouts], workers, tick=tick if progress else None,
+                         every_s=every_s)
     refused = [o for o in outcomes if isinstance(o, str)]
     plans = [Plan(layout, layout.apply(base), memory, step, limit) for layout, memory, step in
              (o for o in outcomes if not isinstance(o, str))]

@@ -44,8 +44,11 @@ def deal(keys: list[Hashable], workers: int) -> list[list[int]]:
 
 def run_dealt(fn: Callable[[int], Any], keys: list[Hashable], workers: int, *,
               tick: Callable[[int, int], None] | None = None, every_s: float = 5.0) -> list[Any]:
-    """[fn(i) for i in range(len(keys))], computed in `workers` forked processes (see deal), in order. `tick(done,
-    valid)` is called every `every_s` seconds while they run, `valid` counting the results that are not str."""
+    """[fn(i) for i in range(len(keys))], computed in `workers` forked processes (see deal; 1: in this one), in
+    order. `tick(done, valid)` is called every `every_s` seconds while they run, `valid` counting the results that
+    are not str."""
+    if workers <= 1:
+        return _in_this_process(fn, len(keys), tick, every_s)
     ctx = mp.get_context("fork")
     done, valid = ctx.Value("q", 0), ctx.Value("q", 0)
     procs, conns = [], []
@@ -81,6 +84,18 @@ def run_dealt(fn: Callable[[int], Any], keys: list[Hashable], workers: int, *,
             if proc.is_alive():
                 proc.kill()
             proc.join()
+    return results
+
+
+def _in_this_process(fn: Callable[[int], Any], n: int, tick: Callable[[int, int], None] | None,
+                     every_s: float) -> list[Any]:
+    results, valid, last = [], 0, time.monotonic()
+    for i in range(n):
+        if tick is not None and time.monotonic() - last >= every_s:
+            last = time.monotonic()
+            tick(i, valid)
+        results.append(fn(i))
+        valid += not isinstance(results[-1], str)
     return results
 
 
