@@ -174,12 +174,17 @@ def _ring_math_memory() -> tuple[dict[str, int], float]:
     return held, diff
 
 
-def test_selective_keeps_no_attention_scores_under_ring_attention():
+def test_selective_keeps_q_k_v_only_under_ring_attention():
+    c, L, f32, tl = MEMORY_MODEL, MEMORY_MODEL.num_hidden_layers, 4, T // 2
     for held, diff in run_ranks(2, _ring_math_memory):
         assert diff <= WEIGHT_ATOL  # the same reasoning as for the weights above (measured: 0)
-        # Ring attention's Function saves what its backward needs itself (never [T/2, T/2] score blocks, on
-        # the math path too), which selective leaves as it is: the same bytes as none.
-        assert held["selective"] == held["none"] and held["full"] < held["none"], held
+        # Ring attention's Function saves what its backward needs itself (never [T/2, T/2] score blocks, on the
+        # math path too): q, its own k and v, the merged output and log-sum-exp. Selective keeps q, k and v (none
+        # keeps them too) and runs the ring's forward again in the backward, so each layer drops exactly its
+        # output (o_proj takes a transposed copy of it) and its log-sum-exp.
+        out, lse = B * c.num_attention_heads * tl * c.head_dim * f32, B * c.num_attention_heads * tl * f32
+        assert held["none"] - held["selective"] == L * (out + lse), held
+        assert held["full"] < held["selective"], held
 
 
 # ----------------------------------------------------------------------------- the model is unchanged

@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from tetron.device import tensor_cache
 from tetron.mesh import Mesh
 from tetron.models.attention import Documents, causal_mask, document_mask, sdpa_attention
+from tetron.models.core_recompute import active as recompute_active
+from tetron.models.core_recompute import recomputed
 from tetron.parallel.block_attention import (  # noqa: F401  (the block kernels, also imported from here)
     _math_block,
     _math_block_backward,
@@ -248,6 +250,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None = Non
     AttentionOptions."""
     if mesh.size("cp") == 1:
         return sdpa_attention(q, k, v, docs, window, scale=scale, softcap=softcap, sinks=sinks)
+    if sinks is None and recompute_active() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # recompute: selective keeps q, k, v only, not the ring's output and log-sum-exp; the backward runs the
+        # ring's forward again (its P2P too, in the same order on every cp rank: each recomputes the same layer)
+        core = functools.partial(ring_attention, docs=docs, window=window, mesh=mesh, layout=layout, scale=scale,
+                                 softcap=softcap)
+        return recomputed(core, q, k, v)
     ring = _Ring(mesh.group("cp"), mesh.cp_next, mesh.cp_prev)
     return _RingAttention.apply(q, k, v, sinks, ring, layout, docs, window, scale, softcap)
 

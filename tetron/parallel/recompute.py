@@ -8,7 +8,8 @@ gate, up and their product). Recomputation trades compute for that memory, one d
 - "selective" (Korthikanti et al. 2022): a layer keeps what "none" keeps except the attention kernel's own
   saved tensors (its log-sum-exp, whatever a kernel saves besides its output); the backward runs the kernel
   again from q, k and v (models/core_recompute.py). The activation function needs nothing: models/fused.py's
-  gated MLP keeps gate and up only under every mode. Under ring attention its Function keeps what it keeps.
+  gated MLP keeps gate and up only under every mode. Under ring attention the ring's forward runs again (its P2P
+  too), dropping its output and log-sum-exp.
 "full" uses torch.utils.checkpoint without reentrance, so the backward runs on the original graph: the
 parameters, their names and the data-parallel gradient hooks are untouched. Collectives inside a layer
 (tensor parallelism's f/g, ring attention's P2P) run again during recomputation, in the same order on

@@ -9,8 +9,8 @@
 Compute is FLOPs at a device's efficiency figure (hardware.py): per token and layer 2 FLOPs per weight forward (4
 backward), and causal attention's 2*s*hq forward (the usual 4*s*hq halved by the mask; s the keys a query reaches, a
 sliding-window layer's window where shorter than the sequence), the head's 2*V*h; full recomputation adds one
-forward of the layers, selective recomputation (Korthikanti's) one more attention core forward per layer (none under
-ring attention, whose Function keeps what it keeps). Communication is the ring algorithms' volume per rank (the
+forward of the layers, selective recomputation (Korthikanti's) one more attention core forward per layer (under ring
+attention the ring's forward, its transfers too). Communication is the ring algorithms' volume per rank (the
 Ultra-Scale Playbook's table: all-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n of the tensor) at the
 bandwidth of the slowest link the group spans (inside a node when all its ranks are: tp innermost, then cp, dp, pp,
 as mesh.py lays them out), plus a latency per message. Overlap: the bucketed gradient reduction runs during the
@@ -95,7 +95,9 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     kv = 2 * s.n * s.hkv * s.d
     attention = s.n * attention_per_token / rate
     cp_fwd = max(0.0, (p.cp - 1) * (hw.latency_s + kv / cp_bw) - attention) if p.cp > 1 else 0.0
-    cp_bwd = 3 * cp_fwd  # the blocks again, and their fp32 gradients travelling with them
+    # the blocks again, and their fp32 gradients travelling with them; recomputation (either mode: selective
+    # recomputes the ring's forward too, context_parallel.ring_attention) sends the forward's blocks once more
+    cp_bwd = (4 if cfg.train.recompute != "none" else 3) * cp_fwd
     if s.ulysses_kv:  # Ulysses: all-to-all of q, k, v, then of the output (backward: the inverses), not hidden
         cp_fwd = (_ring(hw, s.n * s.d * (s.hq + 2 * s.ulysses_kv), p.cp, 1.0, cp_bw)
                   + _ring(hw, s.n * s.d * s.hq, p.cp, 1.0, cp_bw))
@@ -103,8 +105,9 @@ def _chunk_costs(cfg: Config, hw: Hardware, gpus_per_node: int) -> dict[str, lis
     ep_fwd, ep_bwd = expert_exchange(cfg, hw, gpus_per_node)
     p2p = hw.latency_s + act / _bandwidth(hw, p.dp * p.cp * p.tp * 2, gpus_per_node) if p.pp > 1 else 0.0
     recompute = cfg.train.recompute == "full"
-    # selective recomputation runs each layer's attention kernel again (models/core_recompute.py), not ring's
-    core_again = attention if p.cp == 1 or s.ulysses_kv else 0.0
+    # selective recomputation runs each layer's attention core again (models/core_recompute.py): the kernel, or
+    # the ring's blocks (whose exposed transfers cp_bwd counts)
+    core_again = attention
     fwd, bwd = [], []
     for chunk in [c for r in range(p.pp) for c in rank_chunks(cfg, r)]:
         dense = chunk.layers - chunk.moe
