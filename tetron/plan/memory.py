@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tetron.config import Config
 from tetron.optim import optimizer_class
@@ -43,6 +43,7 @@ from tetron.plan.activations import (
     moe_retained,
     norm_bytes,
 )
+from tetron.plan.keys import Memo, micro_batch_key
 from tetron.plan.pipeline import actions, pipeline_buffers, walked_micro_batches
 from tetron.plan.sizes import F32, I64, Sizes, expert_elements
 from tetron.plan.state import (
@@ -199,11 +200,22 @@ def _begun(starts: tuple[int, ...], reached: int, syncing: bool) -> int:
     return starts[touched] - (starts[max(touched - 2, 0)] if syncing else 0)
 
 
-def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action: Action,
-             attached: int, syncing: bool) -> list[tuple[str, dict[str, int]]]:
-    """The moments of one forward or backward of `chunk`, each with what it adds to (or, once the
-    backward has released them, takes from) the bytes held for the backward pass; `syncing`: whether its
-    gradients are reduced (the step's last micro-batch, or every one under sharded accumulation)."""
+@dataclass(frozen=True)
+class _Moment:
+    """One moment of a forward or backward of a chunk, as the micro-batches make it: what it adds to (or, once the
+    backward has released them, takes from) the bytes held for the backward pass; ZeRO's terms come apart
+    (`_zero_extras`)."""
+
+    name: str
+    index: int  # a layer backward's layer, from the chunk's end
+    experts: bool  # whether the layer's expert gradients have begun arriving
+    extra: dict  # bytes by term
+    added: int  # their sum
+
+
+def _moments(cfg: Config, s: Sizes, chunk: Chunk, held: Held, action: Action) -> tuple[_Moment, ...]:
+    """The moments of one forward or backward of `chunk`, whatever ZeRO holds: a layer's backward for every layer
+    of the chunk (predict_rank takes the last one alone where ZeRO's buffers do not grow layer by layer)."""
     backward = action.backward
     head = norm_bytes(s, s.n_res) if chunk.last else 0  # what the final norm saved, freed first
     found = []
@@ -219,7 +231,7 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
             # W of a split backward (zbh1, zbv) past the first stage computes every weight gradient of the chunk
             # before accumulating them in one pass (weight_grad.py): those, not B's activation gradients
             early, late = s.d * sum(sum(u) for u in chunk_units(cfg, chunk)), None
-        for index in range(chunk.layers if st.chunk_units else min(1, chunk.layers)):
+        for index in range(chunk.layers):
             for temporaries, experts in ((early, late is not None),) if not late else ((early, False), (late, True)):
                 found.append(("layer backward", index, experts, {"logits": -held.loss, "temporaries": temporaries,
                                                                  "activations": -head - index * per_layer}))
@@ -231,10 +243,7 @@ def _moments(cfg: Config, s: Sizes, st: State, chunk: Chunk, held: Held, action:
         combine = 2 * s.n_mlp * s.top_k * s.h * s.d if cfg.train.recompute == "none" else 0
         found.append(("forward", 0, True, {"logits": -held.loss, "activations": -head - combine,
                                            "temporaries": moe_forward(s)}))
-    for name, index, experts, extra in found:
-        extra["params"], extra["grads"] = _zero_extras(s, st, chunk, name, attached=attached, index=index,
-                                                       syncing=syncing, which=action.chunk, experts=experts)
-    return [(name, extra) for name, _, _, extra in found]
+    return tuple(_Moment(name, index, experts, extra, sum(extra.values())) for name, index, experts, extra in found)
 
 
 def _rebuilt_for_w(cfg: Config, s: Sizes, chunks: list[Chunk], split: bool) -> list[int]:
@@ -249,15 +258,84 @@ def _rebuilt_for_w(cfg: Config, s: Sizes, chunks: list[Chunk], split: bool) -> l
     return [r + (c.moe * moe_retained(s) if split and not c.first else 0) for r, c in zip(rebuilt, chunks)]
 
 
-def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEstimate:
-    """The peak of pipeline rank `pp_rank` over one steady-state step: the largest moment."""
-    s, st = Sizes.of(cfg), state(cfg, pp_rank, dp_rank=dp_rank)
+@dataclass(frozen=True)
+class _Reached:
+    """The most bytes of micro-batches in flight (activations and the loss's gradients) one kind of moment of a
+    rank's walk sees, at the first action that reaches them: the walk's part of a peak, which ZeRO's terms then
+    complete (`predict_rank`)."""
+
+    step: int  # the action's index in the rank's walk
+    action: Action
+    buffers: int  # stage-boundary buffers P2P holds meanwhile
+    done: frozenset  # the chunks whose backward has run in this step (under full accumulation their buffers stay)
+    last: bool  # the step's last micro-batch (it reduces its gradients)
+    acts: int
+    loss: int
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What a rank's micro-batches hold, whatever ZeRO holds besides: per kind of moment its most (`_Reached`, in
+    walk order), each chunk's `Held`, and the step's token ids."""
+
+    reached: tuple[_Reached, ...]
+    held: tuple[Held, ...]
+    ids: int
+    sizes: Sizes
+    chunks: tuple[Chunk, ...]
+    moments: dict = field(default_factory=dict)  # _moments by (chunk, backward, weight), as asked for
+
+    def moments_of(self, cfg: Config, action: Action) -> tuple[_Moment, ...]:
+        key = (action.chunk, action.backward, action.weight)
+        if key not in self.moments:
+            self.moments[key] = _moments(cfg, self.sizes, self.chunks[action.chunk], self.held[action.chunk], action)
+        return self.moments[key]
+
+
+_WALKS = Memo()
+
+
+def _walk(cfg: Config, pp_rank: int) -> _Walk:
+    """The rank's forwards and backwards in order (pipeline.actions), with the micro-batches in flight at each: the
+    same for the layouts that differ only in ZeRO (keys.py), so a search walks each once."""
+    return _WALKS.get((micro_batch_key(cfg), pp_rank), lambda: _walked(cfg, pp_rank))
+
+
+def _walked(cfg: Config, pp_rank: int) -> _Walk:
+    s = Sizes.of(cfg)
     chunks = rank_chunks(cfg, pp_rank)
-    held = [chunk_held(cfg, s, c) for c in chunks]
+    held = tuple(chunk_held(cfg, s, c) for c in chunks)
     # Every micro-batch's token ids and targets (int64), cut to this rank's positions, for the whole step; with
     # multi-token prediction each depth's ids, targets and validity besides (data/batch.py mtp_shifted)
     depth = getattr(cfg.model, "num_nextn_predict_layers", 0)
     ids = (2 + 3 * depth) * I64 * cfg.train.grad_acc * s.n
+    buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
+    split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule)
+    rebuilt = _rebuilt_for_w(cfg, s, chunks, split)
+    last = walked_micro_batches(cfg) - 1
+    acts = loss = 0
+    done: frozenset[int] = frozenset()
+    most: dict[tuple, _Reached] = {}  # per kind of moment, the first action holding its most
+    for k, action in enumerate(actions(cfg, pp_rank)):
+        h = held[action.chunk]
+        if not action.backward:
+            acts, loss = acts + h.activations, loss + h.loss
+        kind = (action.chunk, action.backward, action.weight, buffers[k], done, action.micro == last)
+        if kind not in most or acts + loss > most[kind].acts + most[kind].loss:
+            most[kind] = _Reached(k, action, buffers[k], done, kind[5], acts, loss)
+        if action.backward and split and not action.weight:
+            acts += rebuilt[action.chunk]
+        if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
+            acts, loss = acts - h.activations - rebuilt[action.chunk], loss - h.loss
+            if cfg.train.grad_acc > 1 and action.chunk not in done:
+                done = done | {action.chunk}
+    return _Walk(tuple(sorted(most.values(), key=lambda r: r.step)), held, ids, s, tuple(chunks))
+
+
+def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEstimate:
+    """The peak of pipeline rank `pp_rank` over one steady-state step: the largest moment."""
+    walk = _walk(cfg, pp_rank)
+    s, st, ids = walk.sizes, state(cfg, pp_rank, dp_rank=dp_rank), walk.ids
 
     def at(moment: str, **terms: int) -> MemoryEstimate:  # what persists, plus `terms` (not dataclasses.replace:
         # its introspection was a few % of a search, which calls this for every layout)
@@ -267,37 +345,29 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     base = at("")
     best = at("between steps")
     base_total = base.total
-    acts = loss = 0
-    buffers = pipeline_buffers(cfg, pp_rank)  # what crosses a stage boundary: one [b, s, h] each
-    split = cfg.parallel.pp > 1 and splits_backward(cfg.parallel.pp_schedule)
-    rebuilt = _rebuilt_for_w(cfg, s, chunks, split)
-    done: set[int] = set()  # chunks whose gradient buffers a backward left attached (ZeRO-2/3, full accumulation)
-    most: dict[tuple, int] = {}  # per kind of moment, the most bytes held at one so far: fewer cannot be a peak
-    found: dict[tuple, list] = {}  # per kind of moment, its moments (they depend on nothing else)
-    last = walked_micro_batches(cfg) - 1
     sharded = accumulates_sharded(cfg)
+    # ZeRO-2/3 accumulating in full buffers: a chunk's backward leaves them attached for the rest of the step
+    attaches = bool(st.chunk_units) and cfg.train.grad_acc > 1 and not sharded
+    most: dict[tuple, _Reached] = {}  # per kind of moment as ZeRO tells them apart, the first action holding its most
+    for r in walk.reached:
+        attached = sum(st.chunk_units[c] for c in r.done | {r.action.chunk}) if attaches and r.done else 0
+        kind = (r.action.chunk, r.action.backward, r.action.weight, r.buffers, attached, r.last)
+        if kind not in most or r.acts + r.loss > most[kind].acts + most[kind].loss:
+            most[kind] = r
     held_total, peak = best.total, None  # the best moment so far, as (name, acts, loss, comm, extra)
-    for k, action in enumerate(actions(cfg, pp_rank)):
-        chunk, h = chunks[action.chunk], held[action.chunk]
-        if not action.backward:
-            acts, loss = acts + h.activations, loss + h.loss
-        attached = sum(st.chunk_units[c] for c in done | ({action.chunk} if done else set())) if done else 0
-        key = (action.chunk, action.backward, action.weight, buffers[k], attached, action.micro == last)
-        if acts + loss > most.get(key, -1):
-            most[key] = acts + loss
-            comm = buffers[k] * s.n_res * s.d * s.h
-            if key[:3] + key[4:] not in found:
-                found[key[:3] + key[4:]] = [(name, extra, sum(extra.values())) for name, extra
-                                           in _moments(cfg, s, st, chunk, h, action, attached, key[5] or sharded)]
-            for name, extra, added in found[key[:3] + key[4:]]:
-                if base_total + acts + loss + comm + added > held_total:
-                    held_total, peak = base_total + acts + loss + comm + added, (name, acts, loss, comm, extra)
-        if action.backward and split and not action.weight:
-            acts += rebuilt[action.chunk]
-        if action.backward and (action.weight or not split):  # zbh1, zbv: what B uses is kept for W
-            acts, loss = acts - h.activations - rebuilt[action.chunk], loss - h.loss
-            if st.chunk_units and cfg.train.grad_acc > 1 and not sharded:
-                done.add(action.chunk)
+    zero = bool(st.lazy_starts or st.root or st.layer)  # ZeRO-2/3 buffers and gathers: moment by moment
+    for kind, r in sorted(most.items(), key=lambda item: item[1].step):  # the first to reach a peak is named
+        comm = r.buffers * s.n_res * s.d * s.h
+        chunk, held = walk.chunks[r.action.chunk], base_total + r.acts + r.loss + comm
+        for m in walk.moments_of(cfg, r.action):
+            if m.index and not st.chunk_units:  # the layers before the last hold what it holds
+                continue
+            params, grads = _zero_extras(s, st, chunk, m.name, attached=kind[4], index=m.index,
+                                         syncing=kind[5] or sharded, which=r.action.chunk,
+                                         experts=m.experts) if zero else (0, 0)
+            if held + m.added + params + grads > held_total:
+                held_total = held + m.added + params + grads
+                peak = (m.name, r.acts, r.loss, comm, {**m.extra, "params": params, "grads": grads})
     if peak is not None:
         name, acts, loss, comm, extra = peak
         best = at(name, params=st.params + extra["params"], grads=st.grads + extra["grads"],

@@ -18,6 +18,7 @@ from tetron.optim import ROLES, optimizer_class
 from tetron.parallel.data_parallel import owners
 from tetron.parallel.pipeline_parallel import split_layers
 from tetron.parallel.pipeline_schedules import stage_of, style_of
+from tetron.plan.keys import model_repr, values
 from tetron.plan.sizes import F32, Sizes, is_moe, moe_layers
 
 # ------------------------------------------------------------------------------------ parameters
@@ -100,7 +101,7 @@ def _layer_params(cfg: Config, moe: bool = False) -> tuple[tuple[int, str, bool,
     of every layout."""
     p = cfg.parallel
     moe = moe and is_moe(cfg.model)
-    key = (repr(cfg.model), p.tp, p.ep, moe)  # a dataclass's repr names every field
+    key = (model_repr(cfg.model), p.tp, p.ep, moe)
     if key not in _LAYER_PARAMS:
         spec = family(cfg.model.model_type)
         # one layer and a one-token vocabulary: a layer's shapes do not depend on the vocabulary's size
@@ -408,7 +409,7 @@ def state(cfg: Config, pp_rank: int, *, dp_rank: int = 0) -> State:
     (Megatron's main_grad), one bucket per decoder layer under ZeRO-3 (FSDP2's unit)."""
     # the model, the parallel section, the dtype and the optimizer are all it reads (the train section's
     # micro-batch, recompute and accumulation do not change what persists)
-    key = (repr(cfg.model), repr(cfg.parallel), cfg.train.dtype, cfg.optim.name, pp_rank, dp_rank)
+    key = (model_repr(cfg.model), values(cfg.parallel), cfg.train.dtype, cfg.optim.name, pp_rank, dp_rank)
     if key not in _STATES:
         if len(_STATES) > 65536:
             _STATES.clear()

@@ -29,6 +29,7 @@ from tetron.config import Config
 from tetron.optim import optimizer_class
 from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.hardware import Hardware
+from tetron.plan.keys import Memo, micro_batch_key
 from tetron.plan.muon import muon_work
 from tetron.plan.sizes import Sizes
 from tetron.plan.state import (
@@ -249,11 +250,20 @@ def save_blocking(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> float:
     return gather + write
 
 
+_MICRO_BATCHES = Memo()
+
+
+def _micro_batches(cfg: Config, hw: Hardware, gpus_per_node: int) -> tuple[dict[str, list[float]], tuple]:
+    """The chunk costs and the pipeline span: the same for layouts that differ only in ZeRO (keys.py)."""
+    costs = _chunk_costs(cfg, hw, gpus_per_node)
+    return costs, _pipeline_span(cfg, costs)
+
+
 def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     """The predicted step time of `cfg` on devices `hw`, `gpus_per_node` ranks to a node."""
     p, m = cfg.parallel, cfg.train.grad_acc
-    costs = _chunk_costs(cfg, hw, gpus_per_node)
-    span, busy, bubble = _pipeline_span(cfg, costs)
+    costs, (span, busy, bubble) = _MICRO_BATCHES.get((micro_batch_key(cfg), hw, gpus_per_node),
+                                                     lambda: _micro_batches(cfg, hw, gpus_per_node))
     layers_rank0 = sum(c.layers for c in rank_chunks(cfg, 0))
     tp_s = m * layers_rank0 * costs["tp"][0] * (3 if cfg.train.recompute == "full" else 2)
     cp_s = m * layers_rank0 * costs["cp"][0]
