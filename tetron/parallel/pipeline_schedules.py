@@ -44,6 +44,7 @@ allowed values, the checks before start (validate.py), the runner and the planne
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -393,12 +394,8 @@ def replay(name: str, *, pp: int, virtual: int, micro_batches: int,
     """Play every rank's actions against each other with free communication: action k of rank r
     takes duration(r, k, action) and starts once its rank is free and its input has been sent.
     Returns the (start, end) of each rank's actions; raises if some rank waits forever (a deadlock)."""
-    orders = [schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=r) for r in range(pp)]
-    style = style_of(name)
-    # each action's input and output, found once (a blocked action is looked at again on every pass)
-    needs = [[receives(a, pp=pp, virtual=virtual, rank=r, style=style) for a in o] for r, o in enumerate(orders)]
-    outs = [[sends(a, pp=pp, virtual=virtual, rank=r, style=style) for a in o] for r, o in enumerate(orders)]
-    ready: dict[Message, float] = {}  # message -> when it was sent
+    orders, needs, outs = _messages(name, pp, virtual, micro_batches)
+    ready: dict[tuple, float] = {}  # message -> when it was sent
     times: list[list[tuple[float, float]]] = [[] for _ in range(pp)]
     clock = [0.0] * pp
     moved = True
@@ -409,18 +406,36 @@ def replay(name: str, *, pp: int, virtual: int, micro_batches: int,
                 k = len(times[r])
                 action = orders[r][k]
                 need = needs[r][k]
-                if need is not None and need[0] not in ready:
+                if need is not None and need not in ready:
                     break
-                start = max(clock[r], ready[need[0]] if need else 0.0)
+                start = max(clock[r], ready[need] if need else 0.0)
                 clock[r] = start + duration(r, k, action)
                 times[r].append((start, clock[r]))
                 out = outs[r][k]
                 if out is not None:
-                    ready[out[0]] = clock[r]
+                    ready[out] = clock[r]
                 moved = True
     if [len(t) for t in times] != [len(order) for order in orders]:
         raise RuntimeError(f"schedule {name} (pp={pp}, virtual={virtual}, micro_batches={micro_batches}) deadlocks")
     return times
+
+
+@functools.lru_cache(maxsize=4096)  # the planner replays each shape with many durations
+def _messages(name: str, pp: int, virtual: int, micro_batches: int) -> tuple[tuple, tuple, tuple]:
+    """Every rank's actions, and each action's input and output message as a (kind, stage, micro) tuple (or None):
+    found once, as a blocked action is looked at again on every pass of `replay`."""
+    orders = tuple(tuple(schedule(name, pp=pp, virtual=virtual, micro_batches=micro_batches, rank=r))
+                   for r in range(pp))
+    style = style_of(name)
+
+    def message(found: tuple[Message, int] | None) -> tuple | None:
+        return None if found is None else (found[0].kind, found[0].stage, found[0].micro)
+
+    needs = tuple(tuple(message(receives(a, pp=pp, virtual=virtual, rank=r, style=style)) for a in o)
+                  for r, o in enumerate(orders))
+    outs = tuple(tuple(message(sends(a, pp=pp, virtual=virtual, rank=r, style=style)) for a in o)
+                 for r, o in enumerate(orders))
+    return orders, needs, outs
 
 
 def simulate(name: str, *, pp: int, virtual: int, micro_batches: int,

@@ -55,7 +55,7 @@ def values(section: object, skip: frozenset = frozenset()) -> tuple:
     try:
         hash(values)
     except TypeError:  # a list or a dict among them
-        return _frozen(values)
+        return tuple(_frozen(v) if type(v) in (list, dict) else v for v in values)
     return values
 
 

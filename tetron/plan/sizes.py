@@ -13,6 +13,7 @@ from tetron.models.moe import grouped_mm_supported
 from tetron.models.qwen3_moe import MoeConfig
 from tetron.parallel.tensor_parallel import padded_vocab_size
 from tetron.parallel.ulysses import kv_repeats
+from tetron.plan.keys import Memo, micro_batch_key
 from tetron.plan.probe import Probe, probe_of
 
 F32, I64 = 4, 8  # bytes of an fp32 and an int64 element
@@ -64,6 +65,11 @@ class Sizes:
 
     @classmethod
     def of(cls, cfg: Config) -> Sizes:
+        """The sizes of `cfg`'s ranks: made once for the layouts that differ only in ZeRO (keys.py)."""
+        return _SIZES.get(micro_batch_key(cfg), lambda: cls._of(cfg))
+
+    @classmethod
+    def _of(cls, cfg: Config) -> Sizes:
         m, p, t = cfg.model, cfg.parallel, cfg.train
         # a head's width as attention sees it: q/k's (MLA's nope + rope, 192, not its RoPE tables' head_dim of 64;
         # its v heads, 128, counted as wide: an overestimate of a third of v's share)
@@ -89,6 +95,9 @@ class Sizes:
         the padded buffer (models/moe.py: m + (align-1)*experts, rounded up to a multiple of align)."""
         local = self.experts // self.ep
         return m if self.align == 1 else -(-(m + (self.align - 1) * local) // self.align) * self.align
+
+
+_SIZES = Memo()
 
 
 def is_moe(model: object) -> bool:

@@ -29,7 +29,7 @@ from tetron.config import Config
 from tetron.optim import optimizer_class
 from tetron.parallel.pipeline_schedules import simulate, splits_backward
 from tetron.plan.hardware import Hardware
-from tetron.plan.keys import Memo, micro_batch_key
+from tetron.plan.keys import Memo, micro_batch_key, model_repr
 from tetron.plan.muon import muon_work
 from tetron.plan.sizes import Sizes
 from tetron.plan.state import (
@@ -251,6 +251,7 @@ def save_blocking(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> float:
 
 
 _MICRO_BATCHES = Memo()
+_FLOPS = Memo()  # the model's per token at a sequence length (a loop over its layers)
 
 
 def _micro_batches(cfg: Config, hw: Hardware, gpus_per_node: int) -> tuple[dict[str, list[float]], tuple]:
@@ -287,7 +288,9 @@ def estimate(cfg: Config, hw: Hardware, *, gpus_per_node: int) -> TimeEstimate:
     save = save_blocking(cfg, hw, gpus_per_node=gpus_per_node) / every if every else 0.0
     step = span + dp_s + optimizer + save
     tokens = cfg.global_batch * cfg.data.seq_len
-    flops = cfg.model.flops_per_token(cfg.data.seq_len) * tokens / step
+    per_token = _FLOPS.get((model_repr(cfg.model), cfg.data.seq_len),
+                           lambda: cfg.model.flops_per_token(cfg.data.seq_len))
+    flops = per_token * tokens / step
     peak = hw.tflops * 1e12 / (1 if cfg.train.dtype == "bfloat16" or hw.cpu else hw.fp32_slowdown)
     return TimeEstimate(step_s=step, compute_s=compute, bubble=bubble, tp_s=tp_s, cp_s=cp_s, pp_s=pp_s,
                         ep_s=ep_s, dp_s=dp_s, optimizer_s=optimizer, save_s=save, tokens_per_s=tokens / step,
