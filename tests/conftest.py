@@ -44,9 +44,11 @@ workers.MIN_LAYOUTS = sys.maxsize
 # --no-loadscope-reorder), so the long ones start first and the workers end together, instead of a 40 s file
 # starting last beside an idle worker (xdist's own reorder, by number of tests, put the two-node Slurm job
 # near the end).
-LONGEST_FIRST = ("test_slurm.py", "test_cli.py", "test_dry_run.py", "test_token_store.py", "test_gpu_check.py",
-                 "test_compile.py", "test_faults.py", "test_plan.py", "test_layouts.py", "test_zero_bubble.py",
-                 "test_multinode.py", "test_operations.py", "test_recompute.py", "test_plan_moe.py")
+LONGEST_FIRST = ("test_plan.py", "test_plan_moe.py", "test_zero.py", "test_operations.py", "test_slurm.py",
+                 "test_cli.py", "test_dry_run.py", "test_zero_bubble.py", "test_moe.py", "test_deepseek_v3.py",
+                 "test_layouts.py", "test_mtp.py", "test_checkpoint.py", "test_multinode.py",
+                 "test_pipeline_parallel.py", "test_gpt_oss.py", "test_recompute.py", "test_plan_muon.py",
+                 "test_mixed_precision.py", "test_faults.py", "test_compile.py", "test_token_store.py")
 
 
 def pytest_collection_modifyitems(items: list) -> None:
