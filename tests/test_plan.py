@@ -438,6 +438,39 @@ def test_a_search_split_over_processes_predicts_as_one():
                                       r"[\d,]+ valid so far \(\d+ s\)", line) for line in lines)
 
 
+def test_layouts_that_differ_in_zero_share_their_walk_and_predict_as_alone():
+    """A search walks each rank's micro-batches once for the layouts that differ only in how ZeRO holds the state
+    (plan/keys.py): every field but those changes the key, and a layout predicted after the others (their walks,
+    chunk costs and sizes cached) is predicted as it is alone, with every cache emptied first."""
+    from tetron.config import ParallelConfig
+    from tetron.plan import memory, sizes, steptime
+    from tetron.plan.keys import STATE_FIELDS, micro_batch_key
+
+    cfg = load_config(None, [*(f"--model.{k}={v}" for k, v in {**MODEL, "vocab_size": 256}.items()), "--seq-len", "64"])
+    base = micro_batch_key(cfg)
+    changed = {"zero": 3, "zero_accumulate": "full", "dp_shard": 2, "dp_impl": "naive", "bucket_mb": 1.0,
+               "reduce_dtype": "bfloat16", "dp": 8, "tp": 2, "pp": 3, "cp": 2, "ep": 2, "pp_schedule": "zbv",
+               "pp_virtual": 2, "pp_split": [1, 1], "cp_layout": "contiguous", "cp_impl": "ulysses", "sp": True,
+               "sp_regather": False, "vocab_pad_multiple": 64, "device": "cuda", "timeout_s": 1.0, "max_restarts": 1,
+               "ignore_memory_limit": True}
+    assert set(changed) == {f for f in ParallelConfig.__dataclass_fields__}  # a new field is named here too
+    for name, value in changed.items():
+        same = micro_batch_key(replace(cfg, parallel=replace(cfg.parallel, **{name: value}))) == base
+        assert same == (name in STATE_FIELDS), name
+    assert micro_batch_key(replace(cfg, train=replace(cfg.train, recompute="full"))) != base
+    assert micro_batch_key(replace(cfg, model=replace(cfg.model, hidden_size=128))) != base
+
+    plans = search(cfg, gpu("H100"), nodes=1, gpus_per_node=4, batch=8)
+    zero_variants = [p for p in plans if p.layout.zero >= 2 and p.layout.pp > 1][::7]
+    assert len(zero_variants) > 10
+    for p in zero_variants:
+        for memo in (memory._WALKS, steptime._MICRO_BATCHES, sizes._SIZES):
+            memo.found.clear()
+        alone = [predict_rank(p.config, r) for r in range(p.config.parallel.pp)]
+        assert max(alone, key=lambda e: e.total) == p.memory, p.layout.label()
+        assert estimate(p.config, gpu("H100"), gpus_per_node=4) == p.time, p.layout.label()
+
+
 def test_layouts_are_dealt_by_group_and_a_failure_is_reported(monkeypatch):
     """Each group of keys goes whole to one process, the largest first to the least loaded; an error in a process
     stops the search with its message."""

@@ -358,15 +358,15 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     zero = bool(st.lazy_starts or st.root or st.layer)  # ZeRO-2/3 buffers and gathers: moment by moment
     for kind, r in sorted(most.items(), key=lambda item: item[1].step):  # the first to reach a peak is named
         comm = r.buffers * s.n_res * s.d * s.h
-        chunk, held = walk.chunks[r.action.chunk], base_total + r.acts + r.loss + comm
+        chunk, holding = walk.chunks[r.action.chunk], base_total + r.acts + r.loss + comm
         for m in walk.moments_of(cfg, r.action):
             if m.index and not st.chunk_units:  # the layers before the last hold what it holds
                 continue
             params, grads = _zero_extras(s, st, chunk, m.name, attached=kind[4], index=m.index,
                                          syncing=kind[5] or sharded, which=r.action.chunk,
                                          experts=m.experts) if zero else (0, 0)
-            if held + m.added + params + grads > held_total:
-                held_total = held + m.added + params + grads
+            if holding + m.added + params + grads > held_total:
+                held_total = holding + m.added + params + grads
                 peak = (m.name, r.acts, r.loss, comm, {**m.extra, "params": params, "grads": grads})
     if peak is not None:
         name, acts, loss, comm, extra = peak
