@@ -200,50 +200,60 @@ def _begun(starts: tuple[int, ...], reached: int, syncing: bool) -> int:
     return starts[touched] - (starts[max(touched - 2, 0)] if syncing else 0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Moment:
     """One moment of a forward or backward of a chunk, as the micro-batches make it: what it adds to (or, once the
     backward has released them, takes from) the bytes held for the backward pass; ZeRO's terms come apart
-    (`_zero_extras`)."""
+    (`_zero_extras`). A layer backward's stands for every layer of the chunk: the one `index` layers from its end
+    has released `index * per_layer` more activations."""
 
     name: str
-    index: int  # a layer backward's layer, from the chunk's end
     experts: bool  # whether the layer's expert gradients have begun arriving
-    extra: dict  # bytes by term
+    extra: dict  # bytes by term (a layer backward's: of the chunk's last layer)
     added: int  # their sum
+    per_layer: int = 0  # a layer backward's: one layer's saved activations
+
+    def at(self, index: int) -> tuple[int, dict]:
+        """(added, extra) at the layer `index` layers from the chunk's end."""
+        if not index:
+            return self.added, self.extra
+        return self.added - index * self.per_layer, {**self.extra,
+                                                     "activations": self.extra["activations"] - index * self.per_layer}
 
 
-def _moments(cfg: Config, s: Sizes, chunk: Chunk, held: Held, action: Action) -> tuple[_Moment, ...]:
-    """The moments of one forward or backward of `chunk`, whatever ZeRO holds: a layer's backward for every layer
-    of the chunk (predict_rank takes the last one alone where ZeRO's buffers do not grow layer by layer)."""
+def _moments(cfg: Config, s: Sizes, chunk: Chunk, held: Held, action: Action) -> tuple[tuple[_Moment, ...], ...]:
+    """The moments of one forward or backward of `chunk`, whatever ZeRO holds, in order, in groups: a layer
+    backward's group is taken once per layer of the chunk, from its end (predict_rank: the last layer alone where
+    ZeRO's buffers do not grow layer by layer)."""
     backward = action.backward
     head = norm_bytes(s, s.n_res) if chunk.last else 0  # what the final norm saved, freed first
-    found = []
+    groups = []
     if chunk.last:
         name, extra = _loss_moments(cfg, s)[backward]
-        found.append((name, 0, True, extra))
+        groups.append((_Moment(name, True, extra, sum(extra.values())),))
     # A layer's backward, the last layer first; later layers only matter where ZeRO-3's buffers grow (a
     # chunk of dense and MoE layers: released at their mean). A forward has none: not worked out for it.
-    if backward:
+    if backward and chunk.layers:
         per_layer = chunk_layers(s, chunk, cfg.train.recompute) // max(1, chunk.layers)
         early, late = _layer_backward(cfg, s, chunk)
         if action.weight and chunk.moe and s.grouped and not chunk.first:
             # W of a split backward (zbh1, zbv) past the first stage computes every weight gradient of the chunk
             # before accumulating them in one pass (weight_grad.py): those, not B's activation gradients
             early, late = s.d * sum(sum(u) for u in chunk_units(cfg, chunk)), None
-        for index in range(chunk.layers):
-            for temporaries, experts in ((early, late is not None),) if not late else ((early, False), (late, True)):
-                found.append(("layer backward", index, experts, {"logits": -held.loss, "temporaries": temporaries,
-                                                                 "activations": -head - index * per_layer}))
+        layer = []
+        for temporaries, experts in ((early, late is not None),) if not late else ((early, False), (late, True)):
+            extra = {"logits": -held.loss, "temporaries": temporaries, "activations": -head}
+            layer.append(_Moment("layer backward", experts, extra, sum(extra.values()), per_layer))
+        groups.append(tuple(layer))
     if not backward:
-        found.append(("forward", 0, True, {}))
+        groups.append((_Moment("forward", True, {}, 0),))
     if not backward and chunk.moe and moe_forward(s):
         # an MoE layer's combining all-to-all (its last MoE layer taken as the chunk's last layer): before the
         # final norm, the loss and (without recomputation) the combine's two saved [M, H] outputs
         combine = 2 * s.n_mlp * s.top_k * s.h * s.d if cfg.train.recompute == "none" else 0
-        found.append(("forward", 0, True, {"logits": -held.loss, "activations": -head - combine,
-                                           "temporaries": moe_forward(s)}))
-    return tuple(_Moment(name, index, experts, extra, sum(extra.values())) for name, index, experts, extra in found)
+        extra = {"logits": -held.loss, "activations": -head - combine, "temporaries": moe_forward(s)}
+        groups.append((_Moment("forward", True, extra, sum(extra.values())),))
+    return tuple(groups)
 
 
 def _rebuilt_for_w(cfg: Config, s: Sizes, chunks: list[Chunk], split: bool) -> list[int]:
@@ -258,7 +268,7 @@ def _rebuilt_for_w(cfg: Config, s: Sizes, chunks: list[Chunk], split: bool) -> l
     return [r + (c.moe * moe_retained(s) if split and not c.first else 0) for r, c in zip(rebuilt, chunks)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Reached:
     """The most bytes of micro-batches in flight (activations and the loss's gradients) one kind of moment of a
     rank's walk sees, at the first action that reaches them: the walk's part of a peak, which ZeRO's terms then
@@ -285,7 +295,7 @@ class _Walk:
     chunks: tuple[Chunk, ...]
     moments: dict = field(default_factory=dict)  # _moments by (chunk, backward, weight), as asked for
 
-    def moments_of(self, cfg: Config, action: Action) -> tuple[_Moment, ...]:
+    def moments_of(self, cfg: Config, action: Action) -> tuple[tuple[_Moment, ...], ...]:
         key = (action.chunk, action.backward, action.weight)
         if key not in self.moments:
             self.moments[key] = _moments(cfg, self.sizes, self.chunks[action.chunk], self.held[action.chunk], action)
@@ -359,15 +369,19 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
     for kind, r in sorted(most.items(), key=lambda item: item[1].step):  # the first to reach a peak is named
         comm = r.buffers * s.n_res * s.d * s.h
         chunk, holding = walk.chunks[r.action.chunk], base_total + r.acts + r.loss + comm
-        for m in walk.moments_of(cfg, r.action):
-            if m.index and not st.chunk_units:  # the layers before the last hold what it holds
-                continue
-            params, grads = _zero_extras(s, st, chunk, m.name, attached=kind[4], index=m.index,
-                                         syncing=kind[5] or sharded, which=r.action.chunk,
-                                         experts=m.experts) if zero else (0, 0)
-            if holding + m.added + params + grads > held_total:
-                held_total = holding + m.added + params + grads
-                peak = (m.name, r.acts, r.loss, comm, {**m.extra, "params": params, "grads": grads})
+        for group in walk.moments_of(cfg, r.action):
+            # a layer backward's, once per layer where ZeRO's buffers grow with them; else the last layer's stands
+            # for all (the layers before it hold no more)
+            layers = range(chunk.layers if st.chunk_units and group[0].name == "layer backward" else 1)
+            for index in layers:
+                for m in group:
+                    added, extra = m.at(index)
+                    params, grads = _zero_extras(s, st, chunk, m.name, attached=kind[4], index=index,
+                                                 syncing=kind[5] or sharded, which=r.action.chunk,
+                                                 experts=m.experts) if zero else (0, 0)
+                    if holding + added + params + grads > held_total:
+                        held_total = holding + added + params + grads
+                        peak = (m.name, r.acts, r.loss, comm, {**extra, "params": params, "grads": grads})
     if peak is not None:
         name, acts, loss, comm, extra = peak
         best = at(name, params=st.params + extra["params"], grads=st.grads + extra["grads"],
