@@ -51,12 +51,12 @@ def values(section: object, skip: frozenset = frozenset()) -> tuple:
     key = (type(section), skip)
     if key not in _GETTERS:
         _GETTERS[key] = operator.attrgetter(*[f.name for f in dataclasses.fields(section) if f.name not in skip])
-    values = _GETTERS[key](section)
+    found = _GETTERS[key](section)
     try:
-        hash(values)
+        hash(found)
     except TypeError:  # a list or a dict among them
-        return tuple(_frozen(v) if type(v) in (list, dict) else v for v in values)
-    return values
+        return tuple(_frozen(v) if type(v) in (list, dict) else v for v in found)
+    return found
 
 
 def micro_batch_key(cfg: Config) -> tuple:
