@@ -92,8 +92,13 @@ def init_weights_(model: nn.Module, *, seed: int, std: float | None = None) -> N
     own copy of a tied embedding as `lm_head.weight`, initialised as `model.embed_tokens.weight`."""
     rules = init_rules(model, std=std)
     for name, param in model.named_parameters():
-        source = layout_of(param).source or name
-        param.copy_(local_slice(param, full_tensor(source, full_shape(param), seed=seed, init=rules[source])))
+        _seeded_(param, name, rules, seed)
+
+
+def _seeded_(param: nn.Parameter, name: str, rules: dict[str, Init], seed: int) -> None:
+    """`param` (named `name`) filled with its slice of its full tensor, or of its layout's `source`'s."""
+    source = layout_of(param).source or name
+    param.copy_(local_slice(param, full_tensor(source, full_shape(param), seed=seed, init=rules[source])))
 
 
 class Hollow:
@@ -114,9 +119,7 @@ class Hollow:
             if self.pending.pop(id(param), None) is None:
                 continue
             param.untyped_storage().resize_(param.numel() * param.element_size())
-            source = layout_of(param).source or self.names[id(param)]  # as init_weights_
-            param.copy_(local_slice(param, full_tensor(source, full_shape(param), seed=self.seed,
-                                                       init=self.rules[source])))
+            _seeded_(param, self.names[id(param)], self.rules, self.seed)  # as init_weights_
 
     def fill_rest(self) -> None:
         self.fill(list(self.pending.values()))

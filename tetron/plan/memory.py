@@ -213,12 +213,11 @@ class _Moment:
     added: int  # their sum
     per_layer: int = 0  # a layer backward's: one layer's saved activations
 
-    def at(self, index: int) -> tuple[int, dict]:
-        """(added, extra) at the layer `index` layers from the chunk's end."""
+    def extra_at(self, index: int) -> dict:
+        """`extra` at the layer `index` layers from the chunk's end (`added` less index * per_layer)."""
         if not index:
-            return self.added, self.extra
-        return self.added - index * self.per_layer, {**self.extra,
-                                                     "activations": self.extra["activations"] - index * self.per_layer}
+            return self.extra
+        return {**self.extra, "activations": self.extra["activations"] - index * self.per_layer}
 
 
 def _moments(cfg: Config, s: Sizes, chunk: Chunk, held: Held, action: Action) -> tuple[tuple[_Moment, ...], ...]:
@@ -375,13 +374,13 @@ def predict_rank(cfg: Config, pp_rank: int = 0, *, dp_rank: int = 0) -> MemoryEs
             layers = range(chunk.layers if st.chunk_units and group[0].name == "layer backward" else 1)
             for index in layers:
                 for m in group:
-                    added, extra = m.at(index)
                     params, grads = _zero_extras(s, st, chunk, m.name, attached=kind[4], index=index,
                                                  syncing=kind[5] or sharded, which=r.action.chunk,
                                                  experts=m.experts) if zero else (0, 0)
-                    if holding + added + params + grads > held_total:
-                        held_total = holding + added + params + grads
-                        peak = (m.name, r.acts, r.loss, comm, {**extra, "params": params, "grads": grads})
+                    total = holding + m.added - index * m.per_layer + params + grads
+                    if total > held_total:
+                        held_total = total
+                        peak = (m.name, r.acts, r.loss, comm, {**m.extra_at(index), "params": params, "grads": grads})
     if peak is not None:
         name, acts, loss, comm, extra = peak
         best = at(name, params=st.params + extra["params"], grads=st.grads + extra["grads"],
