@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tetron.config import from_dict
+from tetron.config import from_dict, load_config
 from tetron.plan import probe
 from tetron.plan.activations import layer_kept, layer_none
 from tetron.plan.sizes import Sizes
@@ -56,6 +56,21 @@ def test_fake_layer_measures_as_the_real_one(family, layout):
         assert 0 < fake["full"] < fake["selective"] <= fake["none"]
 
 
+def test_a_small_layer_is_measured_on_real_tensors_a_large_one_on_fake(monkeypatch):
+    """The planner measures a layer of a few thousand numbers on real tensors (faster than fake ones at that size;
+    the bytes are the same, above and here in bf16), a real model's layer on fake ones."""
+    seen = []
+    real = probe._measure
+    monkeypatch.setattr(probe, "_measure", lambda p, fake=True: seen.append(fake) or real(p, fake=fake))
+    monkeypatch.setattr(probe, "_MEASURED", {})
+    tiny = from_dict({"model": {**BASE, **FAMILIES["qwen3_moe"]}, "parallel": {"dp": 2, "ep": 2},
+                      "data": {"seq_len": 32}, "train": {"micro_batch": 2, "dtype": "bfloat16"}})
+    p = probe.probe_of(tiny, True)
+    assert probe.saved_bytes(p, "none") == real(p)["none"] and seen == [False]
+    large = load_config(None, ["--model", "llama-3-8b", "--seq-len", "8192", "--micro-batch", "1"])
+    assert not probe._small(probe.probe_of(large, False))
+
+
 def test_recompute_modes_keep_less_in_order():
     """Per kind of layer: full keeps the layer's input only ([B, T, H] in fp32 here), selective less than none."""
     cfg = _config("deepseek_v3", {}, "none")
@@ -69,7 +84,7 @@ def test_each_shape_is_measured_once(monkeypatch):
     """A search asks for the same layer shape for many layouts: the measurement runs once per (shape, mode)."""
     calls = []
     real = probe._measure
-    monkeypatch.setattr(probe, "_measure", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(probe, "_measure", lambda p, **kw: calls.append(p) or real(p, **kw))
     monkeypatch.setattr(probe, "_MEASURED", {})
     for zero in (0, 1, 2, 3):
         for dp in (1, 2):
