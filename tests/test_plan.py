@@ -9,10 +9,14 @@ tolerance is the issue's 10%; measured here the model is within 3% on every rank
 
 from __future__ import annotations
 
+import array
+import fcntl
 import json
 import re
 import subprocess
 import sys
+import termios
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -302,7 +306,8 @@ def test_plan_json_reaches_a_slow_reader_whole_through_a_non_blocking_pipe(tmp_p
     """CPython drops what a non-blocking pipe cannot take at once, with exit status 0: CI read `tetron plan
     --measure --json` cut at exactly 128 KiB. Here the pipe is made non-blocking after the command has started
     (as its forked ranks might leave it) and is read only once the command has had a few seconds to print all
-    of its 140 KB: every byte arrives (write_output waits for the pipe instead)."""
+    of its 140 KB: every byte arrives (write_output waits for the pipe instead). "Had time" is seen, not slept: the
+    pipe is full (the command is at a write it cannot finish), and a moment more has passed."""
     args = ["plan", "--nodes", "1", "--gpus-per-node", "2", "--json", "--seq-len", "64", "--batch-tokens", "512",
             *[f"--model.{k}={v}" for k, v in {**MODEL, "vocab_size": 256}.items()]]
     script = ("import os, sys\nimport tetron.plan.report as report\nrun = report.run\n"
@@ -311,10 +316,15 @@ def test_plan_json_reaches_a_slow_reader_whole_through_a_non_blocking_pipe(tmp_p
               "from tetron.cli import main\nsys.exit(main(sys.argv[1:]))")
     child = subprocess.Popen([sys.executable, "-c", script, *args], cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env={**_env(), "PYTHONPATH": str(REPO)})
-    try:
-        child.wait(timeout=8)  # done, or (as it should be) waiting for the full pipe to be read
-    except subprocess.TimeoutExpired:
-        pass
+    capacity = fcntl.fcntl(child.stdout, fcntl.F_GETPIPE_SZ)
+    waiting = array.array("i", [0])
+    deadline = time.monotonic() + 120
+    while child.poll() is None and time.monotonic() < deadline:  # done, or (as it should be) blocked on the pipe
+        fcntl.ioctl(child.stdout, termios.FIONREAD, waiting)
+        if waiting[0] >= capacity:
+            time.sleep(0.5)  # where CPython drops what it cannot write, it has dropped it by now
+            break
+        time.sleep(0.1)
     out, err = child.communicate(timeout=300)
     assert child.returncode == 0, err
     assert len(out) > 2**17 and json.loads(out)["plans"], out[-200:]
