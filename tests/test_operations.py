@@ -512,10 +512,14 @@ def launches(tmp_path_factory, corpus, cache_dir) -> dict:
             if resumed is None and "preempt" in ended:
                 resumed = _launch(workdir, "resumed", "--resume", "auto", out="preempt")
             for name, (proc, _) in runs.items():
+                if name in acted:  # signalled: only its end is awaited (no /proc scan every 20 ms)
+                    if name not in ended and proc.poll() is not None:
+                        ended[name] = time.monotonic()
+                    continue
                 ready = _steps(workdir, name) >= (4 if name == "abort" else 2)
                 alone = name in ("single", "torchrun")  # no tetron launcher's reports: signal the process itself
                 ranks = {0: proc.pid} if alone else _rank_pids(proc.pid) if ready else {}
-                if name not in acted and ready and len(ranks) == (1 if alone else 2):
+                if ready and len(ranks) == (1 if alone else 2):
                     pids[name] = ranks
                     if name in ("preempt", "torchrun"):
                         proc.send_signal(signal.SIGTERM)
