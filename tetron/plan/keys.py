@@ -1,7 +1,7 @@
 """What the planner's per-layout work is cached by. A search predicts tens of thousands of layouts that differ in one
 axis at a time: the layouts that differ only in how ZeRO holds the state (its stage, accumulation, shard group, the
 data-parallel buckets) run the same micro-batches through the same schedule, so what a micro-batch keeps and how long
-it takes are computed once for all of them (memory.predict_rank's walk, steptime's chunk costs and pipeline span).
+it takes are computed once for all of them (plan/walk.py's walk, steptime's chunk costs and pipeline span).
 
 A key holds every field of every section of the config but those (STATE_FIELDS), so a field added later counts
 unless it is named there; the model section as its repr, made once per config object (`model_repr`).
@@ -20,19 +20,29 @@ from tetron.config import Config
 STATE_FIELDS = frozenset({"zero", "zero_accumulate", "dp_shard", "dp_impl", "bucket_mb", "reduce_dtype"})
 
 
-_REPRS: dict[int, tuple[object, str]] = {}  # id(model config) -> it, its repr
+class PerObject:
+    """What `make(obj)` returns, made once per object (configs are not hashable: kept by id). The object is held, so
+    its id is not reused while its entry lives; one changed in place after it was asked for is not seen."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size, self.found = size, {}
+
+    def get(self, obj: object, make: Callable[[object], Any]) -> Any:
+        found = self.found.get(id(obj))
+        if found is None or found[0] is not obj:
+            if len(self.found) > self.size:
+                self.found.clear()
+            found = self.found[id(obj)] = (obj, make(obj))
+        return found[1]
+
+
+_REPRS = PerObject()
 
 
 def model_repr(model: object) -> str:
     """The model config's repr (a dataclass's names every field), made once per config object: a search shares its
-    base's between its layouts, and making it took longer than the walk a key saves. The object is held, so its id
-    is not reused while its entry lives; one changed in place after it was asked for is not seen."""
-    found = _REPRS.get(id(model))
-    if found is None or found[0] is not model:
-        if len(_REPRS) > 1024:
-            _REPRS.clear()
-        found = _REPRS[id(model)] = (model, repr(model))
-    return found[1]
+    base's between its layouts, and making it took longer than the walk a key saves."""
+    return _REPRS.get(model, repr)
 
 
 _GETTERS: dict[tuple[type, frozenset], Callable[[object], tuple]] = {}

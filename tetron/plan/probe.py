@@ -26,6 +26,7 @@ from tetron.config import Config
 from tetron.mesh import Mesh
 from tetron.models import family
 from tetron.observe.memory import ActivationMeter
+from tetron.plan.keys import PerObject
 from tetron.torch_private import grouped_mm_available
 from tetron.torch_private.fake import fake_store, fake_tensor_mode
 
@@ -63,20 +64,18 @@ def probe_of(cfg: Config, moe: bool) -> Probe:
                  qk_clip=cfg.optim.qk_clip_tau is not None, config=cfg)
 
 
-_ONE_LAYER: dict[tuple[int, bool], tuple[object, object, str]] = {}  # id(model config) -> it, its layer, repr
+_ONE_LAYER = {False: PerObject(), True: PerObject()}  # by kind (dense, MoE): per model config, its layer and repr
 
 
 def _one_layer(model: object, moe: bool) -> tuple[object, str]:
     """One layer of `model`'s kind, on a one-token vocabulary (a layer's shapes do not depend on it), and its repr:
-    kept per model config object, which a search shares between its layouts (the config held, so its id stays its)."""
-    key = (id(model), moe)
-    if key not in _ONE_LAYER or _ONE_LAYER[key][0] is not model:
-        if len(_ONE_LAYER) > 1024:
-            _ONE_LAYER.clear()
+    made once per model config object, which a search shares between its layouts."""
+    def make(model: object) -> tuple[object, str]:
         one = model.layer_of_kind(moe) if hasattr(model, "layer_of_kind") else model.one_layer(0)
         one = dataclasses.replace(one, vocab_size=1, tie_word_embeddings=False)
-        _ONE_LAYER[key] = (model, one, repr(one))
-    return _ONE_LAYER[key][1:]
+        return one, repr(one)
+
+    return _ONE_LAYER[moe].get(model, make)
 
 
 MODES = ("none", "selective", "full")  # train.recompute's
@@ -123,7 +122,7 @@ def _measured(probe: Probe, mode: str) -> int:
 # fifth of the time, since under fake tensors every op pays a Python dispatch (a hidden-32 layer: 0.09 s fake, 0.02 s
 # real) while the real ops on a few thousand numbers cost less. A search over a tiny model measures dozens of shapes,
 # and `tetron train` measures its own before it starts.
-REAL_MAX_WORK = 1 << 24  # the layer's parameters x its tokens on a rank: the multiply-adds of one forward, about
+REAL_MAX_WORK = 1 << 24  # the layer's parameters x its tokens on a rank: about the multiply-adds of one forward
 
 
 def _small(probe: Probe) -> bool:
@@ -155,7 +154,7 @@ def _fake_group(world: int):
 def _measure(probe: Probe, *, fake: bool = True) -> dict[str, int]:
     """The layer of `probe` under each recompute mode, built once, by the run's own recipe (parallelize.build_chunk:
     one stage of one layer, on a fake process group of its axes). `fake=False`: the same on real tensors (small
-    shapes only: the tests hold the fake figures to them)."""
+    shapes: `_small`; the tests hold the fake figures to them)."""
     from tetron.parallel.parallelize import build_chunk
     from tetron.plan.dry_modes import DryRunMode
 
