@@ -453,7 +453,7 @@ def test_layouts_that_differ_in_zero_share_their_walk_and_predict_as_alone():
     (plan/keys.py): every field but those changes the key, and a layout predicted after the others (their walks,
     chunk costs and sizes cached) is predicted as it is alone, with every cache emptied first."""
     from tetron.config import ParallelConfig
-    from tetron.plan import memory, sizes, steptime
+    from tetron.plan import sizes, steptime, walk
     from tetron.plan.keys import STATE_FIELDS, micro_batch_key
 
     cfg = load_config(None, [*(f"--model.{k}={v}" for k, v in {**MODEL, "vocab_size": 256}.items()), "--seq-len", "64"])
@@ -474,7 +474,7 @@ def test_layouts_that_differ_in_zero_share_their_walk_and_predict_as_alone():
     zero_variants = [p for p in plans if p.layout.zero >= 2 and p.layout.pp > 1][::7]
     assert len(zero_variants) > 10
     for p in zero_variants:
-        for memo in (memory._WALKS, steptime._MICRO_BATCHES, sizes._SIZES):
+        for memo in (walk.WALKS, steptime._MICRO_BATCHES, sizes._SIZES):
             memo.found.clear()
         alone = [predict_rank(p.config, r) for r in range(p.config.parallel.pp)]
         assert max(alone, key=lambda e: e.total) == p.memory, p.layout.label()

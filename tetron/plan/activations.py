@@ -75,7 +75,7 @@ def layer_activations(s: Sizes, mode: str, moe: bool = False) -> int:
     return layer_none(s, moe) if mode == "none" else layer_kept(s, mode, moe)
 
 
-@functools.lru_cache(maxsize=65536)  # per action of every layout's walk (memory._moments): computed once a shape
+@functools.lru_cache(maxsize=65536)  # per action of every layout's walk (walk._moments): computed once a shape
 def chunk_layers(s: Sizes, chunk: Chunk, mode: str) -> int:
     """The saved tensors of a chunk's decoder layers, its dense and its MoE ones, for one micro-batch."""
     return sum(n * layer_activations(s, mode, moe) for n, moe in ((chunk.layers - chunk.moe, False), (chunk.moe, True))
@@ -116,7 +116,7 @@ def chunk_held(cfg: Config, s: Sizes, chunk: Chunk) -> Held:
 
 def moe_backward(s: Sizes, *, split: bool = False) -> tuple[int, int]:
     """(before, after its expert gradients begin) the most an MoE block's backward adds to the layer's saved
-    tensors, beyond the incoming gradient (memory._layer_backward), for M assignments of [H] (A bytes each in
+    tensors, beyond the incoming gradient (walk._layer_backward), for M assignments of [H] (A bytes each in
     the compute dtype) and [I] (B). With torch._grouped_mm (Sizes.grouped; measured op by op here) the
     backward walks the forward back: the shared experts first (a dense MLP's gradients; then its saved
     tensors go and the gradient of its input stays); the combine (the scatter-add's gradient gathered per
