@@ -79,8 +79,9 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-# Steps of a tiny run: the few that show a layout equals the single process (2 of warmup, then the decay).
-STEPS = 4
+# Steps of a tiny run: the few that show a layout equals the single process (2 of warmup, then one of the decay, on
+# the moments the first two left). A fourth step ran the third's code again, for 8-15% of a parity run's rank time.
+STEPS = 3
 
 
 def tiny_config(corpus: Path, cache_dir: Path, out: Path, **sections) -> dict:
@@ -135,7 +136,10 @@ def layout_configs(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict |
                    optim: dict | None = None) -> tuple[dict, dict]:
     """check_layout's two raw configs: the layout's, and its single-process reference's (for reference_run);
     `checkpoint` and `logging` go to the layout's only (saving and timing change no loss)."""
-    model = {**GQA, "num_hidden_layers": 4, **(model or {})}
+    # Four layers where a pipeline splits them (a stage of two, or interleaved chunks); otherwise two, the fewest
+    # that show layers composed (one layer's backward feeding the next), at half the per-layer collectives.
+    layers = 4 if parallel.get("pp", 1) > 1 else 2
+    model = {**GQA, "num_hidden_layers": layers, **(model or {})}
     train_cfg = {"micro_batch": micro_batch, "grad_acc": grad_acc, "lr": LAYOUT_LR, **(train or {})}
     extra = {"optim": optim} if optim else {}  # both runs' optimizer
     raw = tiny_config(corpus, cache_dir, tmp_path / "run", model=model, parallel=parallel, train=train_cfg,
@@ -147,9 +151,9 @@ def layout_configs(corpus, cache_dir, tmp_path, *, parallel: dict, model: dict |
 
 def check_layout(corpus, cache_dir, tmp_path, **layout) -> tuple[list[dict], dict]:
     """Train the layout of `layout` (layout_configs' keywords: parallel, model, ...) and the single process on
-    the same global batches (a 4-layer GQA model unless `model` says otherwise): per-step losses on every rank
-    and in metrics.jsonl within LOSS_RTOL, the saved OUT/model within WEIGHT_ATOL. Returns the layout's
-    per-rank results and what rank 0 wrote."""
+    the same global batches (a GQA model of 2 layers, 4 under pp, unless `model` says otherwise): per-step losses
+    on every rank and in metrics.jsonl within LOSS_RTOL, the saved OUT/model within WEIGHT_ATOL. Returns the
+    layout's per-rank results and what rank 0 wrote."""
     raw, ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)
     cfg = from_dict(raw)
     ref, ref_written = reference_run(ref_raw)

@@ -204,7 +204,7 @@ def packed(tmp_path_factory):
 
 
 DOCUMENTS = {"mask_documents": True, "reset_positions": True}
-EVAL = ({"val_fraction": 0.1}, {"eval_every": 3, "eval_batches": 1})  # step 3 and the last
+EVAL = ({"val_fraction": 0.1}, {"eval_every": 2, "eval_batches": 1})  # step 2 and the last
 MASKED_LAYOUTS = {  # parallel, data, train
     "cp2-ring-zigzag": ({"cp": 2}, {**DOCUMENTS, **EVAL[0]}, EVAL[1]),
     "dp2-cp2-ulysses-contiguous": ({"dp": 2, "cp": 2, "cp_impl": "ulysses", "cp_layout": "contiguous"},

@@ -295,7 +295,7 @@ def test_dp2_zero3_trains_like_one_process(corpus, cache_dir, tmp_path):
                                    torch.tensor([m[name] for m in ref]), rtol=1e-5, atol=1e-7, msg=name)
     assert ref[0]["moe_aux_loss"] > 0 and ref[0]["moe_load_imbalance"] >= 1
     biases = [v for k, v in written["model"].items() if k.endswith("gate.e_score_correction_bias")]
-    assert len(biases) == 4 and all(b.abs().max() > 0 for b in biases)  # saved, moved, equal to the reference's
+    assert len(biases) == 2 and all(b.abs().max() > 0 for b in biases)  # saved, moved, equal to the reference's
 
 
 @pytest.mark.parametrize("parallel, split", [({"tp": 2, "sp": True}, "sp=true (tp=2)"), ({"cp": 2}, "cp=2")])

@@ -16,7 +16,7 @@ from tetron.data.sources import Source, register_source, source_of
 from tetron.errors import ConfigError, DataError
 from tetron.validate import validate
 
-from conftest import cli_in_process, run_training, tiny_config
+from conftest import STEPS, cli_in_process, run_training, tiny_config
 
 
 def _verses(n: int) -> list[str]:
@@ -60,7 +60,7 @@ def test_a_source_defined_in_a_test_trains_like_the_same_documents_from_a_file(v
     jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in _verses(300)))
     mine = run_training(tiny_config(Path("verses:300"), cache_dir, tmp_path / "run"))
     reference = run_training(tiny_config(jsonl, cache_dir, tmp_path / "ref"))
-    assert len(mine) == len(reference) == 4
+    assert len(mine) == len(reference) == STEPS
     assert mine == reference  # the same tokens in the same order: the same batches, bit for bit
     assert isinstance(source_of("verses:300"), Verses)
 

@@ -14,7 +14,16 @@ from tetron.mesh import Mesh
 from tetron.parallel.parallelize import build_optimizer, parallelize
 from tetron.train import build_run, train_step
 
-from conftest import GQA, LAYOUT_LR, LOSS_RTOL, WEIGHT_ATOL, check_layout, run_parallel, run_training, tiny_config
+from conftest import (
+    LAYOUT_LR,
+    LOSS_RTOL,
+    WEIGHT_ATOL,
+    check_layout,
+    layout_configs,
+    run_parallel,
+    run_training,
+    tiny_config,
+)
 from harness import run_ranks
 
 # Small buckets (0.01 MB = 2621 fp32) cut this model into many buckets, so parameters straddle the
@@ -57,8 +66,8 @@ def test_zero_matches_single_process(corpus, cache_dir, tmp_path, name):
     if parallel["zero"] >= 2 and "tp" not in parallel and "pp" not in parallel:
         # The gradient bytes held between micro-batches: ZeRO-2/3's slices, 1/dp_shard of the model's fp32
         # gradients (within 1%: each bucket's padding), or under full accumulation the whole buffers besides
-        cfg = from_dict(tiny_config(corpus, cache_dir, tmp_path, model={**GQA, "num_hidden_layers": 4, **model}))
-        whole = 4 * cfg.model.num_params()
+        raw, _ = layout_configs(corpus, cache_dir, tmp_path, parallel=parallel, model=model)
+        whole = 4 * from_dict(raw).model.num_params()
         shards = parallel.get("dp_shard", parallel.get("dp", 1) * parallel.get("cp", 1))
         full = parallel.get("zero_accumulate") == "full" and train.get("grad_acc", 2) > 1
         expected = whole / shards + (whole if full else 0)
