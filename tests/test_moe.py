@@ -511,7 +511,7 @@ def test_ep2_pp2_interleaved_trains_like_one_process(corpus, cache_dir, tmp_path
                  parallel={"dp": 2, "pp": 2, "ep": 2, "pp_schedule": "interleaved", "pp_virtual": 2})
 
 
-EP_STEPS = 4  # the composed layouts below: enough steps to show each equal to the single process
+EP_STEPS = STEPS  # the composed layouts below: enough steps to show each equal to the single process
 
 
 def _ep_layout(**layout) -> dict:
