@@ -390,6 +390,32 @@ def test_a_restart_names_the_rank_that_died_and_its_signal(tmp_path):
     assert watch.restart_line(1) == f"restart 1 of 2 after rank 0 failed (an error): resuming from {step}"
 
 
+
+def test_a_restart_names_the_dead_rank_while_its_exit_code_is_being_collected(tmp_path):
+    """Reading a dead rank's exit code collects it, racing torch's launcher doing the same from its thread: the
+    loser of the two waitpid calls reads None until the winner records the code. A restart read then blamed rank
+    0's lost peer (seen under load, tests/test_faults.py); the read waits for the code."""
+    import time
+
+    from tetron.observe.watch import RankWatch
+
+    class BeingCollected:  # rank 1's Process as the losing reader sees it: no code for three reads, then its signal
+        reads = 0
+
+        @property
+        def exitcode(self) -> int | None:
+            self.reads += 1
+            return None if self.reads <= 3 else -signal.SIGKILL
+
+    (tmp_path / "reports").mkdir()
+    watch = RankWatch(tmp_path / "reports", out=str(tmp_path / "out"), steps=10, timeout_s=5, stop_signal=None,
+                      max_restarts=2)
+    watch.exits[(0, 1)] = (time.monotonic(), BeingCollected())  # its sentinel has closed
+    _report(tmp_path / "reports", 0, 0, "peer", message="connection closed by peer")
+    _report(tmp_path / "reports", 0, 1, "running")
+    assert watch.restart_line(1) == "restart 1 of 2 after rank 1 was killed by SIGKILL: starting over: no checkpoint " \
+                                    "was saved"
+
 def test_messages_about_a_mixture_name_its_sources(store, corpus, tmp_path):
     """Before start, with data.sources set: a source too short for a window, and too few windows for a batch,
     name the sources in use, not data.path (which the run does not read)."""

@@ -91,6 +91,16 @@ def _kill(pid: int) -> None:
 _STATES = {"T": " (its process is stopped)", "t": " (stopped by a debugger)", "D": " (stuck in uninterruptible I/O)"}
 
 
+def _exit_code(process: multiprocessing.process.BaseProcess, wait_s: float = 2.0) -> int | None:
+    """The exit code of a process whose sentinel has closed (minus the signal that ended it). Reading it collects
+    the process, as torch's launcher does from its own thread; the loser of the two waitpid calls reads None for
+    the moment the winner takes to record the code, and a restart read then blamed the dead rank's peer."""
+    deadline = time.monotonic() + wait_s
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return process.exitcode
+
+
 class RankWatch:
     """Run the launcher (a callable) in a thread and watch its ranks through `folder`'s reports."""
 
@@ -219,10 +229,9 @@ class RankWatch:
         errors = [r for r in ordered if r["state"] == "error"]
         if errors:
             return f"rank {errors[0]['rank']} failed (an error)"
-        # (a Process's exitcode is minus the signal that ended it; None until the launcher has collected it)
-        silent = sorted((when, rank, process.exitcode) for (a, rank), (when, process) in self.exits.items()
-                        if a == attempt and process.exitcode and
-                        reports.get(rank, {}).get("state", "running") == "running")
+        ended = {rank: (when, _exit_code(process)) for (a, rank), (when, process) in self.exits.items() if a == attempt}
+        silent = sorted((when, rank, code) for rank, (when, code) in ended.items()
+                        if code and reports.get(rank, {}).get("state", "running") == "running")
         if silent:
             _, rank, how = silent[0]
             return (f"rank {rank} was killed by {signal.Signals(-how).name}" if how < 0 else
