@@ -157,7 +157,7 @@ def check_layout(corpus, cache_dir, tmp_path, **layout) -> tuple[list[dict], dic
     raw, ref_raw = layout_configs(corpus, cache_dir, tmp_path, **layout)
     cfg = from_dict(raw)
     ref, ref_written = reference_run(ref_raw)
-    results, written = run_parallel(raw, timeout=600)
+    results, written = run_parallel(raw, timeout=600, state=False)  # its weights: OUT/model, as rank 0 wrote them
     ref_state, state = ref_written["model"], written["model"]
     expected = torch.tensor(ref["losses"])
     assert len(expected) == cfg.train.steps
@@ -169,9 +169,9 @@ def check_layout(corpus, cache_dir, tmp_path, **layout) -> tuple[list[dict], dic
     return results, written
 
 
-def train_rank(raw: dict, *, trace: bool = False) -> dict:
-    """On one rank of a process group: train the raw config. Returns the losses of the steps run, this
-    rank's final weights as whole tensors (every chunk, gathered over tp, vocabulary padding cut), the
+def train_rank(raw: dict, *, trace: bool = False, state: bool = True) -> dict:
+    """On one rank of a process group: train the raw config. Returns the losses of the steps run, with `state`
+    this rank's final weights as whole tensors (every chunk, gathered over tp, vocabulary padding cut), the
     number of its parameters, the most gradient bytes it held between micro-batches, and with `trace` its
     pipeline trace of the last step (a watcher set on the run's pipeline, as train() builds it) and the
     gradient reductions data parallelism issued."""
@@ -182,11 +182,11 @@ def train_rank(raw: dict, *, trace: bool = False) -> dict:
     if trace and run.pipeline is not None:
         run.pipeline.watcher = PipelineTrace(rank=mesh.local_rank("pp"))
     result = train_steps(run)
-    state = {}
-    for chunk in result.chunks if p.zero < 3 else []:  # under ZeRO-3 only slices are left: see OUT/model
-        state.update(gather_full_state(chunk, mesh.group("tp"), mesh.group("ep")))
+    weights = {}
+    for chunk in result.chunks if state and p.zero < 3 else []:  # under ZeRO-3 only slices are left: see OUT/model
+        weights.update(gather_full_state(chunk, mesh.group("tp"), mesh.group("ep")))
     held = sum(getattr(chunk, "max_held_grad_bytes", 0) for chunk in run.model.dp_chunks)  # bucket buffers, slices
-    return {"losses": result.losses, "state": state, "grad_bytes_held": held,
+    return {"losses": result.losses, "state": weights, "grad_bytes_held": held,
             "trace": run.pipeline.watcher if trace and run.pipeline is not None else None,
             "collectives": sum(chunk.num_collectives for chunk in run.model.dp_chunks) if trace else None,
             "num_params": sum(1 for c in result.chunks for _ in c.parameters())}
@@ -199,13 +199,14 @@ def train_rank_losses(raw: dict) -> list[float]:
     return train(cfg, Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp, ep=p.ep, dp_shard=p.dp_shard)).losses
 
 
-def run_parallel(raw: dict, *, trace: bool = False, timeout: float = 300) -> tuple[list[dict], dict]:
+def run_parallel(raw: dict, *, trace: bool = False, timeout: float = 300, state: bool = True
+                 ) -> tuple[list[dict], dict]:
     """Validate, tokenize once here, train on cfg.world_size forked ranks (train_rank on each). Returns
     every rank's result and what rank 0 wrote: the metrics records and the saved model's tensors."""
     cfg = from_dict(raw)
     validate(cfg)
     prepare_data(cfg)  # tokenize once here, so ranks only read the cache
-    results = run_ranks(cfg.world_size, train_rank, raw, trace=trace, timeout=timeout)
+    results = run_ranks(cfg.world_size, train_rank, raw, trace=trace, state=state, timeout=timeout)
     out = Path(cfg.out)
     written = {"metrics": [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],
                "model": load_file(out / "model" / "model.safetensors")}
