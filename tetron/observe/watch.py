@@ -229,9 +229,9 @@ class RankWatch:
         errors = [r for r in ordered if r["state"] == "error"]
         if errors:
             return f"rank {errors[0]['rank']} failed (an error)"
-        ended = {rank: (when, _exit_code(process)) for (a, rank), (when, process) in self.exits.items() if a == attempt}
-        silent = sorted((when, rank, code) for rank, (when, code) in ended.items()
-                        if code and reports.get(rank, {}).get("state", "running") == "running")
+        silent = sorted((when, rank, code) for (a, rank), (when, process) in self.exits.items()
+                        if a == attempt and reports.get(rank, {}).get("state", "running") == "running"
+                        and (code := _exit_code(process)))
         if silent:
             _, rank, how = silent[0]
             return (f"rank {rank} was killed by {signal.Signals(-how).name}" if how < 0 else
